@@ -1,0 +1,99 @@
+"""Low-rank factors calibrated once per model load."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kvbound._validate import check_tensor
+from kvbound.config import CompressionConfig
+
+__all__ = ["Basis", "calibrate"]
+
+
+@dataclass(eq=False)
+class Basis:
+    """A shared low-rank projection per head.
+
+    ``projection`` is ``[H, r, D]`` float16 with orthonormal rows (before rounding): the top-``r`` right
+    singular vectors of all calibration rows of each head. Every block of every sequence of that head is
+    coded as ``x ~ C @ projection[h]``; a shared basis is what lets the fused kernel form logits in rank
+    space, ``(Q P^T) C^T``, once per query tile.
+    """
+
+    projection: torch.Tensor
+    captured_energy: torch.Tensor
+    calibration_seconds: float
+    num_rows: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.projection.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.projection.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.projection.shape[2]
+
+    def to(self, device: torch.device | str) -> Basis:
+        return Basis(self.projection.to(device), self.captured_energy, self.calibration_seconds, self.num_rows)
+
+    def __repr__(self) -> str:
+        energy = ", ".join(f"{e:.3f}" for e in self.captured_energy.tolist())
+        return (
+            f"Basis(heads={self.num_heads}, rank={self.rank}, head_dim={self.head_dim}, "
+            f"rows={self.num_rows}, captured_energy=[{energy}], seconds={self.calibration_seconds:.3f})"
+        )
+
+
+def calibrate(samples: torch.Tensor | Iterable[torch.Tensor], config: CompressionConfig) -> Basis:
+    """Fit one rank-``config.rank`` projection per head from sample activations.
+
+    Args:
+        samples: a tensor ``[B, H, N, D]`` or an iterable of such tensors (same H and D) of K or V activations,
+            fp16/bf16/fp32, finite.
+        config: the compression settings; only ``rank`` is used here.
+
+    Returns:
+        a :class:`Basis`; ``calibration_seconds`` reports how long the fit took.
+
+    The fit accumulates the float64 Gram matrix ``X^T X`` per head over every sample row and keeps the
+    eigenvectors of its ``r`` largest eigenvalues (the uncentred PCA, which minimises the summed squared
+    residual of a rank-``r`` projection over the calibration rows).
+    """
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"config: expected kvbound.CompressionConfig, got {type(config).__name__}")
+    tensors = [samples] if isinstance(samples, torch.Tensor) else list(samples)
+    if not tensors:
+        raise ValueError("samples: expected at least one tensor [B, H, N, D], got an empty iterable")
+    start = time.perf_counter()
+    gram: torch.Tensor | None = None
+    rows = 0
+    for i, x in enumerate(tensors):
+        name = "samples" if len(tensors) == 1 else f"samples[{i}]"
+        check_tensor(x, name, ndim=4)
+        b, h, n, d = x.shape
+        config.check_head_dim(d, name)
+        if gram is not None and gram.shape[:2] != (h, d):
+            raise ValueError(f"{name}: expected H={gram.shape[0]}, D={gram.shape[1]} like samples[0], got H={h}, D={d}")
+        xf = x.detach().to(torch.float64).transpose(0, 1).reshape(h, b * n, d)
+        g = xf.transpose(1, 2) @ xf
+        gram = g if gram is None else gram + g
+        rows += b * n
+    assert gram is not None
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)  # ascending
+    r = config.rank
+    top = eigenvectors[..., -r:].flip(-1) if r > 0 else eigenvectors[..., :0]
+    projection = top.transpose(1, 2).contiguous().to(torch.float16)
+    total = eigenvalues.clamp_min(0).sum(-1)
+    captured = eigenvalues[..., -r:].clamp_min(0).sum(-1) / total.clamp_min(torch.finfo(torch.float64).tiny)
+    if r == 0:
+        captured = torch.zeros_like(total)
+    seconds = time.perf_counter() - start
+    return Basis(projection, captured.cpu().float(), seconds, rows)

@@ -1,0 +1,281 @@
+"""Eager float64 encoder and decoder of the compressed K/V format (see ``kvbound.codec.format``).
+
+How the bound is certified. For every block the encoder tries, in order, low-rank only, ``bits``-bit codes,
+8-bit codes, and exact storage, and keeps the first candidate that passes this check on every element::
+
+    |x - y| + ulp32(y) + gamma * (|C| @ |P| + |q| * s) <= tau,     gamma = (r + 2) * 2**-52
+
+where ``y`` is the float32 value that ``decode`` returns (computed in float64 from the stored float16/float32
+factors and codes, then rounded once to float32). The two extra terms bound how far any other correct
+float64 evaluation of the same stored numbers can land from ``y``: one float32 ulp for the final rounding, and
+the classic dot-product error bound for the float64 sum of ``r + 1`` products. So the bound holds for the
+values we return and survives a different summation order on another device. The quantisation step is
+``s = min(2 * tau * (1 - 2**-10), max|residual| / qmax)`` per block, so in exact arithmetic the error is at most
+``s / 2 < tau``; the check catches whatever rounding, clipping or overflow breaks that, and such blocks move to
+the next candidate. Exact storage always passes, so the bound holds for every finite input; a ``tau`` below what
+the input dtype resolves simply makes more blocks exact (visible in ``nbytes`` and ``mode_fractions()``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kvbound._validate import check_tensor
+from kvbound.codec.basis import Basis
+from kvbound.codec.format import (
+    MODE_LOWRANK,
+    MODE_PACKED,
+    MODE_PACKED8,
+    MODE_RAW,
+    CompressedKV,
+    codes_per_word,
+    words_per_row,
+)
+from kvbound.config import CompressionConfig
+
+__all__ = ["encode", "decode"]
+
+# Elements of x processed at once (float64 temporaries of this size dominate memory).
+_CHUNK_ELEMENTS = 1 << 22
+_STEP_MARGIN = 1.0 - 2.0**-10
+_COEFF_FP16_LIMIT = 2.0**15
+
+
+def _chunks(total: int, per_item: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_item))
+    for start in range(0, total, step):
+        yield slice(start, min(total, start + step))
+
+
+def _ulp32(y: torch.Tensor) -> torch.Tensor:
+    a = y.abs()
+    return (torch.nextafter(a, torch.full_like(a, math.inf)) - a).to(torch.float64)
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes ``q`` [..., D] (in [-2**(b-1), 2**(b-1)-1]) into int32 words [..., wpr]."""
+    d = q.shape[-1]
+    per_word, wpr = codes_per_word(bits), words_per_row(bits, q.shape[-1])
+    u = (q.to(torch.int64) + (1 << (bits - 1))).clamp_(0, (1 << bits) - 1)
+    u = torch.nn.functional.pad(u, (0, wpr * per_word - d)).reshape(*q.shape[:-1], wpr, per_word)
+    shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
+    words = (u << shifts).sum(-1)
+    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+
+
+def _unpack(words: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """Inverse of ``_pack``: int32 words [..., wpr] -> int64 codes [..., D]."""
+    per_word = codes_per_word(bits)
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
+    u = (w[..., None] >> shifts) & ((1 << bits) - 1)
+    return u.reshape(*words.shape[:-1], -1)[..., :d] - (1 << (bits - 1))
+
+
+def _blocks(t: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """[c, N, X] -> [c, NB, block, X], zero-padded along N."""
+    nb = -(-n // block)
+    t = torch.nn.functional.pad(t, (0, 0, 0, nb * block - n))
+    return t.reshape(t.shape[0], nb, block, t.shape[-1])
+
+
+def _valid_rows(n: int, block: int, device: torch.device) -> torch.Tensor:
+    nb = -(-n // block)
+    return (torch.arange(nb * block, device=device) < n).reshape(nb, block)
+
+
+def _block_projection(xb: torch.Tensor, rank: int) -> torch.Tensor:
+    """Exact per-block truncated SVD: the top ``rank`` right singular vectors [c, NB, r, D], float16."""
+    amax = xb.abs().amax(dim=(-2, -1), keepdim=True)
+    normalised = xb / torch.where(amax > 0, amax, torch.ones_like(amax))
+    _, _, vh = torch.linalg.svd(normalised, full_matrices=False)
+    return vh[..., :rank, :].to(torch.float16)
+
+
+def _check_basis(basis: Basis, heads: int, head_dim: int, rank: int) -> None:
+    if not isinstance(basis, Basis):
+        raise TypeError(f"basis: expected kvbound.Basis or None, got {type(basis).__name__}")
+    if basis.head_dim != head_dim:
+        raise ValueError(f"basis: expected head dim {head_dim} (from x), got a basis of head dim {basis.head_dim}")
+    if basis.num_heads != heads:
+        raise ValueError(f"basis: expected {heads} heads (from x), got a basis of {basis.num_heads} heads")
+    if basis.rank != rank:
+        raise ValueError(f"basis: expected rank {rank} (from config), got a basis of rank {basis.rank}")
+
+
+def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = None) -> CompressedKV:
+    """Compress ``x`` [B, H, N, D] (fp16/bf16/fp32, finite) within ``config.tau`` element-wise."""
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"config: expected kvbound.CompressionConfig, got {type(config).__name__}")
+    check_tensor(x, "x", ndim=4)
+    start = time.perf_counter()
+    batch, heads, n, d = x.shape
+    config.check_head_dim(d, "x")
+    r, block, tau = config.rank, config.block_size, config.tau
+    if basis is not None:
+        _check_basis(basis, heads, d, r)
+    device = x.device
+    nb = -(-n // block)
+    bh = batch * heads
+    xs = x.detach().reshape(bh, n, d)
+    head_of = torch.arange(bh, device=device) % heads
+    valid = _valid_rows(n, block, device)  # [NB, Bn]
+
+    # Pass 1: projections and float64 coefficients (small), to fix one coefficient dtype for the tensor.
+    if basis is not None:
+        shared = basis.projection.to(device)
+        projection_store = shared
+    else:
+        projection_store = torch.empty(bh, nb, r, d, dtype=torch.float16, device=device)
+    coeff64 = torch.empty(bh, nb, block, r, dtype=torch.float64, device=device)
+    for sl in _chunks(bh, nb * block * d):
+        xb = _blocks(xs[sl].to(torch.float64), n, block)
+        if basis is not None:
+            p = shared[head_of[sl]][:, None]  # [c, 1, r, D]
+        else:
+            p = _block_projection(xb, r) if r > 0 else xb.new_zeros(xb.shape[0], nb, 0, d, dtype=torch.float16)
+            projection_store[sl] = p
+        coeff64[sl] = xb @ p.to(torch.float64).transpose(-1, -2)
+    finite_coeffs = torch.isfinite(coeff64).all() and bool((coeff64.abs() <= _COEFF_FP16_LIMIT).all())
+    coeff_dtype = torch.float16 if finite_coeffs else torch.float32
+    coeffs = coeff64.to(coeff_dtype)
+    del coeff64
+
+    mode = torch.empty(bh, nb, dtype=torch.int8, device=device)
+    scale = torch.zeros(bh, nb, dtype=torch.float32, device=device)
+    q_store: dict[int, list[tuple[slice, torch.Tensor]]] = {MODE_PACKED: [], MODE_PACKED8: []}
+    gamma = (r + 2) * 2.0**-52
+    for sl in _chunks(bh, nb * block * d):
+        xb = _blocks(xs[sl].to(torch.float64), n, block)  # [c, NB, Bn, D]
+        cd = coeffs[sl].to(torch.float64)
+        pd = (shared[head_of[sl]][:, None] if basis is not None else projection_store[sl]).to(torch.float64)
+        low = cd @ pd
+        low_abs = cd.abs() @ pd.abs()
+        residual = xb - low
+        row_ok = valid[None, :, :, None]
+        res_max = torch.where(row_ok, residual.abs(), 0).amax(dim=(-2, -1))  # [c, NB]
+
+        def certified(y32: torch.Tensor, extra: torch.Tensor | float) -> torch.Tensor:
+            y64 = y32.to(torch.float64)
+            err = (xb - y64).abs() + _ulp32(y32) + gamma * (low_abs + extra)
+            ok = (err <= tau) | ~row_ok
+            return ok.all(dim=-1).all(dim=-1)  # NaN in err -> False
+
+        ok = {MODE_LOWRANK: certified(low.to(torch.float32), 0.0)}
+        codes = {}
+        for m, bits in ((MODE_PACKED, config.bits), (MODE_PACKED8, 8)):
+            qmax = (1 << (bits - 1)) - 1
+            step = torch.minimum(res_max / qmax, torch.full_like(res_max, 2.0 * tau * _STEP_MARGIN))
+            step = step.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny)
+            s64 = step.to(torch.float64)[..., None, None]
+            q = torch.round(residual / s64).clamp_(-qmax - 1, qmax)
+            ok[m] = certified((low + q * s64).to(torch.float32), q.abs() * s64)
+            codes[m] = (q, step)
+        chosen = torch.full_like(res_max, MODE_RAW, dtype=torch.int8)
+        for m in (MODE_PACKED8, MODE_PACKED, MODE_LOWRANK):
+            chosen = torch.where(ok[m], torch.tensor(m, dtype=torch.int8, device=device), chosen)
+        mode[sl] = chosen
+        for m in (MODE_PACKED, MODE_PACKED8):
+            q, step = codes[m]
+            sel = chosen == m
+            scale[sl] = torch.where(sel, step, scale[sl])
+            q_store[m].append((sl, torch.where(sel[..., None, None], q, 0).to(torch.int16)))
+
+    # Lay the codes and the exact blocks out in block order (b, h, k), only the rows that exist.
+    rows_in_block = valid.sum(-1).to(torch.int64)  # [NB]
+    wpr = {MODE_PACKED: words_per_row(config.bits, d), MODE_PACKED8: words_per_row(8, d)}
+    code_words = torch.zeros(bh, nb, dtype=torch.int64, device=device)
+    raw_elems = torch.zeros(bh, nb, dtype=torch.int64, device=device)
+    for m in (MODE_PACKED, MODE_PACKED8):
+        code_words = torch.where(mode == m, rows_in_block * wpr[m], code_words)
+    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, raw_elems)
+    code_offset = torch.cumsum(code_words.reshape(-1), 0) - code_words.reshape(-1)
+    raw_offset = torch.cumsum(raw_elems.reshape(-1), 0) - raw_elems.reshape(-1)
+    offset = torch.full((bh * nb,), -1, dtype=torch.int64, device=device)
+    flat_mode = mode.reshape(-1)
+    packed = (flat_mode == MODE_PACKED) | (flat_mode == MODE_PACKED8)
+    offset = torch.where(packed, code_offset, offset)
+    offset = torch.where(flat_mode == MODE_RAW, raw_offset, offset).reshape(bh, nb)
+    codes_buf = torch.zeros(int(code_words.sum().item()), dtype=torch.int32, device=device)
+    raw_buf = torch.zeros(int(raw_elems.sum().item()), dtype=x.dtype, device=device)
+    local_row = torch.arange(block, device=device, dtype=torch.int64)
+    for m in (MODE_PACKED, MODE_PACKED8):
+        bits = config.bits if m == MODE_PACKED else 8
+        for sl, q in q_store[m]:
+            rows = (mode[sl] == m)[..., None] & valid[None]  # [c, NB, Bn]
+            if not bool(rows.any()):
+                continue
+            words = _pack(q[rows], bits)  # [rows, wpr]
+            dest = (offset[sl][..., None] + local_row * wpr[m])[rows]
+            codes_buf[dest[:, None] + torch.arange(wpr[m], device=device)] = words
+    raw_rows_all = (mode == MODE_RAW)[..., None] & valid[None]
+    if bool(raw_rows_all.any()):
+        for sl in _chunks(bh, nb * block * d):
+            rows = raw_rows_all[sl]
+            if not bool(rows.any()):
+                continue
+            xb = _blocks(xs[sl], n, block)
+            dest = (offset[sl][..., None] + local_row * d)[rows]
+            raw_buf[dest[:, None] + torch.arange(d, device=device)] = xb[rows]
+
+    # Exact blocks carry zero coefficients, so a kernel can treat the stored block as the whole tile.
+    coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeff_dtype)
+    coeffs = coeffs.reshape(bh, nb * block, r)[:, :n].reshape(batch, heads, n, r).contiguous()
+    if basis is not None:
+        basis_out = projection_store.contiguous()
+    else:
+        basis_out = projection_store.reshape(batch, heads, nb, r, d).contiguous()
+    return CompressedKV(
+        shape=(batch, heads, n, d),
+        dtype=x.dtype,
+        config=config,
+        coeffs=coeffs,
+        basis=basis_out,
+        mode=mode.reshape(batch, heads, nb).contiguous(),
+        scale=scale.reshape(batch, heads, nb).contiguous(),
+        offset=offset.reshape(batch, heads, nb).contiguous(),
+        codes=codes_buf,
+        raw=raw_buf,
+        shared_basis=basis is not None,
+        encode_seconds=time.perf_counter() - start,
+    )
+
+
+def decode(ckv: CompressedKV) -> torch.Tensor:
+    """Reconstruct float32 [B, H, N, D] from ``ckv`` (the values the bound is certified on)."""
+    batch, heads, n, d = ckv.shape
+    block = ckv.config.block_size
+    nb, bh, r = ckv.num_blocks, batch * heads, ckv.rank
+    device = ckv.device
+    valid = _valid_rows(n, block, device)
+    head_of = torch.arange(bh, device=device) % heads
+    coeffs = ckv.coeffs.reshape(bh, n, r)
+    mode = ckv.mode.reshape(bh, nb)
+    scale = ckv.scale.reshape(bh, nb)
+    offset = ckv.offset.reshape(bh, nb)
+    basis = ckv.basis if ckv.shared_basis else ckv.basis.reshape(bh, nb, r, d)
+    local_row = torch.arange(block, device=device, dtype=torch.int64)
+    out = torch.empty(bh, n, d, dtype=torch.float32, device=device)
+    for sl in _chunks(bh, nb * block * d):
+        cd = _blocks(coeffs[sl].to(torch.float64), n, block)
+        pd = (basis[head_of[sl]][:, None] if ckv.shared_basis else basis[sl]).to(torch.float64)
+        y = cd @ pd  # [c, NB, Bn, D]
+        for m, bits in ((MODE_PACKED, ckv.config.bits), (MODE_PACKED8, 8)):
+            rows = (mode[sl] == m)[..., None] & valid[None]
+            if not bool(rows.any()):
+                continue
+            wpr = words_per_row(bits, d)
+            src = (offset[sl][..., None] + local_row * wpr)[rows]
+            q = _unpack(ckv.codes[src[:, None] + torch.arange(wpr, device=device)], bits, d)
+            step = scale[sl][..., None].expand(rows.shape)[rows].to(torch.float64)
+            y[rows] = y[rows] + q.to(torch.float64) * step[:, None]
+        y32 = y.to(torch.float32)
+        rows = (mode[sl] == MODE_RAW)[..., None] & valid[None]
+        if bool(rows.any()):
+            src = (offset[sl][..., None] + local_row * d)[rows]
+            y32[rows] = ckv.raw[src[:, None] + torch.arange(d, device=device)].to(torch.float32)
+        out[sl] = y32.reshape(y32.shape[0], nb * block, d)[:, :n]
+    return out.reshape(batch, heads, n, d)

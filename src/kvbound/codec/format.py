@@ -1,0 +1,240 @@
+"""The compressed K/V container and its storage layout.
+
+A tensor ``x`` of shape ``[B, H, N, D]`` is cut along N into ``NB = ceil(N / block_size)`` blocks. Block ``k``
+of head ``(b, h)`` holds rows ``k * block_size .. min(N, (k + 1) * block_size) - 1`` and is stored in one of
+four modes (``mode[b, h, k]``):
+
+``MODE_LOWRANK`` (0)
+    ``x_hat = C @ P``: the low-rank part alone is within tau; there is no residual (the fused kernel skips
+    the residual work for such tiles).
+``MODE_PACKED`` (1)
+    ``x_hat = C @ P + q * scale`` with integer codes ``q`` of ``config.bits`` bits.
+``MODE_PACKED8`` (2)
+    as ``MODE_PACKED`` with 8-bit codes: the block's residual did not fit ``config.bits`` at a step <= 2 tau.
+``MODE_RAW`` (3)
+    the block is kept exactly, in the input dtype, because no code above certifies the bound for it
+    (outliers beyond 127 steps, magnitudes where float32 rounding alone approaches tau, tau below what the
+    dtype resolves). Its coefficients are stored as zeros.
+
+Tensors (all on one device):
+
+``coeffs``  ``[B, H, N, r]`` float16 (float32 when a coefficient exceeds 2**15): ``C``.
+``basis``   ``[H, r, D]`` float16, one projection per head (calibrated, shared by all blocks), or
+            ``[B, H, NB, r, D]`` float16, one per block (exact per-block truncated SVD). Rows of ``P``.
+``mode``    ``[B, H, NB]`` int8, as above.
+``scale``   ``[B, H, NB]`` float32: the quantisation step of modes 1 and 2 (0 otherwise).
+``offset``  ``[B, H, NB]`` int64: modes 1/2: index of the block's first word in ``codes``;
+            mode 3: index of its first element in ``raw``; -1 otherwise.
+``codes``   flat int32 words. A block of ``b``-bit codes (``b = config.bits`` for mode 1, 8 for mode 2)
+            stores ``rows`` rows of ``words_per_row(b, D)`` words each; row ``n`` (block-local), column ``d``
+            is ``u = (codes[offset + n * wpr + d // per_word] >> ((d % per_word) * b)) & (2**b - 1)`` with
+            ``per_word = 32 // b``, and the code is ``q = u - 2**(b - 1)``.
+``raw``     flat, input dtype: mode-3 blocks row-major, ``rows * D`` elements each.
+
+Only the rows that exist are stored: the last block of a sequence whose N is not a multiple of the block
+size stores ``N - k * block_size`` rows of codes or raw values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbound.config import CompressionConfig
+
+__all__ = [
+    "CompressedKV",
+    "MODE_LOWRANK",
+    "MODE_PACKED",
+    "MODE_PACKED8",
+    "MODE_RAW",
+    "words_per_row",
+    "codes_per_word",
+]
+
+MODE_LOWRANK = 0
+MODE_PACKED = 1
+MODE_PACKED8 = 2
+MODE_RAW = 3
+
+_FORMAT_VERSION = 1
+
+
+def codes_per_word(bits: int) -> int:
+    """How many ``bits``-bit codes one int32 word holds (2 -> 16, 3 -> 10, 4 -> 8, 8 -> 4)."""
+    return 32 // bits
+
+
+def words_per_row(bits: int, head_dim: int) -> int:
+    """int32 words that one row of ``head_dim`` codes of ``bits`` bits occupies."""
+    return -(-head_dim // codes_per_word(bits))
+
+
+@dataclass(eq=False)
+class CompressedKV:
+    """K or V in kvbound's compressed form, with a certified element-wise bound.
+
+    Build one with :func:`kvbound.compress_kv`. ``decompress()`` returns float32 values ``x_hat`` with
+    ``|x - x_hat| <= config.tau`` for every element, by construction and checked on the returned values.
+    The module docstring of ``kvbound.codec.format`` gives the exact layout.
+    """
+
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    config: CompressionConfig
+    coeffs: torch.Tensor
+    basis: torch.Tensor
+    mode: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    codes: torch.Tensor
+    raw: torch.Tensor
+    shared_basis: bool
+    encode_seconds: float = field(default=0.0, compare=False)
+
+    # ----------------------------------------------------------------------------------------------- shape
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[3]
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.seq_len // self.config.block_size)
+
+    @property
+    def rank(self) -> int:
+        return self.coeffs.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.coeffs.device
+
+    # ----------------------------------------------------------------------------------------------- bytes
+    def _metadata(self) -> dict[str, str]:
+        return {
+            "format": "kvbound.CompressedKV",
+            "version": str(_FORMAT_VERSION),
+            "shape": json.dumps(list(self.shape)),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "config": json.dumps(self.config.as_dict()),
+            "shared_basis": "1" if self.shared_basis else "0",
+        }
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "coeffs": self.coeffs,
+            "basis": self.basis,
+            "mode": self.mode,
+            "scale": self.scale,
+            "offset": self.offset,
+            "codes": self.codes,
+            "raw": self.raw,
+        }
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this object stores: factors, packed residual, scales, offsets, modes, exact blocks, and
+        the scalar metadata (shape, dtype, config) as serialised by ``save``."""
+        tensor_bytes = sum(t.numel() * t.element_size() for t in self._tensors().values())
+        return tensor_bytes + len(json.dumps(self._metadata()))
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the input tensor in its own dtype."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.dense_nbytes / self.nbytes
+
+    @property
+    def error_bound(self) -> float:
+        """The certified absolute bound tau."""
+        return self.config.tau
+
+    def mode_fractions(self) -> dict[str, float]:
+        """Share of blocks in each storage mode."""
+        total = max(1, self.mode.numel())
+        counts = torch.bincount(self.mode.reshape(-1).long().cpu(), minlength=4).tolist()
+        names = ("lowrank", "packed", "packed8", "raw")
+        return {name: counts[i] / total for i, name in enumerate(names)}
+
+    # --------------------------------------------------------------------------------------------- decode
+    def decompress(self) -> torch.Tensor:
+        """Reconstruct ``[B, H, N, D]`` in float32 on this object's device."""
+        from kvbound.codec.eager import decode
+
+        return decode(self)
+
+    def max_abs_error(self, x: torch.Tensor) -> float:
+        """Measured ``max |x - decompress()|`` in float64 against the original tensor ``x``."""
+        if tuple(x.shape) != self.shape:
+            raise ValueError(f"x: expected shape {self.shape}, got {tuple(x.shape)}")
+        x_hat = self.decompress().to(device=x.device, dtype=torch.float64)
+        return float((x.to(torch.float64) - x_hat).abs().max().item())
+
+    def to(self, device: torch.device | str) -> CompressedKV:
+        """A copy on ``device``."""
+        moved = {name: t.to(device) for name, t in self._tensors().items()}
+        return CompressedKV(
+            shape=self.shape,
+            dtype=self.dtype,
+            config=self.config,
+            shared_basis=self.shared_basis,
+            encode_seconds=self.encode_seconds,
+            **moved,
+        )
+
+    # ------------------------------------------------------------------------------------------ save/load
+    def save(self, path: str) -> None:
+        """Write this object to ``path`` as safetensors (bit-exact round trip with :func:`kvbound.load`)."""
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self._tensors().items()}
+        save_file(tensors, str(path), metadata=self._metadata())
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"CompressedKV(shape={self.shape}, dtype={str(self.dtype).removeprefix('torch.')}, "
+            f"rank={self.rank}, bits={c.bits}, block_size={c.block_size}, tau={c.tau:g}, "
+            f"ratio={self.compression_ratio:.2f}x, basis={'shared' if self.shared_basis else 'per-block'})"
+        )
+
+
+def load(path: str, device: torch.device | str = "cpu") -> CompressedKV:
+    """Read a :class:`CompressedKV` written by ``CompressedKV.save``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != "kvbound.CompressedKV":
+            raise ValueError(f"path: {path!s} is not a kvbound.CompressedKV file (format={meta.get('format')!r})")
+        if meta.get("version") != str(_FORMAT_VERSION):
+            raise ValueError(
+                f"path: {path!s} has format version {meta.get('version')}, this kvbound reads {_FORMAT_VERSION}"
+            )
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    dtype = getattr(torch, meta["dtype"])
+    return CompressedKV(
+        shape=tuple(json.loads(meta["shape"])),
+        dtype=dtype,
+        config=CompressionConfig(**json.loads(meta["config"])),
+        shared_basis=meta["shared_basis"] == "1",
+        **tensors,
+    )

@@ -1,0 +1,37 @@
+"""``compress_kv``: the public entry point of the codec."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbound.codec.basis import Basis
+from kvbound.codec.eager import encode
+from kvbound.codec.format import CompressedKV
+from kvbound.config import CompressionConfig
+
+__all__ = ["compress_kv"]
+
+
+def compress_kv(
+    x: torch.Tensor,
+    config: CompressionConfig | None = None,
+    basis: Basis | None = None,
+    *,
+    impl: str = "eager",
+) -> CompressedKV:
+    """Compress K or V with a certified element-wise bound.
+
+    Args:
+        x: ``[B, H, N, D]`` float16, bfloat16 or float32, finite, any N >= 1, any strides. Never modified.
+        config: block size, rank, bits and the bound ``tau`` (default ``CompressionConfig()``).
+        basis: a shared per-head projection from :func:`kvbound.calibrate`; without one each block uses its
+            exact truncated SVD (rank 0: residual quantisation only).
+        impl: ``"eager"`` (float64 reference encoder).
+
+    Returns:
+        a :class:`CompressedKV` whose ``decompress()`` is within ``config.tau`` of ``x`` element-wise.
+    """
+    config = CompressionConfig() if config is None else config
+    if impl == "eager":
+        return encode(x, config, basis)
+    raise ValueError(f"impl: expected 'eager', got {impl!r}")

@@ -1,0 +1,74 @@
+"""The float64 attention oracle. Optimised code never imports this module; tests compare against it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvbound._validate import check_tensor
+
+__all__ = ["reference_attention"]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Eager float64 softmax attention: the correctness oracle of every fused path.
+
+    Args:
+        q: ``[B, Hq, Nq, Dk]``; k: ``[B, Hkv, Nk, Dk]``; v: ``[B, Hkv, Nk, Dv]``; ``Hq`` a multiple of ``Hkv``
+            (query head ``h`` reads K/V head ``h // (Hq // Hkv)``); ``Dk`` and ``Dv`` may differ. Any float dtype.
+        scale: logit scale, default ``1 / sqrt(Dk)``.
+        causal: mask key ``j`` for query ``i`` when ``j > i`` (top-left aligned, as torch SDPA's ``is_causal``).
+        bias: additive logit bias broadcastable to ``[B, Hq, Nq, Nk]``, added after scaling.
+        softcap: if given, logits become ``softcap * tanh(logits / softcap)`` after the bias, before the mask.
+
+    Returns:
+        ``[B, Hq, Nq, Dv]`` float64.
+    """
+    check_tensor(q, "q", ndim=4)
+    check_tensor(k, "k", ndim=4)
+    check_tensor(v, "v", ndim=4)
+    b, hq, nq, dk = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"k, v: expected batch {b} (from q), got {k.shape[0]} and {v.shape[0]}")
+    hkv, nk = k.shape[1], k.shape[2]
+    if k.shape[3] != dk:
+        raise ValueError(f"k: expected head dim {dk} (from q), got {k.shape[3]}")
+    if v.shape[1] != hkv or v.shape[2] != nk:
+        raise ValueError(f"v: expected [B, {hkv}, {nk}, Dv] (from k), got {tuple(v.shape)}")
+    if hq % hkv:
+        raise ValueError(f"q: expected a head count that is a multiple of k's {hkv}, got {hq}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap: expected a finite value > 0, got {softcap}")
+    scale = 1.0 / math.sqrt(dk) if scale is None else float(scale)
+    group = hq // hkv
+    q64 = q.detach().to(torch.float64)
+    k64 = k.detach().to(torch.float64).repeat_interleave(group, dim=1)
+    v64 = v.detach().to(torch.float64).repeat_interleave(group, dim=1)
+    logits = (q64 @ k64.transpose(-1, -2)) * scale
+    if bias is not None:
+        check_tensor(bias, "bias", check_finite=False)
+        try:
+            logits = logits + bias.detach().to(torch.float64)
+        except RuntimeError as err:
+            raise ValueError(
+                f"bias: expected a shape broadcastable to {(b, hq, nq, nk)}, got {tuple(bias.shape)}"
+            ) from err
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if causal:
+        keep = torch.ones(nq, nk, dtype=torch.bool, device=logits.device).tril()
+        logits = logits.masked_fill(~keep, -math.inf)
+    weights = torch.softmax(logits, dim=-1)
+    # A fully masked row (causal with Nq > Nk cannot produce one; kept for safety) yields zeros, not NaN.
+    weights = torch.nan_to_num(weights, nan=0.0)
+    return weights @ v64

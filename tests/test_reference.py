@@ -1,0 +1,60 @@
+import math
+
+import pytest
+import torch
+
+import kvbound
+
+
+def plain_softmax_attention(q, k, v, scale, causal=False, bias=None, softcap=None):
+    """Written independently of kvbound: explicit loops over heads, max-subtracted exponentials."""
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    out = torch.empty(b, hq, nq, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h * hkv // hq
+            s = torch.einsum("id,jd->ij", q[bi, h].double(), k[bi, kh].double()) * scale
+            if bias is not None:
+                s = s + bias.double().expand(b, hq, nq, k.shape[2])[bi, h]
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            if causal:
+                i = torch.arange(nq)[:, None]
+                j = torch.arange(k.shape[2])[None, :]
+                s = torch.where(j <= i, s, torch.tensor(-math.inf, dtype=torch.float64))
+            e = torch.exp(s - s.max(dim=1, keepdim=True).values)
+            out[bi, h] = (e / e.sum(dim=1, keepdim=True)) @ v[bi, kh].double()
+    return out
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("dk, dv", [(40, 40), (64, 192)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_plain_softmax(hq, hkv, dk, dv, causal):
+    gen = torch.Generator().manual_seed(hq * 10 + hkv + dk)
+    q = torch.randn(2, hq, 37, dk, generator=gen)
+    k = torch.randn(2, hkv, 53, dk, generator=gen)
+    v = torch.randn(2, hkv, 53, dv, generator=gen)
+    bias = torch.randn(1, hq, 37, 53, generator=gen)
+    for kwargs in ({}, {"bias": bias}, {"bias": bias, "softcap": 5.0}, {"scale": 0.3, "softcap": 2.0}):
+        scale = kwargs.get("scale", 1 / math.sqrt(dk))
+        got = kvbound.reference_attention(q, k, v, causal=causal, **kwargs)
+        want = plain_softmax_attention(q, k, v, scale, causal, kwargs.get("bias"), kwargs.get("softcap"))
+        assert got.dtype == torch.float64
+        err = (got - want).abs().max().item()
+        assert err < 1e-12, err
+
+
+def test_reference_rejects_bad_input():
+    q, k, v = torch.randn(1, 3, 4, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="multiple of k's 2"):
+        kvbound.reference_attention(q, k, v)
+    with pytest.raises(ValueError, match="k: expected head dim 16"):
+        kvbound.reference_attention(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 5, 8), v)
+    bad = torch.randn(1, 2, 4, 16)
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"q: expected finite values, found nan at index \(0, 0, 0, 0\)"):
+        kvbound.reference_attention(bad, k, v)
+    with pytest.raises(ValueError, match="bias: expected a shape broadcastable"):
+        kvbound.reference_attention(torch.randn(1, 2, 4, 16), k, v, bias=torch.randn(3, 3))
