@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvbound
-from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PACKED8, MODE_RAW, words_per_row
+from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, words_per_row
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -103,7 +103,8 @@ def test_every_mode_is_exercised_and_bounded():
     basis = kvbound.calibrate(x[..., :32, :], config)
     x[..., 100, 3] = 500.0  # beyond 127 steps of the shared basis' residual: exact block
     ckv = kvbound.compress_kv(x, config, basis)
-    assert ckv.mode.reshape(-1).tolist() == [MODE_LOWRANK, MODE_PACKED, MODE_PACKED8, MODE_RAW]
+    assert ckv.mode.reshape(-1).tolist() == [MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW]
+    assert ckv.bits.reshape(-1).tolist() == [0, 4, 8, 0]
     assert_within_bound(x, ckv)
     y = ckv.decompress()
     assert y[0, 0, 100, 3].item() == 500.0  # kept exactly
@@ -122,13 +123,14 @@ def _expected_nbytes(ckv: kvbound.CompressedKV) -> int:
     c = ckv.config
     nb = -(-n // c.block_size)
     rows = [min(c.block_size, n - k * c.block_size) for k in range(nb)]
-    total = b * h * n * c.rank * ckv.coeffs.element_size() + ckv.basis.numel() * 2 + b * h * nb * (1 + 4 + 8)
+    total = b * h * n * c.rank * ckv.coeffs.element_size() + ckv.basis.numel() * 2 + b * h * nb * (1 + 1 + 4 + 8)
     elem = ckv.raw.element_size()
-    for m, k in zip(ckv.mode.reshape(-1).tolist(), list(range(nb)) * (b * h), strict=True):
+    modes, widths = ckv.mode.reshape(-1).tolist(), ckv.bits.reshape(-1).tolist()
+    for m, w, k in zip(modes, widths, list(range(nb)) * (b * h), strict=True):
         if m == MODE_PACKED:
             total += rows[k] * words_per_row(c.bits, d) * 4
-        elif m == MODE_PACKED8:
-            total += rows[k] * words_per_row(8, d) * 4
+        elif m == MODE_PROMOTED:
+            total += rows[k] * words_per_row(int(w), d) * 4
         elif m == MODE_RAW:
             total += rows[k] * d * elem
     return total

@@ -28,7 +28,7 @@ from kvbound.codec.basis import Basis
 from kvbound.codec.format import (
     MODE_LOWRANK,
     MODE_PACKED,
-    MODE_PACKED8,
+    MODE_PROMOTED,
     MODE_RAW,
     CompressedKV,
     codes_per_word,
@@ -36,12 +36,17 @@ from kvbound.codec.format import (
 )
 from kvbound.config import CompressionConfig
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "promotion_widths"]
 
 # Elements of x processed at once (float64 temporaries of this size dominate memory).
 _CHUNK_ELEMENTS = 1 << 22
 _STEP_MARGIN = 1.0 - 2.0**-10
 _COEFF_FP16_LIMIT = 2.0**15
+
+
+def promotion_widths(bits: int) -> list[int]:
+    """Code widths tried in order for a block: ``bits`` first, then the wider ones that pack without waste."""
+    return [bits] + [w for w in (4, 5, 6, 8) if w > bits]
 
 
 def _chunks(total: int, per_item: int):
@@ -144,9 +149,11 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
     coeffs = coeff64.to(coeff_dtype)
     del coeff64
 
+    widths = promotion_widths(config.bits)
     mode = torch.empty(bh, nb, dtype=torch.int8, device=device)
+    width = torch.zeros(bh, nb, dtype=torch.int8, device=device)
     scale = torch.zeros(bh, nb, dtype=torch.float32, device=device)
-    q_store: dict[int, list[tuple[slice, torch.Tensor]]] = {MODE_PACKED: [], MODE_PACKED8: []}
+    q_store: list[tuple[slice, torch.Tensor]] = []
     gamma = (r + 2) * 2.0**-52
     for sl in _chunks(bh, nb * block * d):
         xb = _blocks(xs[sl].to(torch.float64), n, block)  # [c, NB, Bn, D]
@@ -164,53 +171,52 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
             ok = (err <= tau) | ~row_ok
             return ok.all(dim=-1).all(dim=-1)  # NaN in err -> False
 
-        ok = {MODE_LOWRANK: certified(low.to(torch.float32), 0.0)}
-        codes = {}
-        for m, bits in ((MODE_PACKED, config.bits), (MODE_PACKED8, 8)):
-            qmax = (1 << (bits - 1)) - 1
+        done = certified(low.to(torch.float32), 0.0)
+        chosen = torch.where(done, MODE_LOWRANK, MODE_RAW).to(torch.int8)
+        chosen_width = torch.zeros_like(chosen)
+        chosen_step = torch.zeros_like(res_max, dtype=torch.float32)
+        chosen_q = torch.zeros(residual.shape, dtype=torch.int16, device=device)
+        for w in widths:
+            if bool(done.all()):
+                break
+            qmax = (1 << (w - 1)) - 1
             step = torch.minimum(res_max / qmax, torch.full_like(res_max, 2.0 * tau * _STEP_MARGIN))
             step = step.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny)
             s64 = step.to(torch.float64)[..., None, None]
             q = torch.round(residual / s64).clamp_(-qmax - 1, qmax)
-            ok[m] = certified((low + q * s64).to(torch.float32), q.abs() * s64)
-            codes[m] = (q, step)
-        chosen = torch.full_like(res_max, MODE_RAW, dtype=torch.int8)
-        for m in (MODE_PACKED8, MODE_PACKED, MODE_LOWRANK):
-            chosen = torch.where(ok[m], torch.tensor(m, dtype=torch.int8, device=device), chosen)
-        mode[sl] = chosen
-        for m in (MODE_PACKED, MODE_PACKED8):
-            q, step = codes[m]
-            sel = chosen == m
-            scale[sl] = torch.where(sel, step, scale[sl])
-            q_store[m].append((sl, torch.where(sel[..., None, None], q, 0).to(torch.int16)))
+            take = certified((low + q * s64).to(torch.float32), q.abs() * s64) & ~done
+            m = MODE_PACKED if w == config.bits else MODE_PROMOTED
+            chosen = torch.where(take, m, chosen).to(torch.int8)
+            chosen_width = torch.where(take, w, chosen_width).to(torch.int8)
+            chosen_step = torch.where(take, step, chosen_step)
+            chosen_q = torch.where(take[..., None, None], q.to(torch.int16), chosen_q)
+            done = done | take
+        mode[sl], width[sl], scale[sl] = chosen, chosen_width, chosen_step
+        q_store.append((sl, chosen_q))
 
     # Lay the codes and the exact blocks out in block order (b, h, k), only the rows that exist.
     rows_in_block = valid.sum(-1).to(torch.int64)  # [NB]
-    wpr = {MODE_PACKED: words_per_row(config.bits, d), MODE_PACKED8: words_per_row(8, d)}
-    code_words = torch.zeros(bh, nb, dtype=torch.int64, device=device)
-    raw_elems = torch.zeros(bh, nb, dtype=torch.int64, device=device)
-    for m in (MODE_PACKED, MODE_PACKED8):
-        code_words = torch.where(mode == m, rows_in_block * wpr[m], code_words)
-    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, raw_elems)
+    wpr_of = torch.zeros(9, dtype=torch.int64, device=device)
+    for w in widths:
+        wpr_of[w] = words_per_row(w, d)
+    code_words = rows_in_block * wpr_of[width.long()]
+    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, 0)
     code_offset = torch.cumsum(code_words.reshape(-1), 0) - code_words.reshape(-1)
     raw_offset = torch.cumsum(raw_elems.reshape(-1), 0) - raw_elems.reshape(-1)
-    offset = torch.full((bh * nb,), -1, dtype=torch.int64, device=device)
-    flat_mode = mode.reshape(-1)
-    packed = (flat_mode == MODE_PACKED) | (flat_mode == MODE_PACKED8)
-    offset = torch.where(packed, code_offset, offset)
-    offset = torch.where(flat_mode == MODE_RAW, raw_offset, offset).reshape(bh, nb)
+    flat_width = width.reshape(-1)
+    offset = torch.where(flat_width > 0, code_offset, -1)
+    offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(bh, nb)
     codes_buf = torch.zeros(int(code_words.sum().item()), dtype=torch.int32, device=device)
     raw_buf = torch.zeros(int(raw_elems.sum().item()), dtype=x.dtype, device=device)
     local_row = torch.arange(block, device=device, dtype=torch.int64)
-    for m in (MODE_PACKED, MODE_PACKED8):
-        bits = config.bits if m == MODE_PACKED else 8
-        for sl, q in q_store[m]:
-            rows = (mode[sl] == m)[..., None] & valid[None]  # [c, NB, Bn]
+    for sl, q in q_store:
+        for w in widths:
+            rows = (width[sl] == w)[..., None] & valid[None]  # [c, NB, Bn]
             if not bool(rows.any()):
                 continue
-            words = _pack(q[rows], bits)  # [rows, wpr]
-            dest = (offset[sl][..., None] + local_row * wpr[m])[rows]
-            codes_buf[dest[:, None] + torch.arange(wpr[m], device=device)] = words
+            wpr = words_per_row(w, d)
+            dest = (offset[sl][..., None] + local_row * wpr)[rows]
+            codes_buf[dest[:, None] + torch.arange(wpr, device=device)] = _pack(q[rows], w)
     raw_rows_all = (mode == MODE_RAW)[..., None] & valid[None]
     if bool(raw_rows_all.any()):
         for sl in _chunks(bh, nb * block * d):
@@ -236,6 +242,7 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
         basis=basis_out,
         mode=mode.reshape(batch, heads, nb).contiguous(),
         scale=scale.reshape(batch, heads, nb).contiguous(),
+        bits=width.reshape(batch, heads, nb).contiguous(),
         offset=offset.reshape(batch, heads, nb).contiguous(),
         codes=codes_buf,
         raw=raw_buf,
@@ -255,6 +262,7 @@ def decode(ckv: CompressedKV) -> torch.Tensor:
     coeffs = ckv.coeffs.reshape(bh, n, r)
     mode = ckv.mode.reshape(bh, nb)
     scale = ckv.scale.reshape(bh, nb)
+    width = ckv.bits.reshape(bh, nb)
     offset = ckv.offset.reshape(bh, nb)
     basis = ckv.basis if ckv.shared_basis else ckv.basis.reshape(bh, nb, r, d)
     local_row = torch.arange(block, device=device, dtype=torch.int64)
@@ -263,8 +271,8 @@ def decode(ckv: CompressedKV) -> torch.Tensor:
         cd = _blocks(coeffs[sl].to(torch.float64), n, block)
         pd = (basis[head_of[sl]][:, None] if ckv.shared_basis else basis[sl]).to(torch.float64)
         y = cd @ pd  # [c, NB, Bn, D]
-        for m, bits in ((MODE_PACKED, ckv.config.bits), (MODE_PACKED8, 8)):
-            rows = (mode[sl] == m)[..., None] & valid[None]
+        for bits in promotion_widths(ckv.config.bits):
+            rows = (width[sl] == bits)[..., None] & valid[None]
             if not bool(rows.any()):
                 continue
             wpr = words_per_row(bits, d)

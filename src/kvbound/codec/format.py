@@ -9,8 +9,9 @@ four modes (``mode[b, h, k]``):
     the residual work for such tiles).
 ``MODE_PACKED`` (1)
     ``x_hat = C @ P + q * scale`` with integer codes ``q`` of ``config.bits`` bits.
-``MODE_PACKED8`` (2)
-    as ``MODE_PACKED`` with 8-bit codes: the block's residual did not fit ``config.bits`` at a step <= 2 tau.
+``MODE_PROMOTED`` (2)
+    as ``MODE_PACKED`` with wider codes (``bits[b, h, k]`` in 4, 5, 6, 8): the block's residual did not fit
+    ``config.bits`` at a step <= 2 tau; the narrowest width that certifies it is used.
 ``MODE_RAW`` (3)
     the block is kept exactly, in the input dtype, because no code above certifies the bound for it
     (outliers beyond 127 steps, magnitudes where float32 rounding alone approaches tau, tau below what the
@@ -23,9 +24,10 @@ Tensors (all on one device):
             ``[B, H, NB, r, D]`` float16, one per block (exact per-block truncated SVD). Rows of ``P``.
 ``mode``    ``[B, H, NB]`` int8, as above.
 ``scale``   ``[B, H, NB]`` float32: the quantisation step of modes 1 and 2 (0 otherwise).
+``bits``    ``[B, H, NB]`` int8: the code width of modes 1 and 2 (``config.bits`` for mode 1; 0 otherwise).
 ``offset``  ``[B, H, NB]`` int64: modes 1/2: index of the block's first word in ``codes``;
             mode 3: index of its first element in ``raw``; -1 otherwise.
-``codes``   flat int32 words. A block of ``b``-bit codes (``b = config.bits`` for mode 1, 8 for mode 2)
+``codes``   flat int32 words. A block of ``b``-bit codes (``b = bits[b, h, k]``)
             stores ``rows`` rows of ``words_per_row(b, D)`` words each; row ``n`` (block-local), column ``d``
             is ``u = (codes[offset + n * wpr + d // per_word] >> ((d % per_word) * b)) & (2**b - 1)`` with
             ``per_word = 32 // b``, and the code is ``q = u - 2**(b - 1)``.
@@ -49,7 +51,7 @@ __all__ = [
     "CompressedKV",
     "MODE_LOWRANK",
     "MODE_PACKED",
-    "MODE_PACKED8",
+    "MODE_PROMOTED",
     "MODE_RAW",
     "words_per_row",
     "codes_per_word",
@@ -57,10 +59,10 @@ __all__ = [
 
 MODE_LOWRANK = 0
 MODE_PACKED = 1
-MODE_PACKED8 = 2
+MODE_PROMOTED = 2
 MODE_RAW = 3
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 
 def codes_per_word(bits: int) -> int:
@@ -89,6 +91,7 @@ class CompressedKV:
     basis: torch.Tensor
     mode: torch.Tensor
     scale: torch.Tensor
+    bits: torch.Tensor
     offset: torch.Tensor
     codes: torch.Tensor
     raw: torch.Tensor
@@ -141,6 +144,7 @@ class CompressedKV:
             "basis": self.basis,
             "mode": self.mode,
             "scale": self.scale,
+            "bits": self.bits,
             "offset": self.offset,
             "codes": self.codes,
             "raw": self.raw,
@@ -171,7 +175,7 @@ class CompressedKV:
         """Share of blocks in each storage mode."""
         total = max(1, self.mode.numel())
         counts = torch.bincount(self.mode.reshape(-1).long().cpu(), minlength=4).tolist()
-        names = ("lowrank", "packed", "packed8", "raw")
+        names = ("lowrank", "packed", "promoted", "raw")
         return {name: counts[i] / total for i, name in enumerate(names)}
 
     # --------------------------------------------------------------------------------------------- decode
