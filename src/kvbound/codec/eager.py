@@ -60,6 +60,12 @@ def _ulp32(y: torch.Tensor) -> torch.Tensor:
     return (torch.nextafter(a, torch.full_like(a, math.inf)) - a).to(torch.float64)
 
 
+def _certified(x64, y32, rounding, tau, row_ok) -> torch.Tensor:
+    """Per block: does ``|x - y| + ulp32(y) + rounding <= tau`` hold on every existing row? NaN -> False."""
+    err = (x64 - y32.to(torch.float64)).abs() + _ulp32(y32) + rounding
+    return ((err <= tau) | ~row_ok).all(dim=-1).all(dim=-1)
+
+
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes ``q`` [..., D] (in [-2**(b-1), 2**(b-1)-1]) into int32 words [..., wpr]."""
     d = q.shape[-1]
@@ -166,10 +172,7 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
         res_max = torch.where(row_ok, residual.abs(), 0).amax(dim=(-2, -1))  # [c, NB]
 
         def certified(y32: torch.Tensor, extra: torch.Tensor | float) -> torch.Tensor:
-            y64 = y32.to(torch.float64)
-            err = (xb - y64).abs() + _ulp32(y32) + gamma * (low_abs + extra)
-            ok = (err <= tau) | ~row_ok
-            return ok.all(dim=-1).all(dim=-1)  # NaN in err -> False
+            return _certified(xb, y32, gamma * (low_abs + extra), tau, row_ok)
 
         done = certified(low.to(torch.float32), 0.0)
         chosen = torch.where(done, MODE_LOWRANK, MODE_RAW).to(torch.int8)
