@@ -58,7 +58,9 @@ def _plain_attention(q, k, v) -> torch.Tensor:
     return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
 
-def run(tokens: int = 2048, dtype: torch.dtype = torch.bfloat16, device: str | None = None, seed: int = 0) -> list[dict]:
+def run(
+    tokens: int = 2048, dtype: torch.dtype = torch.bfloat16, device: str | None = None, seed: int = 0
+) -> list[dict]:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)

@@ -171,10 +171,7 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
         row_ok = valid[None, :, :, None]
         res_max = torch.where(row_ok, residual.abs(), 0).amax(dim=(-2, -1))  # [c, NB]
 
-        def certified(y32: torch.Tensor, extra: torch.Tensor | float) -> torch.Tensor:
-            return _certified(xb, y32, gamma * (low_abs + extra), tau, row_ok)
-
-        done = certified(low.to(torch.float32), 0.0)
+        done = _certified(xb, low.to(torch.float32), gamma * low_abs, tau, row_ok)
         chosen = torch.where(done, MODE_LOWRANK, MODE_RAW).to(torch.int8)
         chosen_width = torch.zeros_like(chosen)
         chosen_step = torch.zeros_like(res_max, dtype=torch.float32)
@@ -187,7 +184,8 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
             step = step.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny)
             s64 = step.to(torch.float64)[..., None, None]
             q = torch.round(residual / s64).clamp_(-qmax - 1, qmax)
-            take = certified((low + q * s64).to(torch.float32), q.abs() * s64) & ~done
+            y32 = (low + q * s64).to(torch.float32)
+            take = _certified(xb, y32, gamma * (low_abs + q.abs() * s64), tau, row_ok) & ~done
             m = MODE_PACKED if w == config.bits else MODE_PROMOTED
             chosen = torch.where(take, m, chosen).to(torch.int8)
             chosen_width = torch.where(take, w, chosen_width).to(torch.int8)
