@@ -270,3 +270,16 @@ class TestBadInput:
             kvbound.CompressionConfig(rank=2.0)
         with pytest.raises(TypeError, match="config: expected kvbound.CompressionConfig"):
             kvbound.compress_kv(torch.randn(1, 1, 4, 16), {"rank": 2})
+
+
+def test_uncertified_blocks_flags_tampering():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 2, 300, 64, generator=gen).to(torch.bfloat16)
+    config = kvbound.CompressionConfig(rank=4, tau=0.05)
+    ckv = kvbound.compress_kv(x, config, kvbound.calibrate(x, config))
+    from kvbound.codec.eager import uncertified_blocks
+
+    assert not bool(uncertified_blocks(ckv, x).any())
+    ckv.scale[0, 1, 2] *= 1.5  # a wrong step breaks the bound of that block only
+    bad = uncertified_blocks(ckv, x)
+    assert bad.reshape(-1).tolist() == [False] * 5 + [True]

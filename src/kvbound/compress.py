@@ -26,7 +26,8 @@ def compress_kv(
         config: block size, rank, bits and the bound ``tau`` (default ``CompressionConfig()``).
         basis: a shared per-head projection from :func:`kvbound.calibrate`; without one each block uses its
             exact truncated SVD (rank 0: residual quantisation only).
-        impl: ``"eager"`` (float64 reference encoder).
+        impl: ``"eager"`` (float64 encoder, any basis or none) or ``"triton"`` (fused GPU encoder; needs a
+            calibrated basis and rank >= 1; its output is certified by the same float64 check).
 
     Returns:
         a :class:`CompressedKV` whose ``decompress()`` is within ``config.tau`` of ``x`` element-wise.
@@ -34,4 +35,8 @@ def compress_kv(
     config = CompressionConfig() if config is None else config
     if impl == "eager":
         return encode(x, config, basis)
-    raise ValueError(f"impl: expected 'eager', got {impl!r}")
+    if impl == "triton":
+        from kvbound.codec.encode_triton import encode_triton
+
+        return encode_triton(x, config, basis)
+    raise ValueError(f"impl: expected 'eager' or 'triton', got {impl!r}")

@@ -36,7 +36,7 @@ from kvbound.codec.format import (
 )
 from kvbound.config import CompressionConfig
 
-__all__ = ["encode", "decode", "promotion_widths"]
+__all__ = ["encode", "decode", "promotion_widths", "uncertified_blocks"]
 
 # Elements of x processed at once (float64 temporaries of this size dominate memory).
 _CHUNK_ELEMENTS = 1 << 22
@@ -252,8 +252,9 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
     )
 
 
-def decode(ckv: CompressedKV) -> torch.Tensor:
-    """Reconstruct float32 [B, H, N, D] from ``ckv`` (the values the bound is certified on)."""
+def _decode_chunks(ckv: CompressedKV, with_rounding: bool = False):
+    """Yield ``(slice over B*H, y32 [c, NB, Bn, D], rounding)`` chunk by chunk; ``rounding`` is the float64 term
+    ``gamma * (|C| @ |P| + |q| * s)`` of the certificate (None unless asked)."""
     batch, heads, n, d = ckv.shape
     block = ckv.config.block_size
     nb, bh, r = ckv.num_blocks, batch * heads, ckv.rank
@@ -267,11 +268,12 @@ def decode(ckv: CompressedKV) -> torch.Tensor:
     offset = ckv.offset.reshape(bh, nb)
     basis = ckv.basis if ckv.shared_basis else ckv.basis.reshape(bh, nb, r, d)
     local_row = torch.arange(block, device=device, dtype=torch.int64)
-    out = torch.empty(bh, n, d, dtype=torch.float32, device=device)
+    gamma = (r + 2) * 2.0**-52
     for sl in _chunks(bh, nb * block * d):
         cd = _blocks(coeffs[sl].to(torch.float64), n, block)
         pd = (basis[head_of[sl]][:, None] if ckv.shared_basis else basis[sl]).to(torch.float64)
         y = cd @ pd  # [c, NB, Bn, D]
+        rounding = gamma * (cd.abs() @ pd.abs()) if with_rounding else None
         for bits in promotion_widths(ckv.config.bits):
             rows = (width[sl] == bits)[..., None] & valid[None]
             if not bool(rows.any()):
@@ -280,11 +282,42 @@ def decode(ckv: CompressedKV) -> torch.Tensor:
             src = (offset[sl][..., None] + local_row * wpr)[rows]
             q = _unpack(ckv.codes[src[:, None] + torch.arange(wpr, device=device)], bits, d)
             step = scale[sl][..., None].expand(rows.shape)[rows].to(torch.float64)
-            y[rows] = y[rows] + q.to(torch.float64) * step[:, None]
+            qs = q.to(torch.float64) * step[:, None]
+            y[rows] = y[rows] + qs
+            if rounding is not None:
+                rounding[rows] = rounding[rows] + gamma * qs.abs()
         y32 = y.to(torch.float32)
         rows = (mode[sl] == MODE_RAW)[..., None] & valid[None]
         if bool(rows.any()):
             src = (offset[sl][..., None] + local_row * d)[rows]
             y32[rows] = ckv.raw[src[:, None] + torch.arange(d, device=device)].to(torch.float32)
-        out[sl] = y32.reshape(y32.shape[0], nb * block, d)[:, :n]
+            if rounding is not None:
+                rounding[rows] = 0.0
+        yield sl, y32, rounding
+
+
+def decode(ckv: CompressedKV) -> torch.Tensor:
+    """Reconstruct float32 [B, H, N, D] from ``ckv`` (the values the bound is certified on)."""
+    batch, heads, n, d = ckv.shape
+    block = ckv.config.block_size
+    out = torch.empty(batch * heads, n, d, dtype=torch.float32, device=ckv.device)
+    for sl, y32, _ in _decode_chunks(ckv):
+        out[sl] = y32.reshape(y32.shape[0], -1, d)[:, :n]
     return out.reshape(batch, heads, n, d)
+
+
+def uncertified_blocks(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
+    """Bool [B, H, NB]: blocks of ``ckv`` whose decoded values fail the certificate against ``x``.
+
+    Exactly the check the eager encoder applies when it chooses a mode, run on the stored numbers; an encoder
+    that computes in lower precision (the Triton one) calls this to certify what it wrote.
+    """
+    batch, heads, n, d = ckv.shape
+    block = ckv.config.block_size
+    valid = _valid_rows(n, block, ckv.device)
+    xs = x.detach().reshape(batch * heads, n, d)
+    bad = torch.zeros(batch * heads, ckv.num_blocks, dtype=torch.bool, device=ckv.device)
+    for sl, y32, rounding in _decode_chunks(ckv, with_rounding=True):
+        xb = _blocks(xs[sl].to(torch.float64), n, block)
+        bad[sl] = ~_certified(xb, y32, rounding, ckv.config.tau, valid[None, :, :, None])
+    return bad.reshape(batch, heads, -1)

@@ -1,0 +1,57 @@
+"""The Triton encoder against the eager one (CPU: Triton interpreter; GPU: real sizes)."""
+
+import pytest
+import torch
+
+import kvbound
+
+
+def _data(n, d, dtype, gen, device="cpu"):
+    x = torch.randn(1, 2, n, 4, generator=gen) @ torch.randn(4, d, generator=gen)
+    x = x + 0.05 * torch.randn(1, 2, n, d, generator=gen)
+    x[0, 1, n // 2, d // 3] = 50.0  # an outlier that forces an exact block
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize(
+    "n, d, dtype, bits, tau",
+    [(300, 64, torch.float16, 4, 0.05), (37, 40, torch.float32, 3, 0.02), (129, 64, torch.bfloat16, 2, 0.1),
+     (1, 16, torch.float16, 8, 0.01)],
+)
+def test_triton_encoder_matches_eager_within_bound(n, d, dtype, bits, tau):
+    gen = torch.Generator().manual_seed(n + d)
+    x = _data(n, d, dtype, gen)
+    config = kvbound.CompressionConfig(rank=4, bits=bits, tau=tau, block_size=64)
+    basis = kvbound.calibrate(x, config)
+    fast = kvbound.compress_kv(x, config, basis, impl="triton")
+    slow = kvbound.compress_kv(x, config, basis)
+    y = fast.decompress()
+    err = (x.double() - y.double()).abs()
+    print(f"n={n} d={d} {dtype}: max error {err.max():.4g}, modes {fast.mode.flatten().tolist()}")
+    assert bool((err <= tau).all())
+    assert torch.equal(fast.mode, slow.mode) and torch.equal(fast.bits, slow.bits)
+    assert fast.nbytes == slow.nbytes
+    assert (y - slow.decompress()).abs().max().item() <= 2 * tau
+
+
+def test_triton_encoder_requires_basis():
+    x = torch.randn(1, 1, 32, 16)
+    with pytest.raises(ValueError, match="basis: the Triton encoder needs a calibrated basis"):
+        kvbound.compress_kv(x, kvbound.CompressionConfig(rank=2), impl="triton")
+    with pytest.raises(ValueError, match="impl: expected 'eager' or 'triton'"):
+        kvbound.compress_kv(x, kvbound.CompressionConfig(rank=2), impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, d", [(65536, 64), (8192, 128), (4096, 192)])
+def test_triton_encoder_gpu_real_sizes(n, d):
+    gen = torch.Generator().manual_seed(d)
+    x = (torch.randn(1, 8, n, 8, generator=gen) @ torch.randn(8, d, generator=gen) / 3
+         + 0.02 * torch.randn(1, 8, n, d, generator=gen)).to(torch.bfloat16).cuda()
+    config = kvbound.CompressionConfig()
+    basis = kvbound.calibrate(x[:, :, :4096], config)
+    fast = kvbound.compress_kv(x, config, basis, impl="triton")
+    err = (x.double() - fast.decompress().double()).abs()
+    assert bool((err <= config.tau).all()), err.max().item()
+    slow = kvbound.compress_kv(x, config, basis)
+    assert torch.equal(fast.mode, slow.mode)
