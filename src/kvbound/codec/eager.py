@@ -299,7 +299,6 @@ def _decode_chunks(ckv: CompressedKV, with_rounding: bool = False):
 def decode(ckv: CompressedKV) -> torch.Tensor:
     """Reconstruct float32 [B, H, N, D] from ``ckv`` (the values the bound is certified on)."""
     batch, heads, n, d = ckv.shape
-    block = ckv.config.block_size
     out = torch.empty(batch * heads, n, d, dtype=torch.float32, device=ckv.device)
     for sl, y32, _ in _decode_chunks(ckv):
         out[sl] = y32.reshape(y32.shape[0], -1, d)[:, :n]
