@@ -7,6 +7,8 @@ import sys
 
 _COMMANDS = {
     "demo": ("kvbound.demo", "compress K/V with real structure and show ratio, bound and attention error"),
+    "bench": ("kvbound.bench.cli", "time every attention provider side by side on the GPU and write CSV rows"),
+    "roofline": ("kvbound.bench.roofline", "measure the card's ceilings and place each provider on a roofline"),
 }
 
 

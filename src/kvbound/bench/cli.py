@@ -1,0 +1,252 @@
+"""``kvbound bench`` / ``python -m kvbound.bench``: every provider side by side on the shapes in
+``benchmarks/shapes/``, one CSV row per measurement.
+
+    python -m kvbound.bench --out benchmarks/results/h200.csv            # seed + model shapes, default configs
+    python -m kvbound.bench --sweep --out ...                            # + the (rank, bits) sweep
+    python -m kvbound.bench --ncu --out benchmarks/results/h200-ncu.csv  # DRAM / L2 bytes under Nsight Compute
+    python -m kvbound.bench --cpu-smoke --out /tmp/smoke.csv             # tiny shapes on the CPU
+
+Without a CUDA GPU it exits with status 2 unless ``--cpu-smoke`` is given (which re-runs itself with
+``TRITON_INTERPRET=1`` so that Triton kernels run in the interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from fnmatch import fnmatch
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbound bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", type=Path, default=None,
+                   help="shape files (default: benchmarks/shapes/seed.toml and models.toml; smoke.toml with "
+                        "--cpu-smoke)")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="run only these shapes (names or shell patterns, e.g. 'seed-*')")
+    p.add_argument("--providers", nargs="+", default=None, metavar="NAME",
+                   help="run only these providers (see --list)")
+    p.add_argument("--configs", nargs="+", default=None, metavar="LABEL",
+                   help="run only these kvbound-compressed configs (e.g. r8b4 quant-r0b4 lowrank-r8)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also run the (rank, bits) sweep (16,8) (16,4) (8,2) (4,2) and the per-block basis")
+    p.add_argument("--out", type=Path, default=None,
+                   help="CSV to write (default: benchmarks/results/bench-<date>.csv); rows are appended as "
+                        "they are measured, so an interrupted run keeps its rows")
+    p.add_argument("--ncu", action="store_true",
+                   help="re-run under Nsight Compute and record DRAM and L2 bytes per provider (no timing)")
+    p.add_argument("--ncu-path", default="ncu", help="Nsight Compute command line (default: ncu on PATH)")
+    p.add_argument("--ncu-kernel", default=None, metavar="REGEX",
+                   help="with --ncu: also filter profiled kernels by name (inside the NVTX ranges)")
+    p.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--resume", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--crashed", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on the CPU through the same code path (Triton interpreter)")
+    p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up (default 25; 2 on CPU)")
+    p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time (default 100; 20 on CPU)")
+    p.add_argument("--check-rows", type=int, default=256,
+                   help="query rows compared with the float64 reference (evenly spaced, first and last included)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="relative L2 error above which a row is check_failed (default 3e-2 for 16-bit inputs)")
+    p.add_argument("--zero-tile-share", type=float, default=None,
+                   help="override the shape files' share of residual-free K/V blocks")
+    p.add_argument("--no-calibration", action="store_true", help="skip timing kvbound.calibrate per model load")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--list", action="store_true", help="list providers and whether they can run here, then exit")
+    return p
+
+
+def _reexec_with_interpreter(argv: list[str]) -> int:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.call([sys.executable, "-m", "kvbound.bench", *argv], env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.cpu_smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kvbound is imported: start afresh.
+        return _reexec_with_interpreter(argv)
+
+    import torch
+
+    from kvbound.bench.providers import all_providers
+
+    providers = all_providers()
+    if args.list:
+        for p in providers:
+            print(f"{p.name:20s} {p.unavailable() or 'available'}")
+        return 0
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("kvbound bench: no CUDA GPU found. The benchmark times GPU kernels; run it on a machine with one, "
+              "or pass --cpu-smoke to run tiny shapes on the CPU through the same code path.", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda")
+    if args.ncu and not args.ncu_child:
+        from kvbound.bench.ncu import run_under_ncu
+
+        return run_under_ncu(argv, args)
+    return _run(args, argv, providers, device)
+
+
+def _run(args, argv: list[str], providers, device) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvbound.bench import records
+    from kvbound.bench.providers import Case
+    from kvbound.bench.runner import (
+        MODEL_LAYERS,
+        SMOKE_LAYERS,
+        RunOptions,
+        calibration_rows,
+        input_sets_for,
+        plan_tasks,
+        run_task,
+        skipped_row,
+    )
+    from kvbound.bench.shapes import default_shape_files, load_shapes
+    from kvbound.bench.summary import print_summary
+
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    shapes = load_shapes(args.shapes or default_shape_files(args.cpu_smoke))
+    if args.only:
+        unknown = [pattern for pattern in args.only if not any(fnmatch(s.name, pattern) for s in shapes)]
+        if unknown:
+            console.print(f"kvbound bench: --only: no shape matches {unknown}; shapes: {[s.name for s in shapes]}")
+            return 2
+        shapes = [s for s in shapes if any(fnmatch(s.name, pattern) for pattern in args.only)]
+    if args.providers:
+        unknown = set(args.providers) - {p.name for p in providers}
+        if unknown:
+            console.print(f"kvbound bench: --providers: unknown {sorted(unknown)}; see --list")
+            return 2
+        providers = [p for p in providers if p.name in args.providers]
+    missing = {p.name: p.unavailable() for p in providers}
+    for name, reason in missing.items():
+        if reason:
+            console.print(f"[yellow]{name} left out: {reason}[/yellow]")
+    tasks = plan_tasks(shapes, [p for p in providers if not missing[p.name]], args.sweep)
+    if args.configs:
+        tasks = [t for t in tasks if t.config is None or t.config.label in args.configs]
+    mode = "ncu" if args.ncu_child else "time"
+    options = RunOptions(
+        mode=mode, sweep=args.sweep, check_rows=args.check_rows, seed=args.seed,
+        warmup_ms=args.warmup_ms if args.warmup_ms is not None else (2.0 if device.type == "cpu" else 25.0),
+        rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if device.type == "cpu" else 100.0),
+        zero_tile_share=args.zero_tile_share, tolerance=args.tolerance,
+    )
+    out = args.out or Path("benchmarks/results") / time.strftime("bench-%Y%m%d-%H%M%S.csv")
+    if out.exists() and not args.resume:
+        out.unlink()
+    env = records.environment(_without(_without(argv, "--resume"), "--crashed"), commit=args.commit)
+    console.print(f"kvbound bench: {len(tasks)} measurements on {len(shapes)} shapes, {env['gpu']}, "
+                  f"torch {env['torch']}, triton {env['triton']} -> {out}")
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("starting", total=len(tasks))
+        index = 0
+        for shape in shapes:
+            shape_tasks = [t for t in tasks if t.shape is shape]
+            if index + len(shape_tasks) <= args.resume:
+                index += len(shape_tasks)
+                progress.advance(bar, len(shape_tasks))
+                continue
+            if not shape_tasks:
+                continue
+            progress.update(bar, description=f"{shape.name}: generating inputs")
+            case = Case(shape, device, seed=args.seed, check_rows=args.check_rows,
+                        input_sets=input_sets_for(shape, device), zero_tile_share=args.zero_tile_share)
+            for task in shape_tasks:
+                if index < args.resume:
+                    index += 1
+                    progress.advance(bar)
+                    continue
+                progress.update(bar, description=f"{shape.name}: {task.label}")
+                if args.crashed.count(task.provider.name) >= _CRASHES_BEFORE_SKIP:
+                    row = {**skipped_row(task, options, f"m{index:04d}",
+                                         f"not run: {task.provider.name} lost the CUDA context in "
+                                         f"{args.crashed.count(task.provider.name)} earlier measurements"), **env}
+                else:
+                    row = {**run_task(task, case, options, f"m{index:04d}"), **env}
+                index += 1
+                records.append_row(out, row)
+                progress.advance(bar)
+                timing = f"{row['ms_p50']:.4g} ms" if row.get("ms_p50") is not None else (row.get("reason") or "")[:80]
+                progress.console.print(f"[{time.perf_counter() - started:7.1f} s] {shape.name} {task.label}: "
+                                       f"{row['status']} {timing}", highlight=False)
+                if row["status"] == "error" and device.type == "cuda" and not _cuda_context_alive():
+                    # A kernel fault (e.g. an illegal address) poisons this process's CUDA context: every later
+                    # call would fail. Start afresh after this measurement, appending to the same CSV.
+                    progress.stop()
+                    console.print(f"[red]CUDA context lost in {task.label} on {shape.name}; restarting the "
+                                  f"process at measurement {index}[/red]")
+                    _restart(argv, index, out, task.provider.name)
+            del case
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if mode == "time" and not args.no_calibration and not args.only:
+            progress.update(bar, description="kvbound.calibrate per model load")
+            try:
+                dtype = torch.float16 if args.cpu_smoke else torch.bfloat16
+                for row in calibration_rows(device, dtype, SMOKE_LAYERS if args.cpu_smoke else MODEL_LAYERS):
+                    records.append_row(out, {**row, **env})
+            except ImportError as err:
+                console.print(f"calibration not timed: {err}")
+    rows = records.read_rows(out) if out.exists() else []
+    print_summary(rows, console)
+    console.print(f"{len(rows)} rows written to {out} in {time.perf_counter() - started:.0f} s")
+    failed = [r for r in rows if r["status"] == "check_failed"]
+    return 1 if failed else 0
+
+
+def _without(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt v`` or ``--opt=v``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def _cuda_context_alive() -> bool:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return float((torch.ones(1, device="cuda") + 1).item()) == 2.0
+    except Exception:  # noqa: BLE001 - any failure here means the context is unusable
+        return False
+
+
+_CRASHES_BEFORE_SKIP = 2
+
+
+def _restart(argv: list[str], next_index: int, out: Path, crashed: str) -> None:
+    args = [*_without(_without(argv, "--resume"), "--out"), "--resume", str(next_index), "--out", str(out),
+            "--crashed", crashed]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "kvbound.bench", *args])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

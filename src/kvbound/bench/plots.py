@@ -1,0 +1,181 @@
+"""PNG plots drawn from result CSVs (never from a live run): speed vs N, bytes vs (rank, bits), roofline.
+
+    python -m kvbound.bench.plots benchmarks/results/*.csv --out-dir benchmarks/plots
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["speed_vs_n", "bytes_vs_rank_bits", "draw_roofline", "main", "provider_label"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def provider_label(row: dict) -> str:
+    config = row.get("config") or ""
+    if row["provider"] == "kvbound-compressed":
+        return f"kvbound[{config}]"
+    return row["provider"]
+
+
+def _footer(rows: list[dict]) -> str:
+    gpus = sorted({r.get("gpu") or "?" for r in rows})
+    commits = sorted({(r.get("commit") or "?")[:12] for r in rows})
+    dates = sorted({(r.get("date") or "?")[:10] for r in rows})
+    return f"{', '.join(gpus)} | commit {', '.join(commits)} | {', '.join(dates)}"
+
+
+def speed_vs_n(rows: list[dict], path: str | Path, family: str = "seed") -> Path | None:
+    """TFLOP/s (median) vs sequence length, one line per provider/config, one panel per head dim."""
+    from kvbound.bench.tables import index_rows
+
+    timed = [r for r in index_rows(rows, "time").values()
+             if r["status"] == "ok" and r.get("family") == family and r.get("tflops")]
+    if not timed:
+        return None
+    plt = _pyplot()
+    dims = sorted({r["head_dim_qk"] for r in timed})
+    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
+    for ax, d in zip(axes[0], dims, strict=True):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in timed:
+            if r["head_dim_qk"] == d:
+                series.setdefault(provider_label(r), []).append((r["q_len"], r["tflops"]))
+        for label, points in sorted(series.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel("TFLOP/s (2·B·H·N²·(Dk+Dv) / median time)")
+        ax.set_title(f"d = {d}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("attention speed vs N\n" + _footer(timed), fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bytes_vs_rank_bits(rows: list[dict], path: str | Path) -> Path | None:
+    """K/V storage ratio (dense bytes / CompressedKV.nbytes) per config, grouped by shape."""
+    comp = [r for r in rows if r["provider"] == "kvbound-compressed" and r["status"] in ("ok", "check_failed")
+            and r.get("compression_ratio") and r["mode"] in ("time", "ncu")]
+    if not comp:
+        return None
+    plt = _pyplot()
+    latest: dict[tuple[str, str], dict] = {}
+    for r in sorted(comp, key=lambda r: r.get("date") or ""):
+        latest[(r["shape"], r["config"])] = r
+    shapes = list(dict.fromkeys(r["shape"] for r in comp))
+    configs = list(dict.fromkeys(r["config"] for r in comp))
+    width = 0.8 / max(1, len(configs))
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(shapes) + 5), 4.5))
+    for j, config in enumerate(configs):
+        xs, ys = [], []
+        for i, shape in enumerate(shapes):
+            r = latest.get((shape, config))
+            if r is not None:
+                xs.append(i + (j - (len(configs) - 1) / 2) * width)
+                ys.append(r["compression_ratio"])
+        sample = next(r for r in comp if r["config"] == config)
+        ax.bar(xs, ys, width=width, label=f"{config} (r={sample['rank']}, {sample['bits']} bit)")
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("K+V dense bytes / CompressedKV.nbytes")
+    ax.set_title("K/V bytes vs (rank, bits)\n" + _footer(comp), fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def draw_roofline(points: list[dict], ceilings: dict, path: str | Path, title: str = "") -> Path:
+    """Two panels (DRAM, L2): achieved TFLOP/s against FLOP per byte, with ``min(peak, bandwidth * x)``.
+
+    ``points``: dicts with ``label``, ``tflops``, ``dram_intensity`` and ``l2_intensity`` (None to skip) and
+    ``measured`` (False when the bytes are the formula's, drawn hollow). ``ceilings``: ``matmul_tflops``,
+    ``copy_tbps`` and optionally ``l2_tbps``."""
+    plt = _pyplot()
+    import math
+
+    peak = ceilings["matmul_tflops"]
+    panels = [("dram_intensity", "FLOP per DRAM byte (hollow: formula bytes)", ceilings["copy_tbps"], "HBM copy")]
+    if ceilings.get("l2_tbps") and any(p.get("l2_intensity") for p in points):
+        panels.append(("l2_intensity", "FLOP per L2-to-SM byte (Nsight Compute)", ceilings["l2_tbps"],
+                       "L2-resident copy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    markers = "os^vDP*Xh<>"
+    labels = sorted({p["label"] for p in points})
+    for ax, (key, xlabel, bandwidth, bw_name) in zip(axes[0], panels, strict=True):
+        xs = [p[key] for p in points if p.get(key)]
+        lo = min([1.0, *xs]) / 2
+        hi = max([10 * peak / bandwidth, *xs]) * 2
+        grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+        ax.plot(grid, [min(peak, bandwidth * x) for x in grid], color="black", lw=1.5)
+        ridge = peak / bandwidth
+        ax.axvline(ridge, color="grey", ls=":", lw=1)
+        ax.text(ridge, peak * 1.05, f"ridge {ridge:.0f} FLOP/B", fontsize=7, ha="center")
+        ax.text(lo * 1.2, bandwidth * lo * 1.6, f"{bw_name} {bandwidth:.2f} TB/s", fontsize=7, rotation=0)
+        ax.text(hi / 1.2, peak * 0.9, f"bf16 matmul {peak:.0f} TFLOP/s", fontsize=7, ha="right", va="top")
+        for i, label in enumerate(labels):
+            mine = [p for p in points if p["label"] == label and p.get(key)]
+            for p in mine:
+                ax.scatter([p[key]], [p["tflops"]], marker=markers[i % len(markers)],
+                           facecolors=f"C{i % 10}" if p.get("measured", True) else "none",
+                           edgecolors=f"C{i % 10}", s=36, label=label if p is mine[0] else None)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_ylim(max(1e-3, min([peak / 1e3, *[p["tflops"] for p in points]]) / 2), peak * 2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("achieved TFLOP/s")
+        ax.grid(True, which="both", alpha=0.2)
+        ax.legend(fontsize=7)
+        if not math.isfinite(ridge):  # pragma: no cover - ceilings are validated by the caller
+            raise ValueError("ceilings: bandwidth must be > 0")
+    fig.suptitle(title or "roofline", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvbound.bench.records import read_rows
+
+    parser = argparse.ArgumentParser(prog="python -m kvbound.bench.plots", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("csv", nargs="+", type=Path)
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/plots"))
+    args = parser.parse_args(argv)
+    rows = [r for path in args.csv for r in read_rows(path)]
+    written = [speed_vs_n(rows, args.out_dir / "speed_vs_n.png"),
+               bytes_vs_rank_bits(rows, args.out_dir / "bytes_vs_rank_bits.png")]
+    from kvbound.bench.roofline import roofline_from_rows
+
+    written.append(roofline_from_rows(rows, args.out_dir / "roofline.png"))
+    for path in written:
+        if path is not None:
+            print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

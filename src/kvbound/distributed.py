@@ -1,0 +1,211 @@
+"""Context-parallel attention over ``torch.distributed``: K/V shards travel a ring in compressed form.
+
+Each rank holds a contiguous shard of the sequence (rank 0 the first). K and V shards are compressed once
+(``kvbound.compress_kv``), packed into one byte buffer, and passed around the ring with point-to-point sends that
+overlap the fused kernel working on the shard in hand. Partial outputs are merged exactly with their log-sum-exp,
+so the result equals single-device attention over the same (decompressed) K/V up to float rounding.
+
+What crosses the link is ``CompressedKV.nbytes`` per shard instead of the dense ``K`` and ``V``; ``RingStats``
+reports both. With NCCL on GPUs and gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kvbound._validate import check_tensor
+from kvbound.codec.basis import Basis
+from kvbound.codec.format import CompressedKV
+from kvbound.compress import compress_kv
+from kvbound.config import CompressionConfig
+
+__all__ = ["RingStats", "context_parallel_attention", "allgather_attention"]
+
+_ALIGN = 16
+_FIELDS = ("coeffs", "basis", "mode", "scale", "bits", "offset", "codes", "raw")
+
+# bias(q_start, q_len, k_start, k_len) -> tensor broadcastable to [B, Hq, q_len, k_len], in global positions.
+BiasFn = Callable[[int, int, int, int], torch.Tensor]
+
+
+@dataclass
+class RingStats:
+    """What one rank sent around the ring."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    steps: int = 0
+    compress_seconds: float = 0.0
+
+    @property
+    def reduction(self) -> float:
+        return self.dense_bytes / max(1, self.bytes_sent)
+
+
+def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int, torch.dtype, tuple]]]:
+    """Concatenate tensors into one uint8 buffer with 16-byte aligned segments; return (buffer, layout)."""
+    layout, pieces, at = [], [], 0
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = (-raw.numel()) % _ALIGN
+        layout.append((at, raw.numel(), t.dtype, tuple(t.shape)))
+        pieces.append(raw)
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
+        at += raw.numel() + pad
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8), layout
+
+
+def _unpack(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
+    return [buffer[at : at + n].view(dtype).reshape(shape) for at, n, dtype, shape in layout]
+
+
+def _ckv_tensors(ckv: CompressedKV) -> list[torch.Tensor]:
+    return [getattr(ckv, name) for name in _FIELDS]
+
+
+def _ckv_from(template: dict, tensors: list[torch.Tensor]) -> CompressedKV:
+    return CompressedKV(**template, **dict(zip(_FIELDS, tensors, strict=True)))
+
+
+def _merge(out, lse, part_out, part_lse):
+    """Exact merge of two softmax partial results given their natural-log sum-exp."""
+    if out is None:
+        return part_out.float(), part_lse
+    new_lse = torch.logaddexp(lse, part_lse)
+    out = out * torch.exp(lse - new_lse)[..., None] + part_out.float() * torch.exp(part_lse - new_lse)[..., None]
+    return out, new_lse
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    config: CompressionConfig | None = None,
+    basis_k: Basis | None = None,
+    basis_v: Basis | None = None,
+    compress: bool = True,
+    encoder: str = "eager",
+    scale: float | None = None,
+    causal: bool = False,
+    softcap: float | None = None,
+    bias: BiasFn | None = None,
+    return_stats: bool = False,
+):
+    """Attention of this rank's queries over the whole sequence, sharded contiguously across ``group``.
+
+    Args:
+        q: ``[B, Hq, n_r, Dk]``, k: ``[B, Hkv, n_r, Dk]``, v: ``[B, Hkv, n_r, Dv]``: this rank's shard (rank ``i``
+            holds the ``i``-th contiguous piece; pieces may differ in length). RoPE, if any, is applied before.
+        group: the process group (default: the world).
+        config, basis_k, basis_v: compression settings and calibrated bases (``encoder="triton"`` needs bases).
+        compress: send compressed K/V (default) or dense K/V around the same ring.
+        scale, causal, softcap: as in :func:`kvbound.attention`; ``causal`` uses global positions.
+        bias: optional ``bias(q_start, q_len, k_start, k_len)`` giving the additive bias for a block of global
+            positions (e.g. a slice of AlphaGenome's 16x16-tile pair bias).
+        return_stats: also return :class:`RingStats`.
+
+    Returns:
+        ``[B, Hq, n_r, Dv]`` in q's dtype (and the stats when asked).
+    """
+    from kvbound.attention import attention
+
+    check_tensor(q, "q", ndim=4)
+    check_tensor(k, "k", ndim=4)
+    check_tensor(v, "v", ndim=4)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    lengths = [None] * world
+    dist.all_gather_object(lengths, (q.shape[2], k.shape[2]), group=group)
+    if any(qn != kn for qn, kn in lengths):
+        raise ValueError(f"q, k: expected each rank's q and k shards to have equal length, got {lengths}")
+    starts = [0]
+    for qn, _ in lengths[:-1]:
+        starts.append(starts[-1] + qn)
+
+    stats = RingStats()
+    stats.dense_bytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) * (world - 1)
+    if compress:
+        config = CompressionConfig() if config is None else config
+        t0 = time.perf_counter()
+        ck = compress_kv(k, config, basis_k, impl=encoder)
+        cv = compress_kv(v, config, basis_v, impl=encoder)
+        if k.is_cuda:
+            torch.cuda.synchronize(k.device)
+        stats.compress_seconds = time.perf_counter() - t0
+        buffer, layout = _pack(_ckv_tensors(ck) + _ckv_tensors(cv))
+        templates = [
+            {"shape": c.shape, "dtype": c.dtype, "config": c.config, "shared_basis": c.shared_basis} for c in (ck, cv)
+        ]
+        meta = (layout, templates, buffer.numel())
+    else:
+        buffer, layout = _pack([k, v])
+        meta = (layout, None, buffer.numel())
+    metas = [None] * world
+    dist.all_gather_object(metas, meta, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    send_to, recv_from = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
+
+    out = lse = None
+    current = buffer
+    for step in range(world):
+        src = (rank - step) % world
+        pending = []
+        if step < world - 1:
+            size = metas[(rank - step - 1) % world][2]
+            incoming = torch.empty(size, dtype=torch.uint8, device=buffer.device)
+            ops = [dist.P2POp(dist.isend, current, send_to, group), dist.P2POp(dist.irecv, incoming, recv_from, group)]
+            pending = dist.batch_isend_irecv(ops)
+            stats.bytes_sent += current.numel()
+        skip = causal and src > rank
+        if not skip:
+            src_layout, src_templates, _ = metas[src]
+            pieces = _unpack(current, src_layout)
+            if src_templates is None:
+                k_s, v_s = pieces
+            else:
+                half = len(_FIELDS)
+                k_s, v_s = _ckv_from(src_templates[0], pieces[:half]), _ckv_from(src_templates[1], pieces[half:])
+            k_len = lengths[src][1]
+            block_bias = bias(starts[rank], q.shape[2], starts[src], k_len) if bias is not None else None
+            part, part_lse = attention(
+                q, k_s, v_s, scale=scale, causal=causal and src == rank, bias=block_bias, softcap=softcap,
+                return_lse=True,
+            )
+            out, lse = _merge(out, lse, part, part_lse)
+        for work in pending:
+            work.wait()
+        if step < world - 1:
+            current = incoming
+            stats.steps += 1
+    assert out is not None  # the diagonal shard is never skipped
+    result = out.to(q.dtype)
+    return (result, stats) if return_stats else result
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+):
+    """The dense baseline: all-gather K/V shards (equal lengths), then local attention over the whole sequence."""
+    from kvbound.attention import attention
+
+    world = dist.get_world_size(group)
+    ks = [torch.empty_like(k) for _ in range(world)]
+    vs = [torch.empty_like(v) for _ in range(world)]
+    dist.all_gather(ks, k.contiguous(), group=group)
+    dist.all_gather(vs, v.contiguous(), group=group)
+    return attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), scale=scale, softcap=softcap)
+

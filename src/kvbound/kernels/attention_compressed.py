@@ -1,0 +1,623 @@
+"""Fused attention over compressed K/V (layout: ``kvbound.codec.format``), never expanding K/V in memory.
+
+Each K/V tile is rebuilt on chip from the factors and the packed residual and consumed at once. The work per
+tile follows what the tile holds:
+
+* Logits through the basis. With a shared basis ``P_k`` ([Hkv, r, Dk]) the kernel forms ``Qp = Q P_k^T``
+  once per query tile and then ``S = Qp C_tile^T`` per key tile (``r`` padded to 16 for ``tl.dot``): a rank-r
+  product instead of a Dk-wide one. With per-block bases ``Qp`` is formed per tile from that block's ``P``
+  (``K_REBUILD=True`` instead rebuilds ``K_tile = C_tile P`` and takes ``Q K_tile^T``).
+* Residual only where there is one: ``S += Q R_tile^T`` is computed only for tiles whose block mode is not
+  ``MODE_LOWRANK`` (a scalar branch per tile). Packed codes are exact small integers, so the product uses the
+  integer codes as float16 operands and applies the block's step once per tile. ``MODE_RAW`` tiles are the
+  stored values themselves (their coefficients are zero).
+* Values in rank space. With a shared ``P_v``, ``acc_r += P_attn C_v_tile`` (r wide) and ``O = acc_r P_v``
+  once at the end; the Dv-wide accumulator is touched only by tiles with a residual, and its rescaling by the
+  running maximum is deferred until such a tile arrives. With per-block ``P_v`` each tile's ``P_attn C_v``
+  is projected by its block's ``P_v`` at once.
+* GQA/MQA: the G query heads of one K/V head are stacked into the rows of one program (see ``_common``), so
+  each tile is decoded once for all of them.
+
+Precision: for 16-bit inputs every product with the factors and codes runs on float16 operands with float32
+accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too),
+and ``Qp`` likewise, so no operand overflows or loses bits. float32 inputs use float32 ("ieee") products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbound.codec.format import CompressedKV
+from kvbound.kernels._common import (
+    LN2,
+    interpreting,
+    key_loop_bounds,
+    logit_multipliers,
+    next_power_of_2,
+    row_normaliser,
+    softmax_step,
+    tma_ready,
+)
+
+__all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"]
+
+
+# ------------------------------------------------------------------------------------------- tile decoders
+@triton.jit
+def _to_operand(x, FP32: tl.constexpr):
+    if FP32:
+        return x.to(tl.float32)
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
+def _split_float16(x):
+    """``x`` (float32) as ``hi + lo`` in float16: about 22 bits of ``x`` instead of 11, for two cheap rank-16
+    products in place of one (logits through the basis then keep float32-like precision even when they are
+    in the thousands)."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
+
+
+@triton.jit
+def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """``Qp C^T`` [BLOCK_M, BLOCK_N] for coefficient tile ``coeffs`` [BLOCK_N, RANK_PAD]."""
+    c = tl.trans(_to_operand(coeffs, FP32))
+    x = tl.dot(query_rank, c, input_precision=PRECISION)
+    if SPLIT:
+        x = tl.dot(query_rank_lo, c, x)
+    return x
+
+
+@triton.jit
+def _load_coeff_tile(coeff_head, coeff_desc, start_n, offs_n, stride_cn, stride_cr, N_K, RANK: tl.constexpr,
+                     RANK_PAD: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr):
+    """Coefficients [BLOCK_N, RANK_PAD] of keys ``start_n + offs_n`` (zero beyond ``RANK`` and ``N_K``)."""
+    if USE_TMA:
+        return coeff_desc.load([start_n, 0])
+    offs_r = tl.arange(0, RANK_PAD)
+    ptrs = coeff_head + start_n.to(tl.int64) * stride_cn + (offs_n * stride_cn)[:, None] + (offs_r * stride_cr)[None, :]
+    if MASK:
+        keep = ((start_n + offs_n) < N_K)[:, None] & (offs_r < RANK)[None, :]
+        return tl.load(ptrs, mask=keep, other=0.0)
+    elif RANK_PAD != RANK:
+        return tl.load(ptrs, mask=(offs_r < RANK)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _load_basis(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr):
+    """One projection ``P`` [RANK_PAD, D_PAD] (row-major [RANK, HEAD_DIM] in memory; zero padding)."""
+    offs_r = tl.arange(0, RANK_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    ptrs = basis_ptr + (offs_r * HEAD_DIM)[:, None] + offs_d[None, :]
+    return tl.load(ptrs, mask=(offs_r < RANK)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_codes_tile(codes_ptr, word_offset, width, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr,
+                     D_PAD: tl.constexpr):
+    """Integer residual codes q [BLOCK_N, D_PAD] (int32, zero outside the stored rows/columns) of block rows
+    ``first_row + offs_n``; the block's ``width``-bit codes start at word ``word_offset``. The width is a
+    run-time value (blocks are promoted individually); the column-to-word map is a D-long vector, so a
+    run-time width costs nothing per element."""
+    per_word = 32 // width
+    words_per_row = (HEAD_DIM + per_word - 1) // per_word
+    offs_d = tl.arange(0, D_PAD)
+    column_word = offs_d // per_word
+    column_shift = (offs_d - column_word * per_word) * width
+    keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptrs = codes_ptr + word_offset + ((first_row + offs_n) * words_per_row)[:, None] + column_word[None, :]
+    words = tl.load(ptrs, mask=keep, other=0)
+    unsigned = (words >> column_shift[None, :]) & ((1 << width) - 1)
+    return tl.where(keep, unsigned - (1 << (width - 1)), 0)
+
+
+@triton.jit
+def _load_raw_tile(raw_ptr, element_offset, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr):
+    """Exactly stored values [BLOCK_N, D_PAD] (input dtype) of block rows ``first_row + offs_n``."""
+    offs_d = tl.arange(0, D_PAD)
+    keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptrs = raw_ptr + element_offset + ((first_row + offs_n) * HEAD_DIM)[:, None] + offs_d[None, :]
+    return tl.load(ptrs, mask=keep, other=0.0)
+
+
+@triton.jit
+def _key_residual_logits(
+    x, q_op, q_res_mult, inv_row_mult, mode, meta_index,
+    K_scale, K_bits, K_offset, K_codes, K_raw, first_row, offs_n, row_ok,
+    HEAD_DIM_K: tl.constexpr, DK_PAD: tl.constexpr, FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Add ``Q R_tile^T`` (in units of the tile's row multiplier) for a tile whose mode is not low-rank."""
+    offset = tl.load(K_offset + meta_index)
+    if mode == 3:
+        # Exact tile, in float32 operands: float16/bfloat16 values (q_op and the stored ones) are exact in tf32,
+        # so the products are exact, and no float16 cast can overflow on the large values such tiles hold.
+        raw = _load_raw_tile(K_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_K, DK_PAD)
+        dot = tl.dot(q_op.to(tl.float32), tl.trans(raw.to(tl.float32)), input_precision=PRECISION)
+        x += dot * (q_res_mult * inv_row_mult)[:, None]
+    else:
+        step = tl.load(K_scale + meta_index)
+        width = tl.load(K_bits + meta_index).to(tl.int32)
+        codes = _load_codes_tile(K_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_K, DK_PAD)
+        dot = tl.dot(q_op, tl.trans(_to_operand(codes, FP32)), input_precision=PRECISION)
+        x += dot * (q_res_mult * (step * inv_row_mult))[:, None]
+    return x
+
+
+@triton.jit
+def _value_residual(
+    accumulator, p, mode, meta_index, V_scale, V_bits, V_offset, V_codes, V_raw, first_row, offs_n, row_ok,
+    HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``accumulator += p @ R_tile`` for a V tile whose mode is not low-rank."""
+    offset = tl.load(V_offset + meta_index)
+    if mode == 3:
+        raw = _load_raw_tile(V_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD)
+        if FP32:
+            raw = raw.to(tl.float32)
+        accumulator = tl.dot(p.to(raw.dtype), raw, accumulator, input_precision=PRECISION)
+    else:
+        step = tl.load(V_scale + meta_index)
+        width = tl.load(V_bits + meta_index).to(tl.int32)
+        codes = _load_codes_tile(V_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD)
+        accumulator += tl.dot(_to_operand(p, FP32), _to_operand(codes, FP32), input_precision=PRECISION) * step
+    return accumulator
+
+
+# ---------------------------------------------------------------------------------------------- inner loop
+@triton.jit
+def _attention_compressed_inner(
+    accumulator, accumulator_max, rank_accumulator, running_sum, running_max,
+    q_op, q_res_mult, query_rank, query_rank_lo, query_rank_mult,
+    K_coeff_head, k_coeff_desc, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
+    V_coeff_head, v_coeff_desc, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
+    stride_kcn, stride_kcr, stride_vcn, stride_vcr,
+    k_meta_base, v_meta_base, bias_rows, stride_bias_key, row_query, row_valid,
+    lo, hi, N_K, bias_mult, softcap_log2,
+    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    RANK_K: tl.constexpr, RANK_V: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr, BLOCK_SIZE_V: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr, V_PER_BLOCK: tl.constexpr, K_REBUILD: tl.constexpr,
+    K_RESIDUAL: tl.constexpr, V_RESIDUAL: tl.constexpr, SPLIT_RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+    FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if MASK:
+            row_ok = (start_n + offs_n) < N_K
+        else:
+            row_ok = offs_n < BLOCK_N
+        # ---- logits: S = Q (C P + R)^T, in units of row_mult ----
+        k_block = start_n // BLOCK_SIZE_K
+        k_first_row = start_n % BLOCK_SIZE_K
+        k_meta = k_meta_base + k_block
+        if K_RESIDUAL:
+            k_mode = tl.load(K_mode + k_meta).to(tl.int32)
+        if K_REBUILD:
+            # K_tile = C P_block (+ residual) in float32, then one Dk-wide product with q.
+            coeffs = _load_coeff_tile(K_coeff_head, k_coeff_desc, start_n, offs_n, stride_kcn, stride_kcr, N_K, RANK_K,
+                                      RK_PAD, MASK, USE_TMA)
+            basis = _load_basis(K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD,
+                                HEAD_DIM_K, DK_PAD)
+            k_tile = tl.dot(_to_operand(coeffs, FP32), _to_operand(basis, FP32), input_precision=PRECISION)
+            if K_RESIDUAL:
+                if k_mode != 0:
+                    k_offset = tl.load(K_offset + k_meta)
+                    if k_mode == 3:
+                        k_tile += _load_raw_tile(K_raw, k_offset, k_first_row, offs_n, row_ok, HEAD_DIM_K,
+                                                 DK_PAD).to(tl.float32)
+                    else:
+                        k_step = tl.load(K_scale + k_meta)
+                        k_width = tl.load(K_bits + k_meta).to(tl.int32)
+                        codes = _load_codes_tile(K_codes, k_offset, k_width, k_first_row, offs_n, row_ok, HEAD_DIM_K,
+                                                 DK_PAD)
+                        k_tile += codes.to(tl.float32) * k_step
+            x = tl.dot(q_op, tl.trans(k_tile.to(q_op.dtype)), input_precision=PRECISION)
+            row_mult = q_res_mult
+        else:
+            if RANK_K > 0:
+                if K_PER_BLOCK:
+                    basis = _load_basis(K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD,
+                                        HEAD_DIM_K, DK_PAD)
+                    block_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis, FP32)), input_precision=PRECISION)
+                    block_rank_f32 = block_rank_f32 * q_res_mult[:, None]
+                    if FP32:
+                        row_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+                        block_rank = block_rank_f32
+                        block_rank_lo = block_rank_f32
+                    else:
+                        row_mult, inv_mult = row_normaliser(block_rank_f32)
+                        block_rank, block_rank_lo = _split_float16(block_rank_f32 * inv_mult[:, None])
+                else:
+                    row_mult = query_rank_mult
+                    block_rank = query_rank
+                    block_rank_lo = query_rank_lo
+                coeffs = _load_coeff_tile(K_coeff_head, k_coeff_desc, start_n, offs_n, stride_kcn, stride_kcr, N_K, RANK_K,
+                                          RK_PAD, MASK, USE_TMA)
+                x = _rank_logits(block_rank, block_rank_lo, coeffs, FP32, SPLIT_RANK and not FP32, PRECISION)
+            else:
+                row_mult = q_res_mult
+                x = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if K_RESIDUAL:
+                if k_mode != 0:
+                    x = _key_residual_logits(
+                        x, q_op, q_res_mult, 1.0 / row_mult, k_mode, k_meta,
+                        K_scale, K_bits, K_offset, K_codes, K_raw, k_first_row, offs_n, row_ok,
+                        HEAD_DIM_K, DK_PAD, FP32, PRECISION,
+                    )
+        p, alpha, running_max, running_sum = softmax_step(
+            x, row_mult, running_max, running_sum, bias_rows, start_n, offs_n, stride_bias_key,
+            row_query, row_valid, N_K, bias_mult, softcap_log2, HAS_BIAS, SOFTCAP, CAUSAL, MASK,
+        )
+        # ---- values: O += P (C_v P_v + R_v) ----
+        v_block = start_n // BLOCK_SIZE_V
+        v_first_row = start_n % BLOCK_SIZE_V
+        v_meta = v_meta_base + v_block
+        if V_RESIDUAL:
+            v_mode = tl.load(V_mode + v_meta).to(tl.int32)
+        p_op = _to_operand(p, FP32)
+        if V_PER_BLOCK:
+            accumulator = accumulator * alpha[:, None]
+            if RANK_V > 0:
+                coeffs_v = _load_coeff_tile(V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V,
+                                            RV_PAD, MASK, USE_TMA)
+                basis_v = _load_basis(V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD,
+                                      HEAD_DIM_V, DV_PAD)
+                partial = tl.dot(p_op, _to_operand(coeffs_v, FP32), input_precision=PRECISION)
+                if FP32:
+                    accumulator = tl.dot(partial, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
+                else:
+                    part_mult, part_inv = row_normaliser(partial)
+                    partial16 = (partial * part_inv[:, None]).to(tl.float16)
+                    accumulator += tl.dot(partial16, basis_v) * part_mult[:, None]
+            if V_RESIDUAL:
+                if v_mode != 0:
+                    accumulator = _value_residual(
+                        accumulator, p, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first_row,
+                        offs_n, row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION,
+                    )
+        else:
+            if RANK_V > 0:
+                coeffs_v = _load_coeff_tile(V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V,
+                                            RV_PAD, MASK, USE_TMA)
+                rank_accumulator = rank_accumulator * alpha[:, None]
+                rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator,
+                                          input_precision=PRECISION)
+            if V_RESIDUAL:
+                if v_mode != 0:
+                    # Bring the Dv-wide accumulator up to the current maximum only now (deferred rescaling).
+                    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+                    accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+                    accumulator_max = safe_max
+                    accumulator = _value_residual(
+                        accumulator, p, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first_row,
+                        offs_n, row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION,
+                    )
+    return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
+
+
+# ----------------------------------------------------------------------------------------------- autotune
+def compressed_configs(interpret: bool) -> list[triton.Config]:
+    """Tile shapes to search; BLOCK_N must divide the codec's block size (the prune function enforces it)."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    shapes = [
+        # (BLOCK_M, BLOCK_N, warps, stages)
+        (128, 64, 4, 3),
+        (128, 128, 8, 3),
+        (128, 64, 8, 3),
+        (64, 64, 4, 3),
+        (128, 32, 4, 3),
+        (64, 128, 4, 3),
+        (128, 128, 4, 2),
+        (64, 32, 4, 4),
+    ]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune_compressed_configs(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    block_size = min(args["BLOCK_SIZE_K"], args["BLOCK_SIZE_V"])
+    dv_pad = args["DV_PAD"]
+    keep = []
+    for config in configs:
+        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        if block_size % block_n:
+            continue
+        if block_m * dv_pad > 128 * 128 and config.num_warps < 8:
+            continue
+        keep.append(config)
+    if not keep:
+        # Every block size is a power of two >= 16, so a 16-wide key tile always divides it.
+        keep = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 16}, num_warps=4, num_stages=3)]
+    return keep
+
+
+@triton.autotune(
+    configs=compressed_configs(interpreting()),
+    key=[
+        "TUNE_N_Q", "TUNE_N_K", "HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "RANK_K", "RANK_V", "BLOCK_SIZE_K",
+        "BLOCK_SIZE_V", "K_PER_BLOCK", "V_PER_BLOCK", "K_REBUILD", "K_RESIDUAL", "V_RESIDUAL", "SPLIT_RANK", "HAS_BIAS",
+        "SOFTCAP", "CAUSAL",
+    ],
+    prune_configs_by={"early_config_prune": _prune_compressed_configs},
+)
+@triton.jit
+def _attention_compressed_fwd(
+    Q, Bias, Out, Lse,
+    K_coeff, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
+    V_coeff, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_kcb, stride_kch, stride_kcn, stride_kcr,
+    stride_vcb, stride_vch, stride_vcn, stride_vcr,
+    N_Q, N_K, H_KV, NB_K, NB_V,
+    logit_mult, bias_mult, softcap_log2,
+    TUNE_N_Q, TUNE_N_K,
+    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    RANK_K: tl.constexpr, RANK_V: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr, BLOCK_SIZE_V: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr, V_PER_BLOCK: tl.constexpr, K_REBUILD: tl.constexpr,
+    K_RESIDUAL: tl.constexpr, V_RESIDUAL: tl.constexpr, SPLIT_RANK: tl.constexpr,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+    FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_SIZE_K % BLOCK_N == 0 and BLOCK_SIZE_V % BLOCK_N == 0,
+                     "a key tile must lie inside one codec block")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and RK_PAD >= 16 and RV_PAD >= 16)
+    tl.static_assert(not K_REBUILD or K_PER_BLOCK, "K_REBUILD is the per-block-basis alternative")
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // H_KV).to(tl.int64)
+    kv_head = pid_bh % H_KV
+    row_start = pid_m * BLOCK_M
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_query = rows // GROUP
+    row_head = (kv_head * GROUP + rows % GROUP).to(tl.int64)
+    row_valid = row_query < N_Q
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+
+    # ---- queries: q_op is the operand of every product with K factors/codes ----
+    q_rows = Q + batch * stride_qb + row_head * stride_qh + row_query.to(tl.int64) * stride_qn
+    q_ptrs = q_rows[:, None] + (offs_dk * stride_qd)[None, :]
+    q_load_mask = row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :]
+    q = tl.load(q_ptrs, mask=q_load_mask, other=0.0)
+    if FP32:
+        q_op = q.to(tl.float32)
+        q_res_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
+    elif K_REBUILD:
+        q_op = q
+        q_res_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
+    else:
+        # Power-of-two row scaling makes the float16 copy exact for float16 and bfloat16 queries alike.
+        q_scale, q_inv = row_normaliser(q.to(tl.float32))
+        q_op = (q.to(tl.float32) * q_inv[:, None]).to(tl.float16)
+        q_res_mult = q_scale * logit_mult
+
+    k_meta_base = (batch * H_KV + kv_head) * NB_K
+    v_meta_base = (batch * H_KV + kv_head) * NB_V
+    K_coeff_head = K_coeff + batch * stride_kcb + kv_head.to(tl.int64) * stride_kch
+    V_coeff_head = V_coeff + batch * stride_vcb + kv_head.to(tl.int64) * stride_vch
+    # Coefficient tiles through tensor descriptors: the rank is padded to RK_PAD/RV_PAD by zero fill.
+    if USE_TMA and RANK_K > 0:
+        k_coeff_desc = tl.make_tensor_descriptor(K_coeff_head, shape=[N_K, RANK_K], strides=[stride_kcn, 1],
+                                                 block_shape=[BLOCK_N, RK_PAD])
+    else:
+        k_coeff_desc = K_coeff_head
+    if USE_TMA and RANK_V > 0:
+        v_coeff_desc = tl.make_tensor_descriptor(V_coeff_head, shape=[N_K, RANK_V], strides=[stride_vcn, 1],
+                                                 block_shape=[BLOCK_N, RV_PAD])
+    else:
+        v_coeff_desc = V_coeff_head
+
+    # ---- shared K basis: Qp = Q P_k^T once per query tile ----
+    query_rank_mult = q_res_mult
+    if RANK_K > 0 and not K_PER_BLOCK:
+        basis_k = _load_basis(K_basis + kv_head.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD,
+                              HEAD_DIM_K, DK_PAD)
+        query_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis_k, FP32)), input_precision=PRECISION)
+        query_rank_f32 = query_rank_f32 * q_res_mult[:, None]
+        if FP32:
+            query_rank_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+            query_rank = query_rank_f32
+            query_rank_lo = query_rank_f32
+        else:
+            query_rank_mult, query_inv = row_normaliser(query_rank_f32)
+            query_rank, query_rank_lo = _split_float16(query_rank_f32 * query_inv[:, None])
+    else:
+        query_rank = tl.zeros([BLOCK_M, RK_PAD], dtype=q_op.dtype)
+        query_rank_lo = query_rank
+
+    if HAS_BIAS:
+        bias_rows = Bias + batch * stride_bb + row_head * stride_bh + row_query.to(tl.int64) * stride_bq
+    else:
+        bias_rows = q_rows
+
+    running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    # Reference maximum of the deferred-rescaled accumulator: -inf until a residual V tile arrives, so that the
+    # catch-up factor exp2(accumulator_max - max) is 0 (never inf) for an accumulator that is still zero.
+    accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
+
+    unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+        accumulator, accumulator_max, rank_accumulator, running_sum, running_max,
+        q_op, q_res_mult, query_rank, query_rank_lo, query_rank_mult,
+        K_coeff_head, k_coeff_desc, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
+        V_coeff_head, v_coeff_desc, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
+        stride_kcn, stride_kcr, stride_vcn, stride_vcr,
+        k_meta_base, v_meta_base, bias_rows, stride_bk, row_query, row_valid,
+        0, unmasked_end, N_K, bias_mult, softcap_log2,
+        HEAD_DIM_K, HEAD_DIM_V, DK_PAD, DV_PAD, RANK_K, RANK_V, RK_PAD, RV_PAD,
+        BLOCK_SIZE_K, BLOCK_SIZE_V, K_PER_BLOCK, V_PER_BLOCK, K_REBUILD, K_RESIDUAL, V_RESIDUAL, SPLIT_RANK,
+        BLOCK_M, BLOCK_N, HAS_BIAS, SOFTCAP, CAUSAL, False, FP32, PRECISION, USE_TMA,
+    )
+    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+        accumulator, accumulator_max, rank_accumulator, running_sum, running_max,
+        q_op, q_res_mult, query_rank, query_rank_lo, query_rank_mult,
+        K_coeff_head, k_coeff_desc, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
+        V_coeff_head, v_coeff_desc, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
+        stride_kcn, stride_kcr, stride_vcn, stride_vcr,
+        k_meta_base, v_meta_base, bias_rows, stride_bk, row_query, row_valid,
+        unmasked_end, end, N_K, bias_mult, softcap_log2,
+        HEAD_DIM_K, HEAD_DIM_V, DK_PAD, DV_PAD, RANK_K, RANK_V, RK_PAD, RV_PAD,
+        BLOCK_SIZE_K, BLOCK_SIZE_V, K_PER_BLOCK, V_PER_BLOCK, K_REBUILD, K_RESIDUAL, V_RESIDUAL, SPLIT_RANK,
+        BLOCK_M, BLOCK_N, HAS_BIAS, SOFTCAP, CAUSAL, True, FP32, PRECISION, USE_TMA,
+    )
+
+    # ---- epilogue: O = (acc_r P_v + acc) / sum ----
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    if not V_PER_BLOCK:
+        accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+        if RANK_V > 0:
+            basis_v = _load_basis(V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD,
+                                  HEAD_DIM_V, DV_PAD)
+            if FP32:
+                accumulator = tl.dot(rank_accumulator, basis_v.to(tl.float32), accumulator,
+                                     input_precision=PRECISION)
+            else:
+                rank_mult, rank_inv = row_normaliser(rank_accumulator)
+                rank16 = (rank_accumulator * rank_inv[:, None]).to(tl.float16)
+                accumulator += tl.dot(rank16, basis_v) * rank_mult[:, None]
+    running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
+    out = accumulator / running_sum[:, None]
+    out_rows = Out + batch * stride_ob + row_head * stride_oh + row_query.to(tl.int64) * stride_on
+    tl.store(
+        out_rows[:, None] + (offs_dv * stride_od)[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+    )
+    lse = (running_max + tl.math.log2(running_sum)) * LN2
+    tl.store(Lse + (batch * (H_KV * GROUP) + row_head) * N_Q + row_query, lse, mask=row_valid)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+class CompressedOperand:
+    """The tensors and scalars of one ``CompressedKV`` that the kernel reads (a plain record, so that the
+    public op can pass the tensors as separate arguments)."""
+
+    __slots__ = ("coeffs", "basis", "mode", "scale", "bits", "offset", "codes", "raw", "seq_len", "head_dim",
+                 "block_size", "shared_basis")
+
+    def __init__(self, coeffs, basis, mode, scale, bits, offset, codes, raw, *, seq_len, head_dim, block_size,
+                 shared_basis):
+        self.coeffs, self.basis, self.mode, self.scale, self.bits = coeffs, basis, mode, scale, bits
+        self.offset, self.codes, self.raw = offset, codes, raw
+        self.seq_len, self.head_dim = seq_len, head_dim
+        self.block_size, self.shared_basis = block_size, shared_basis
+
+    @classmethod
+    def from_compressed(cls, ckv: CompressedKV) -> CompressedOperand:
+        return cls(
+            ckv.coeffs, ckv.basis, ckv.mode, ckv.scale, ckv.bits, ckv.offset, ckv.codes, ckv.raw,
+            seq_len=ckv.seq_len, head_dim=ckv.head_dim, block_size=ckv.config.block_size,
+            shared_basis=ckv.shared_basis,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.coeffs.shape[-1]
+
+
+def _nonempty(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Kernels take a pointer even to a buffer they never read; give empty buffers one element."""
+    return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=like.device)
+
+
+def attention_compressed_fwd(
+    q: torch.Tensor,
+    k: CompressedOperand,
+    v: CompressedOperand,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    softcap: float | None,
+    k_rebuild: bool = False,
+    residual: tuple[bool, bool] | None = None,
+    split_rank: bool = True,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the compressed kernel (inputs validated by ``kvbound.attention``). Returns ``(out, lse)`` as
+    the dense launcher does. ``k_rebuild`` selects the rebuild-the-tile alternative for per-block K bases.
+    ``residual`` = (K has a block with a residual, V has one); None reads it off the modes (one host sync);
+    when False the kernel is compiled without the residual branch. ``split_rank`` forms the rank-space logits
+    from a float16 hi/lo split of ``Qp`` (float32-like precision; False: one float16 product, 2**-12 relative
+    error on ``Qp``). ``config`` bypasses the autotuner."""
+    batch, q_heads, n_q, head_dim_k = q.shape
+    kv_heads = k.coeffs.shape[1]
+    n_k, head_dim_v = k.seq_len, v.head_dim
+    group = q_heads // kv_heads
+    out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
+    logit_mult, bias_mult, softcap_log2 = logit_multipliers(scale, softcap)
+    bias_arg = bias if bias is not None else q
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    nb_k = -(-n_k // k.block_size)
+    nb_v = -(-n_k // v.block_size)
+    k_coeff = _nonempty(k.coeffs, q)
+    v_coeff = _nonempty(v.coeffs, q)
+    k_coeff_strides = k.coeffs.stride() if k.coeffs.numel() else (0, 0, 0, 0)
+    v_coeff_strides = v.coeffs.stride() if v.coeffs.numel() else (0, 0, 0, 0)
+    if residual is None:
+        residual = (bool((k.mode != 0).any()), bool((v.mode != 0).any()))
+    fp32 = q.dtype == torch.float32 or k.coeffs.dtype == torch.float32 or v.coeffs.dtype == torch.float32
+
+    def grid(meta):
+        return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
+
+    kernel = _attention_compressed_fwd if config is None else _attention_compressed_fwd.fn
+    kernel[grid](
+        q, bias_arg, out, lse,
+        k_coeff, _nonempty(k.basis, q), k.mode, k.scale, k.bits, k.offset, _nonempty(k.codes, q),
+        _nonempty(k.raw, q),
+        v_coeff, _nonempty(v.basis, q), v.mode, v.scale, v.bits, v.offset, _nonempty(v.codes, q),
+        _nonempty(v.raw, q),
+        *q.stride(), *bias_strides, *out.stride(), *k_coeff_strides, *v_coeff_strides,
+        n_q, n_k, kv_heads, nb_k, nb_v,
+        logit_mult, bias_mult, softcap_log2,
+        next_power_of_2(n_q * group), next_power_of_2(n_k),
+        HEAD_DIM_K=head_dim_k,
+        HEAD_DIM_V=head_dim_v,
+        DK_PAD=max(16, next_power_of_2(head_dim_k)),
+        DV_PAD=max(16, next_power_of_2(head_dim_v)),
+        RANK_K=k.rank,
+        RANK_V=v.rank,
+        RK_PAD=max(16, next_power_of_2(k.rank)),
+        RV_PAD=max(16, next_power_of_2(v.rank)),
+        BLOCK_SIZE_K=k.block_size,
+        BLOCK_SIZE_V=v.block_size,
+        K_PER_BLOCK=not k.shared_basis,
+        V_PER_BLOCK=not v.shared_basis,
+        K_REBUILD=bool(k_rebuild and not k.shared_basis),
+        K_RESIDUAL=residual[0],
+        V_RESIDUAL=residual[1],
+        SPLIT_RANK=split_rank,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        SOFTCAP=softcap is not None,
+        CAUSAL=causal,
+        FP32=fp32,
+        PRECISION="ieee" if fp32 else "tf32",
+        USE_TMA=(k.rank == 0 or tma_ready(k.coeffs)) and (v.rank == 0 or tma_ready(v.coeffs)),
+        **(config or {}),
+    )
+    return out, lse

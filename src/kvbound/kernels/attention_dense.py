@@ -1,0 +1,314 @@
+"""Dense fused attention forward: FlashAttention-2 style, one kernel for every backend Triton targets.
+
+Reads top to bottom like Triton's tutorial 06-fused-attention: the inner loop over key tiles, the autotune
+space and its prune function, the kernel, the launcher.
+
+Semantics (same as ``kvbound.reference_attention``): ``logits = scale * q k^T (+ bias)``, then
+``softcap * tanh(logits / softcap)`` when a soft-cap is given, then the top-left aligned causal mask, softmax
+over keys, times ``v``. Accumulation is float32; the softmax uses ``exp2`` with ``scale * log2(e)`` folded into
+one multiply-add per logit. Work per FLOP: ``4 * B * Hq * Nq * Nk * (Dk + Dv) / 2`` (two matrix products).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbound.kernels._common import (
+    LN2,
+    interpreting,
+    key_loop_bounds,
+    logit_multipliers,
+    next_power_of_2,
+    softmax_step,
+    tma_ready,
+)
+
+__all__ = ["attention_dense_fwd", "dense_configs"]
+
+
+@triton.jit
+def _attention_dense_inner(
+    accumulator,
+    running_sum,
+    running_max,
+    q,
+    k_head,
+    v_head,
+    k_desc,
+    v_desc,
+    bias_rows,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_bias_key,
+    row_query,
+    row_valid,
+    row_mult,
+    lo,
+    hi,
+    N_K,
+    bias_mult,
+    softcap_log2,
+    HEAD_DIM_K: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """Key tiles ``[lo, hi)``; ``MASK`` selects the masked variant (ragged last tile, causal diagonal).
+    With ``USE_TMA`` the K/V tiles come through tensor descriptors (bulk copies that zero-fill rows past
+    ``N_K`` and columns past the head dim, and need no per-element addresses in registers)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    dk_ok = offs_dk < HEAD_DIM_K
+    dv_ok = offs_dv < HEAD_DIM_V
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        key_base = start_n.to(tl.int64)
+        key_ok = (start_n + offs_n) < N_K
+        if USE_TMA:
+            k = tl.trans(k_desc.load([start_n, 0]))
+        else:
+            # K tile transposed: [DK_PAD, BLOCK_N].
+            k_ptrs = k_head + key_base * stride_kn + (offs_n * stride_kn)[None, :] + (offs_dk * stride_kd)[:, None]
+            if MASK:
+                k = tl.load(k_ptrs, mask=dk_ok[:, None] & key_ok[None, :], other=0.0)
+            elif DK_PAD != HEAD_DIM_K:
+                k = tl.load(k_ptrs, mask=dk_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        x = tl.dot(q, k, input_precision=PRECISION)
+        p, alpha, running_max, running_sum = softmax_step(
+            x, row_mult, running_max, running_sum, bias_rows, start_n, offs_n, stride_bias_key,
+            row_query, row_valid, N_K, bias_mult, softcap_log2, HAS_BIAS, SOFTCAP, CAUSAL, MASK,
+        )
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v_ptrs = v_head + key_base * stride_vn + (offs_n * stride_vn)[:, None] + (offs_dv * stride_vd)[None, :]
+            if MASK:
+                v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+            elif DV_PAD != HEAD_DIM_V:
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        accumulator = accumulator * alpha[:, None]
+        accumulator = tl.dot(p.to(v.dtype), v, accumulator, input_precision=PRECISION)
+    return accumulator, running_sum, running_max
+
+
+# ----------------------------------------------------------------------------------------------- autotune
+def dense_configs(interpret: bool) -> list[triton.Config]:
+    """Tile shapes to search. The interpreter gets one small tile (tests stay fast, several tiles per axis)."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    shapes = [
+        # (BLOCK_M, BLOCK_N, warps, stages)
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (128, 128, 8, 2),
+        (128, 32, 4, 3),
+        (64, 64, 4, 3),
+        (64, 64, 4, 4),
+        (64, 128, 4, 3),
+        (64, 32, 4, 4),
+    ]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune_dense_configs(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    dv_pad = args["DV_PAD"]
+    keep = []
+    for config in configs:
+        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        # A float32 accumulator of BLOCK_M x DV_PAD over 4 warps spills beyond 128 x 128.
+        if block_m * dv_pad > 128 * 128 and config.num_warps < 8:
+            continue
+        # Large V tiles times deep pipelines exceed shared memory.
+        if dv_pad >= 256 and block_n >= 128 and config.num_stages > 2:
+            continue
+        keep.append(config)
+    return keep or configs[:1]
+
+
+@triton.autotune(
+    configs=dense_configs(interpreting()),
+    key=["TUNE_N_Q", "TUNE_N_K", "HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "HAS_BIAS", "SOFTCAP", "CAUSAL"],
+    prune_configs_by={"early_config_prune": _prune_dense_configs},
+)
+@triton.jit
+def _attention_dense_fwd(
+    Q,
+    K,
+    V,
+    Bias,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_bb,
+    stride_bh,
+    stride_bq,
+    stride_bk,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    N_Q,
+    N_K,
+    H_KV,
+    logit_mult,
+    bias_mult,
+    softcap_log2,
+    TUNE_N_Q,
+    TUNE_N_K,
+    HEAD_DIM_K: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(DK_PAD >= 16 and DV_PAD >= 16, "tl.dot needs head dims padded to >= 16")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles >= 16")
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // H_KV).to(tl.int64)
+    kv_head = pid_bh % H_KV
+    row_start = pid_m * BLOCK_M
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_query = rows // GROUP
+    row_head = (kv_head * GROUP + rows % GROUP).to(tl.int64)
+    row_valid = row_query < N_Q
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+
+    q_rows = Q + batch * stride_qb + row_head * stride_qh + row_query.to(tl.int64) * stride_qn
+    q = tl.load(
+        q_rows[:, None] + (offs_dk * stride_qd)[None, :],
+        mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
+        other=0.0,
+    )
+    k_head = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_head = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(k_head, shape=[N_K, HEAD_DIM_K], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, DK_PAD])
+        v_desc = tl.make_tensor_descriptor(v_head, shape=[N_K, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, DV_PAD])
+    else:
+        k_desc = k_head  # unused placeholders
+        v_desc = v_head
+    if HAS_BIAS:
+        bias_rows = Bias + batch * stride_bb + row_head * stride_bh + row_query.to(tl.int64) * stride_bq
+    else:
+        bias_rows = q_rows  # unused placeholder of the right type
+
+    row_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
+    running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+
+    unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    accumulator, running_sum, running_max = _attention_dense_inner(
+        accumulator, running_sum, running_max, q, k_head, v_head, k_desc, v_desc, bias_rows,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bk,
+        row_query, row_valid, row_mult, 0, unmasked_end, N_K, bias_mult, softcap_log2,
+        HEAD_DIM_K, HEAD_DIM_V, DK_PAD, DV_PAD, BLOCK_N, HAS_BIAS, SOFTCAP, CAUSAL, False, PRECISION, USE_TMA,
+    )
+    accumulator, running_sum, running_max = _attention_dense_inner(
+        accumulator, running_sum, running_max, q, k_head, v_head, k_desc, v_desc, bias_rows,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bk,
+        row_query, row_valid, row_mult, unmasked_end, end, N_K, bias_mult, softcap_log2,
+        HEAD_DIM_K, HEAD_DIM_V, DK_PAD, DV_PAD, BLOCK_N, HAS_BIAS, SOFTCAP, CAUSAL, True, PRECISION, USE_TMA,
+    )
+
+    # Epilogue: every valid row saw key 0, so running_sum >= 1 there; padding rows are never stored.
+    running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
+    out = accumulator / running_sum[:, None]
+    out_rows = Out + batch * stride_ob + row_head * stride_oh + row_query.to(tl.int64) * stride_on
+    tl.store(
+        out_rows[:, None] + (offs_dv * stride_od)[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+    )
+    lse = (running_max + tl.math.log2(running_sum)) * LN2
+    lse_ptrs = Lse + (batch * (H_KV * GROUP) + row_head) * N_Q + row_query
+    tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+def attention_dense_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    softcap: float | None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is either None or a
+    4-d view broadcast (stride 0) to ``[B, Hq, Nq, Nk]``. Returns ``(out [B, Hq, Nq, Dv] in q's dtype,
+    lse [B, Hq, Nq] float32)``. ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses
+    the autotuner (benchmarks use it to time one tile shape)."""
+    batch, q_heads, n_q, head_dim_k = q.shape
+    kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = q_heads // kv_heads
+    out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
+    logit_mult, bias_mult, softcap_log2 = logit_multipliers(scale, softcap)
+    bias_arg = bias if bias is not None else q
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+
+    def grid(meta):
+        return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
+
+    kernel = _attention_dense_fwd if config is None else _attention_dense_fwd.fn
+    kernel[grid](
+        q, k, v, bias_arg, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *bias_strides, *out.stride(),
+        n_q, n_k, kv_heads,
+        logit_mult, bias_mult, softcap_log2,
+        next_power_of_2(n_q * group), next_power_of_2(n_k),
+        HEAD_DIM_K=head_dim_k,
+        HEAD_DIM_V=head_dim_v,
+        DK_PAD=max(16, next_power_of_2(head_dim_k)),
+        DV_PAD=max(16, next_power_of_2(head_dim_v)),
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        SOFTCAP=softcap is not None,
+        CAUSAL=causal,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_TMA=tma_ready(k, v),
+        **(config or {}),
+    )
+    return out, lse

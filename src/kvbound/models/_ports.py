@@ -1,0 +1,248 @@
+"""The three ports' attention modules: how to recognise them and their memory-lean forwards.
+
+A port's classes are looked up in ``sys.modules`` only: a loaded model instance implies its defining module
+is imported, and a port that is not installed (or not imported) simply contributes no classes. Modules are
+matched by exact class; a subclass may have changed ``forward`` and is reported as skipped, not patched.
+
+Each lean forward repeats its port's forward step for step, calling the module's own submodules (and the
+port's own positional-feature and RoPE functions), and replaces only the attention core by the chunked
+:func:`~kvbound.models.relative.relative_position_attention` /
+:func:`~kvbound.models.tile_bias.tile_bias_attention`, with K and V optionally compressed in between.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbound.models.relative import relative_position_attention
+from kvbound.models.tile_bias import TileBias, tile_bias_attention
+
+__all__ = ["Port", "PORTS", "UNSUPPORTED", "lookup_class", "port_class", "ALPHAGENOME_TILE", "ALPHAGENOME_SOFTCAP"]
+
+# Constants of alphagenome_pytorch 0.3.1: AttentionBiasBlock repeats its bias 16 x 16, MHABlock soft-caps at 5.
+ALPHAGENOME_TILE = 16
+ALPHAGENOME_SOFTCAP = 5.0
+# borzoi_pytorch 0.5.1: the central-mask widths are fixed by the training length, not by N.
+BORZOI_TRAIN_LENGTH = 4096
+
+
+@dataclass(frozen=True)
+class Port:
+    """One patchable class of one port."""
+
+    kind: str  # "enformer", "borzoi", "alphagenome"
+    module_name: str
+    class_name: str
+    role: str  # "attention" (its K/V are compressed) or "bias" (feeds a compact bias to patched attention)
+    method: str  # the instance attribute replaced
+    required: tuple[str, ...]  # attributes the lean forward reads; a module without them is skipped
+    forward: Callable  # forward(module, record, handle, *args, **kwargs)
+    head_dims: Callable[[nn.Module], tuple[int, int]] | None = None
+
+
+def lookup_class(module_name: str, class_name: str) -> type | None:
+    """The class if its module is imported, else None (nothing is imported here)."""
+    module = sys.modules.get(module_name)
+    cls = getattr(module, class_name, None) if module is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def port_class(port: Port) -> type | None:
+    return lookup_class(port.module_name, port.class_name)
+
+
+def _check_inference(module: nn.Module, name: str) -> None:
+    if not module.training:
+        return
+    for attr in ("attn_dropout", "pos_dropout"):
+        p = getattr(getattr(module, attr, None), "p", 0.0)
+        if p > 0:
+            raise RuntimeError(
+                f"{name}: kvbound's patched forward implements inference only, but this module is in training "
+                f"mode with {attr}.p={p}; call model.eval() or handle.undo() first"
+            )
+
+
+def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, N, H * D] -> [B, H, N, D]`` (a view)."""
+    b, n, _ = t.shape
+    return t.reshape(b, n, heads, -1).transpose(1, 2)
+
+
+def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tensor:
+    _check_inference(module, record.name)
+    b, n, _ = x.shape
+    h = module.heads
+    q, k, v = (_split_heads(layer(x), h) for layer in (module.to_q, module.to_k, module.to_v))
+    positions = module.pos_dropout(relative_keys_fn(module, n, x.device))
+    relative_keys = module.to_rel_k(positions).reshape(2 * n - 1, h, -1).transpose(0, 1)
+    k, v = handle._prepare_kv(record, k, v)
+    out = relative_position_attention(
+        q,
+        k,
+        v,
+        relative_keys,
+        module.rel_content_bias,
+        module.rel_pos_bias,
+        scale=module.scale,
+        query_chunk=handle.query_chunk,
+        backend=handle.backend,
+    )
+    out = out.to(q.dtype).transpose(1, 2).reshape(b, n, -1)
+    return module.to_out(out)
+
+
+def _enformer_features(module, n: int, device: torch.device) -> torch.Tensor:
+    port = sys.modules[type(module).__module__]
+    return port.get_positional_embed(
+        n, module.num_rel_pos_features, device, use_tf_gamma=module.use_tf_gamma, dtype=module.to_rel_k.weight.dtype
+    )
+
+
+def _borzoi_features(module, n: int, device: torch.device) -> torch.Tensor:
+    # The port caches its features on the module at the first call and breaks at any other length; reuse a
+    # cache of the right length, otherwise compute them for this call only (the module is never written).
+    cached = getattr(module, "positions", None)
+    if isinstance(cached, torch.Tensor) and cached.shape[0] == 2 * n - 1:
+        return cached
+    port = sys.modules[type(module).__module__]
+    return port.get_positional_embed(n, BORZOI_TRAIN_LENGTH, module.num_rel_pos_features, module.to_v.weight.device)
+
+
+def _enformer_forward(module, record, handle, x):
+    return _relative_forward(module, record, handle, x, _enformer_features)
+
+
+def _borzoi_forward(module, record, handle, x):
+    return _relative_forward(module, record, handle, x, _borzoi_features)
+
+
+def _relative_head_dims(module) -> tuple[int, int]:
+    return module.to_k.out_features // module.heads, module.to_v.out_features // module.heads
+
+
+def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_dtype=None):
+    b, s, _ = x.shape
+    compute_dtype = x.dtype if compute_dtype is None else compute_dtype
+    port = sys.modules[type(module).__module__]
+    x = x.to(compute_dtype)
+    h = module.norm(x)
+    dk = module.norm_q.normalized_shape[0]
+    dv = module.norm_v.normalized_shape[0]
+    q = module.norm_q(module.q_proj(h).view(b, s, -1, dk))
+    k = module.norm_k(module.k_proj(h).view(b, s, -1, dk))
+    v = module.norm_v(module.v_proj(h).view(b, s, -1, dv))
+    q = port.apply_rope(q, inplace=True).permute(0, 2, 1, 3)
+    k = port.apply_rope(k, inplace=True).permute(0, 2, 1, 3)
+    v = v.permute(0, 2, 1, 3)
+    k, v = handle._prepare_kv(record, k, v)
+    y = tile_bias_attention(
+        q,
+        k,
+        v,
+        attention_bias,
+        scale=1.0 / math.sqrt(dk),
+        softcap=ALPHAGENOME_SOFTCAP,
+        query_chunk=handle.query_chunk,
+        backend=handle.backend,
+    )
+    y = y.to(compute_dtype).permute(0, 2, 1, 3).reshape(b, s, -1)
+    return module.final_norm(module.linear_embedding(y))
+
+
+def _alphagenome_head_dims(module) -> tuple[int, int]:
+    return module.norm_k.normalized_shape[0], module.norm_v.normalized_shape[0]
+
+
+def alphagenome_tile_values(attention_bias_block: nn.Module, pair: torch.Tensor) -> torch.Tensor:
+    """``AttentionBiasBlock`` without its 16 x 16 repeat: ``[B, s, s, P] -> [B, 8, s, s]``."""
+    h = F.gelu(attention_bias_block.norm(pair))
+    return attention_bias_block.proj(h).permute(0, 3, 1, 2)
+
+
+def _alphagenome_tower_block(module, record, handle, block, x, pair_x, compute_dtype):
+    # TransformerTower._forward_block, except that a patched MHABlock receives the bias at tile resolution.
+    if block["pair_update"] is not None:
+        pair_x = block["pair_update"](x, pair_x, compute_dtype=compute_dtype)
+    mha = block["mha"]
+    if handle._patches_attention(mha):
+        s = x.shape[1]
+        bias = TileBias(alphagenome_tile_values(block["attn_bias"], pair_x), ALPHAGENOME_TILE, s, s)
+    else:
+        bias = block["attn_bias"](pair_x)
+    x = x + mha(x, bias, compute_dtype=compute_dtype)
+    x = x + block["mlp"](x)
+    return x, pair_x
+
+
+_RELATIVE_REQUIRED = (
+    "heads",
+    "scale",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out",
+    "to_rel_k",
+    "rel_content_bias",
+    "rel_pos_bias",
+    "num_rel_pos_features",
+    "pos_dropout",
+)
+
+PORTS: tuple[Port, ...] = (
+    Port(
+        kind="enformer",
+        module_name="enformer_pytorch.modeling_enformer",
+        class_name="Attention",
+        role="attention",
+        method="forward",
+        required=(*_RELATIVE_REQUIRED, "use_tf_gamma"),
+        forward=_enformer_forward,
+        head_dims=_relative_head_dims,
+    ),
+    Port(
+        kind="borzoi",
+        module_name="borzoi_pytorch.pytorch_borzoi_transformer",
+        class_name="Attention",
+        role="attention",
+        method="forward",
+        required=_RELATIVE_REQUIRED,
+        forward=_borzoi_forward,
+        head_dims=_relative_head_dims,
+    ),
+    Port(
+        kind="alphagenome",
+        module_name="alphagenome_pytorch.attention",
+        class_name="MHABlock",
+        role="attention",
+        method="forward",
+        required=("norm", "q_proj", "k_proj", "v_proj", "norm_q", "norm_k", "norm_v", "linear_embedding", "final_norm"),
+        forward=_alphagenome_mha_forward,
+        head_dims=_alphagenome_head_dims,
+    ),
+    Port(
+        kind="alphagenome",
+        module_name="alphagenome_pytorch.model",
+        class_name="TransformerTower",
+        role="bias",
+        method="_forward_block",
+        required=("blocks",),
+        forward=_alphagenome_tower_block,
+    ),
+)
+
+# Classes of the ports that look like attention but are not the math above: reported, never patched.
+UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
+    (
+        "borzoi_pytorch.pytorch_borzoi_transformer",
+        "FlashAttention",
+        "Flashzoi's RoPE attention (flash_attn MHA), not relative positions",
+    ),
+)

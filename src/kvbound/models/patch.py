@@ -1,0 +1,372 @@
+"""``kvbound.patch``: run a loaded Enformer, Borzoi or AlphaGenome port with memory-lean, optionally
+compressed attention, per instance, undoably.
+
+Each recognised module gets an instance attribute (``forward``; for AlphaGenome's ``TransformerTower``,
+``_forward_block``) that shadows its class's method; the class is never touched, and ``handle.undo()``
+deletes exactly those attributes (or restores what was there), so the module is left as it was found.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvbound.codec.basis import Basis, calibrate
+from kvbound.codec.format import CompressedKV
+from kvbound.compress import compress_kv
+from kvbound.config import CompressionConfig
+from kvbound.models._backend import BACKENDS
+from kvbound.models._ports import PORTS, UNSUPPORTED, Port, lookup_class, port_class
+
+__all__ = ["patch", "PatchHandle", "PatchedModule"]
+
+_MISSING = object()
+# Every module currently patched, and by which handle (weak: an unreferenced model may be collected).
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
+
+
+@dataclass(eq=False)
+class PatchedModule:
+    """One module a handle patched, and what its patched forward has done since."""
+
+    name: str
+    kind: str
+    role: str
+    module: nn.Module = field(repr=False)
+    method: str = "forward"
+    basis_k: Basis | None = None
+    basis_v: Basis | None = None
+    calls: int = 0
+    last_k_ratio: float | None = None
+    last_v_ratio: float | None = None
+    encode_seconds: float = 0.0
+    _original: object = field(default=_MISSING, repr=False)
+    _installed: object = field(default=None, repr=False)
+    _captured_k: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _captured_v: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+
+class _PatchedMethod:
+    """The callable placed on a module instance: calls the port's lean forward with its record and handle."""
+
+    __slots__ = ("_module", "_record", "_handle", "_impl", "__weakref__")
+
+    def __init__(self, module: nn.Module, record: PatchedModule, handle: PatchHandle, impl: Callable) -> None:
+        self._module = weakref.ref(module)
+        self._record = record
+        self._handle = handle
+        self._impl = impl
+
+    def __call__(self, *args, **kwargs):
+        module = self._module()
+        if module is None:
+            raise RuntimeError(f"{self._record.name}: the patched module no longer exists")
+        self._record.calls += 1
+        return self._impl(module, self._record, self._handle, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<kvbound patched {self._record.kind} {self._record.method} of {self._record.name}>"
+
+    # A copy would keep calling the original module; refuse instead of running the wrong weights.
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"{self._record.name}: a kvbound-patched module cannot be copied or pickled; call handle.undo() "
+            "first (state_dict() is unaffected)"
+        )
+
+    def __reduce_ex__(self, protocol):
+        self.__deepcopy__(None)
+
+
+class PatchHandle:
+    """What :func:`patch` did, and how to undo it.
+
+    Attributes:
+        modules: the patched attention modules (:class:`PatchedModule`: name, kind, bases, call counts,
+            last compression ratios of K and V).
+        helpers: modules patched only to hand a compact bias to patched attention (AlphaGenome's tower).
+        skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
+        calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
+        calibration_forward_seconds: time of the sample forward that captured K and V.
+    """
+
+    def __init__(
+        self,
+        config: CompressionConfig,
+        compress: bool,
+        backend: str,
+        query_chunk: int | None,
+    ) -> None:
+        self.config = config
+        self.compress = compress
+        self.backend = backend
+        self.query_chunk = query_chunk
+        self.modules: list[PatchedModule] = []
+        self.helpers: list[PatchedModule] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.calibration_seconds = 0.0
+        self.calibration_forward_seconds = 0.0
+        self._capturing = False
+        self._attention_ids: set[int] = set()
+        self.active = True
+
+    # ------------------------------------------------------------------------------------- used by forwards
+    def _patches_attention(self, module: nn.Module) -> bool:
+        return self.active and id(module) in self._attention_ids
+
+    def _prepare_kv(
+        self, record: PatchedModule, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor | CompressedKV, torch.Tensor | CompressedKV]:
+        """K and V ``[B, H, N, D]`` as the attention core should read them in this handle's mode."""
+        if self._capturing:
+            record._captured_k.append(k.detach())
+            record._captured_v.append(v.detach())
+            return k, v
+        if not self.compress:
+            return k, v
+        ck = compress_kv(k, self.config, record.basis_k)
+        cv = compress_kv(v, self.config, record.basis_v)
+        record.last_k_ratio = ck.compression_ratio
+        record.last_v_ratio = cv.compression_ratio
+        record.encode_seconds += ck.encode_seconds + cv.encode_seconds
+        return ck, cv
+
+    # ---------------------------------------------------------------------------------------------- public
+    @property
+    def calibrated(self) -> bool:
+        return any(r.basis_k is not None for r in self.modules)
+
+    def undo(self) -> None:
+        """Restore every patched module exactly as it was found (idempotent)."""
+        if not self.active:
+            return
+        problems = []
+        for record in [*self.helpers, *self.modules]:
+            module = record.module
+            if _ACTIVE.get(module) is self:
+                del _ACTIVE[module]
+            current = module.__dict__.get(record.method, _MISSING)
+            if current is not record._installed:
+                problems.append(f"{record.name}.{record.method} was replaced after kvbound.patch; left as it is")
+                continue
+            if record._original is _MISSING:
+                del module.__dict__[record.method]
+            else:
+                module.__dict__[record.method] = record._original
+        self.active = False
+        self._attention_ids.clear()
+        if problems:
+            raise RuntimeError("kvbound.patch undo: " + "; ".join(problems))
+
+    def summary(self) -> str:
+        lines = [
+            f"kvbound.patch: {len(self.modules)} attention module(s), {len(self.helpers)} bias helper(s), "
+            f"compress={self.compress}, backend={self.backend}, active={self.active}"
+        ]
+        if self.compress:
+            c = self.config
+            lines.append(
+                f"  config: rank {c.rank}, bits {c.bits}, block {c.block_size}, tau {c.tau:g}; calibration "
+                f"{self.calibration_seconds:.3f} s (+ {self.calibration_forward_seconds:.3f} s sample forward)"
+            )
+        for r in self.modules:
+            ratio = "" if r.last_k_ratio is None else f", K {r.last_k_ratio:.2f}x V {r.last_v_ratio:.2f}x"
+            basis = ", calibrated basis" if r.basis_k is not None else ""
+            lines.append(f"  {r.name} [{r.kind}] calls={r.calls}{basis}{ratio}")
+        for r in self.helpers:
+            lines.append(f"  {r.name} [{r.kind} {r.method}: tile-resolution bias]")
+        for name, reason in self.skipped:
+            lines.append(f"  skipped {name}: {reason}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"PatchHandle(modules={len(self.modules)}, helpers={len(self.helpers)}, skipped={len(self.skipped)}, "
+            f"compress={self.compress}, calibration_seconds={self.calibration_seconds:.3f}, active={self.active})"
+        )
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def _run_sample(model: nn.Module, sample) -> None:
+    if isinstance(sample, torch.Tensor):
+        model(sample)
+    elif isinstance(sample, Mapping):
+        model(**sample)
+    elif isinstance(sample, (tuple, list)):
+        model(*sample)
+    elif callable(sample):
+        sample(model)
+    else:
+        raise TypeError(
+            "calibrate_on: expected a tensor, a tuple of positional arguments, a dict of keyword arguments or "
+            f"a callable taking the model, got {type(sample).__name__}"
+        )
+
+
+def _install(module: nn.Module, record: PatchedModule, handle: PatchHandle, port: Port) -> None:
+    record._original = module.__dict__.get(port.method, _MISSING)
+    record._installed = _PatchedMethod(module, record, handle, port.forward)
+    module.__dict__[port.method] = record._installed
+    _ACTIVE[module] = handle
+
+
+def patch(
+    model: nn.Module,
+    config: CompressionConfig | None = None,
+    *,
+    compress: bool = True,
+    calibrate_on=None,
+    filter_fn: Callable[[str, nn.Module], bool] | None = None,
+    backend: str = "auto",
+    query_chunk: int | None = None,
+) -> PatchHandle:
+    """Patch the Enformer, Borzoi and AlphaGenome attention modules of a loaded ``model`` in place.
+
+    Args:
+        model: any ``nn.Module``; every submodule whose class is exactly ``enformer_pytorch``'s or
+            ``borzoi_pytorch``'s ``Attention`` or ``alphagenome_pytorch``'s ``MHABlock`` is patched (a port that is
+            not installed contributes nothing). AlphaGenome's ``TransformerTower`` is patched too, so that its
+            patched ``MHABlock`` s receive the pair bias at 16 x 16 tile resolution instead of ``[B, 8, S, S]``.
+        config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
+        compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
+            exact and only makes attention memory-lean.
+        calibrate_on: sample input for one forward of ``model`` (a tensor ``model(x)``, a tuple ``model(*x)``, a
+            dict ``model(**x)``, or a callable ``f(model)``); its K and V fit one shared basis per layer and per
+            K/V with :func:`kvbound.calibrate` (timed in ``handle.calibration_seconds``). Without it every
+            block uses its own truncated SVD. Only with ``compress=True``.
+        filter_fn: ``filter_fn(name, module) -> bool`` selects which recognised attention modules to patch.
+        backend: ``"auto"`` (``kvbound.attention`` on CUDA when available, else eager chunks), ``"eager"`` or
+            ``"kvbound"`` (raises when unavailable, never falls back).
+        query_chunk: query rows per attention call (default: float32 logits of a chunk under 128 MiB).
+
+    Returns:
+        a :class:`PatchHandle`; ``handle.undo()`` (or leaving ``with patch(...)``) restores the model exactly.
+
+    The patched forwards are for inference: Enformer/Borzoi modules in training mode with dropout raise.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    config = CompressionConfig() if config is None else config
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"config: expected kvbound.CompressionConfig or None, got {type(config).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if query_chunk is not None and (
+        isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1
+    ):
+        raise ValueError(f"query_chunk: expected None or an int >= 1, got {query_chunk!r}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn: expected a callable (name, module) -> bool, got {type(filter_fn).__name__}")
+    if calibrate_on is not None and not compress:
+        raise ValueError("calibrate_on: given with compress=False; calibration only serves compression")
+
+    handle = PatchHandle(config, compress, backend, query_chunk)
+    classes = [(port, port_class(port)) for port in PORTS]
+    classes = [(port, cls) for port, cls in classes if cls is not None]
+    unsupported = []
+    for module_name, class_name, reason in UNSUPPORTED:
+        cls = lookup_class(module_name, class_name)
+        if cls is not None:
+            unsupported.append((cls, reason))
+
+    named = list(model.named_modules())
+    chosen: list[tuple[str, nn.Module, Port]] = []
+    for name, module in named:
+        name = name or type(module).__name__
+        for cls, reason in unsupported:
+            if type(module) is cls:
+                handle.skipped.append((name, reason))
+        for port, cls in classes:
+            if not isinstance(module, cls) or port.role != "attention":
+                continue
+            if type(module) is not cls:
+                handle.skipped.append((name, f"subclass {type(module).__qualname__} of {port.kind} {cls.__name__}"))
+            elif not all(hasattr(module, attr) for attr in port.required):
+                missing = [a for a in port.required if not hasattr(module, a)]
+                handle.skipped.append((name, f"{port.kind} {cls.__name__} without {missing} (another version?)"))
+            elif filter_fn is not None and not filter_fn(name, module):
+                continue
+            elif module in _ACTIVE:
+                raise ValueError(f"model: module {name} is already patched by kvbound; undo that handle first")
+            elif port.method in vars(module):
+                handle.skipped.append((name, f"has an instance-level {port.method} (another patch or hook wrapper)"))
+            else:
+                if compress and port.head_dims is not None:
+                    dk, dv = port.head_dims(module)
+                    config.check_head_dim(dk, f"{name} K")
+                    config.check_head_dim(dv, f"{name} V")
+                chosen.append((name, module, port))
+
+    for name, module, port in chosen:
+        record = PatchedModule(name=name, kind=port.kind, role=port.role, module=module, method=port.method)
+        _install(module, record, handle, port)
+        handle.modules.append(record)
+        handle._attention_ids.add(id(module))
+
+    for name, module in named:
+        name = name or type(module).__name__
+        for port, cls in classes:
+            if port.role != "bias" or type(module) is not cls:
+                continue
+            if not all(hasattr(module, attr) for attr in port.required):
+                handle.skipped.append((name, f"{port.kind} {cls.__name__} of another layout"))
+                continue
+            feeds = any(id(m) in handle._attention_ids for m in module.modules())
+            if feeds and module not in _ACTIVE and port.method not in vars(module):
+                record = PatchedModule(name=name, kind=port.kind, role=port.role, module=module, method=port.method)
+                _install(module, record, handle, port)
+                handle.helpers.append(record)
+
+    if handle.skipped:
+        listed = "; ".join(f"{name}: {reason}" for name, reason in handle.skipped)
+        warnings.warn(f"kvbound.patch left these modules unpatched: {listed}", stacklevel=2)
+    if calibrate_on is not None:
+        _calibrate(model, handle, calibrate_on)
+    return handle
+
+
+def _calibrate(model: nn.Module, handle: PatchHandle, sample) -> None:
+    try:
+        handle._capturing = True
+        start = time.perf_counter()
+        with torch.no_grad():
+            _run_sample(model, sample)
+        handle.calibration_forward_seconds = time.perf_counter() - start
+        handle._capturing = False
+        for record in [*handle.modules, *handle.helpers]:
+            record.calls = 0
+        unseen = []
+        for record in handle.modules:
+            if not record._captured_k:
+                unseen.append(record.name)
+                continue
+            record.basis_k = calibrate(record._captured_k, handle.config)
+            record.basis_v = calibrate(record._captured_v, handle.config)
+            handle.calibration_seconds += record.basis_k.calibration_seconds + record.basis_v.calibration_seconds
+        if unseen:
+            warnings.warn(
+                f"calibrate_on: the sample forward never reached {unseen}; those modules compress with per-block bases",
+                stacklevel=3,
+            )
+    except BaseException:
+        handle._capturing = False
+        handle.undo()
+        raise
+    finally:
+        for record in handle.modules:
+            record._captured_k.clear()
+            record._captured_v.clear()

@@ -1,0 +1,548 @@
+"""kvbound.patch on small random instances of the three ports (CPU, seconds each).
+
+Each port's tests skip with the reason when that port is not installed (pip install kvbound[models]).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import kvbound  # noqa: E402
+from kvbound.models import TileBias, attention_output_bound, linear_output_bound, patch  # noqa: E402
+from kvbound.models.reference import (  # noqa: E402
+    alphagenome_mha_module_reference,
+    alphagenome_tile_bias_reference,
+    borzoi_attention_module_reference,
+    borzoi_positional_features_reference,
+    enformer_attention_module_reference,
+    enformer_positional_features_reference,
+    rope_reference,
+)
+
+CONFIG = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+
+
+def _port(name: str):
+    return pytest.importorskip(
+        name, reason=f"{name} is not installed (src/kvbound/models/README.md: installing the ports)"
+    )
+
+
+class SquareTensors(TorchDispatchMode):
+    """Counts op outputs whose last two dimensions are (n, n): an N x N matrix per head."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (self.n, self.n):
+                self.count += 1
+        return out
+
+
+def _snapshot(model: nn.Module):
+    """Every parameter/buffer value, and for each module its class and the identity of every attribute."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    attrs = {name: (type(m), {k: id(v) for k, v in vars(m).items()}) for name, m in model.named_modules()}
+    return state, attrs
+
+
+def _assert_same_snapshot(before, after):
+    (state0, attrs0), (state1, attrs1) = before, after
+    assert state0.keys() == state1.keys()
+    for key in state0:
+        assert torch.equal(state0[key], state1[key]), key
+    assert attrs0 == attrs1
+
+
+def _randomize_(module: nn.Module, seed: int) -> None:
+    """Random weights everywhere, including the zero-initialised output projections and unit norms."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif "weight" in name or name.endswith("scale"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _attention_modules(model, cls):
+    return [m for m in model.modules() if type(m) is cls]
+
+
+def _capture_inputs(modules):
+    """Forward pre-hooks that record the first positional input(s) of each module."""
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, args)) for i, m in enumerate(modules)]
+    return seen, hooks
+
+
+# ------------------------------------------------------------------------------------------------ Enformer
+@pytest.fixture(scope="module")
+def enformer():
+    port = _port("enformer_pytorch")
+    from enformer_pytorch.modeling_enformer import Attention
+
+    torch.manual_seed(0)
+    model = port.Enformer.from_hparams(
+        dim=96,
+        depth=2,
+        heads=4,
+        attn_dim_key=16,
+        num_downsamples=3,
+        dim_divisible_by=8,
+        target_length=-1,
+        output_heads=dict(human=8),
+    )
+    for i, m in enumerate(_attention_modules(model, Attention)):
+        _randomize_(m, seed=10 + i)  # to_out starts at zero: attention would add exactly nothing
+    return model.eval(), Attention
+
+
+def _enformer_input(length_tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 8 * length_tokens, 4, generator=g).softmax(-1)
+
+
+def test_enformer_features_match_port_formula():
+    _port("enformer_pytorch")
+    from enformer_pytorch.modeling_enformer import get_positional_embed
+
+    for n in (1, 7, 40, 300):
+        ours = enformer_positional_features_reference(n, 48)
+        port32 = get_positional_embed(n, 48, "cpu", False).double()
+        assert (ours - port32).abs().max().item() < 5e-4  # the port's gamma pdf runs in float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            port64 = get_positional_embed(n, 48, "cpu", False, dtype=torch.float64)
+        finally:
+            torch.set_default_dtype(previous)
+        assert (ours - port64).abs().max().item() < 1e-12
+
+
+def test_enformer_port_forward_matches_float64_reference(enformer):
+    model, attention = enformer
+    module = _attention_modules(model, attention)[0]
+    x = torch.randn(2, 37, 96, generator=torch.Generator().manual_seed(1))
+    ref = enformer_attention_module_reference(module, x)["out"]
+    with torch.no_grad():
+        port = module(x)
+        with patch(model, compress=False, query_chunk=16, backend="eager"):
+            lean = module(x)
+    port_err = (port.double() - ref).abs().max().item()
+    lean_err = (lean.double() - ref).abs().max().item()
+    print(f"enformer attention vs float64: port {port_err:.2e}, patched {lean_err:.2e}, |ref| {ref.abs().max():.2f}")
+    assert port_err < 1e-5 * ref.abs().max().item() + 1e-6  # the reference describes the port
+    assert lean_err <= 2 * port_err + 1e-6
+
+
+def test_enformer_patched_dense_matches_unpatched(enformer):
+    model, attention = enformer
+    x = _enformer_input(43)
+    with torch.no_grad():
+        expected = model(x)["human"]
+        with patch(model, compress=False, query_chunk=16, backend="eager") as handle:
+            got = model(x)["human"]
+    err = (got - expected).abs().max().item()
+    print(f"enformer model, patched dense vs port: max err {err:.2e} (|out| {expected.abs().max():.2f})")
+    assert [r.calls for r in handle.modules] == [1, 1]
+    assert err <= 1e-5 * expected.abs().max().item()
+
+
+def test_enformer_compressed_within_bound(enformer):
+    model, attention = enformer
+    modules = _attention_modules(model, attention)
+    x = _enformer_input(43)
+    with torch.no_grad():
+        expected = model(x)["human"]
+        seen, hooks = _capture_inputs(modules)
+        try:
+            handle = patch(model, CONFIG, calibrate_on=x, query_chunk=16, backend="eager")
+            got = model(x)["human"]
+        finally:
+            for h in hooks:
+                h.remove()
+        try:
+            print(handle.summary())
+            assert handle.calibrated and handle.calibration_seconds > 0
+            assert all(r.basis_k.rank == CONFIG.rank and r.last_k_ratio > 1 for r in handle.modules)
+            print(f"enformer model output, compressed vs port: max err {(got - expected).abs().max():.2e}")
+            for i, module in enumerate(modules):
+                inp = seen[i][0]
+                ref = enformer_attention_module_reference(module, inp)
+                out = module(inp)
+                b, h, n, _ = ref["q"].shape
+                effective = ref["q"] * module.scale + module.rel_content_bias.double()
+                core = attention_output_bound(effective, ref["v"], tau_k=CONFIG.tau, tau_v=CONFIG.tau)
+                bound = linear_output_bound(core.transpose(1, 2).reshape(b, n, -1), module.to_out.weight)
+                err = (out.double() - ref["out"]).abs()
+                print(
+                    f"  layer {i}: attention output max err {err.max():.2e} (mean {err.mean():.2e}), "
+                    f"certified bound max {bound.max():.2e} min {bound.min():.2e}"
+                )
+                assert (err <= bound + 1e-5 * (1 + ref["out"].abs())).all()
+        finally:
+            handle.undo()
+
+
+def test_enformer_patched_with_fused_backend(enformer):
+    """The patched forward handing its chunks to kvbound.attention (interpreted on CPU), dense and compressed."""
+    model, attention = enformer
+    module = _attention_modules(model, attention)[1]
+    x = torch.randn(1, 40, 96, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        port = module(x)
+        with patch(model, compress=False, backend="kvbound", query_chunk=16):
+            dense = module(x)
+        with patch(model, CONFIG, backend="kvbound", query_chunk=16):
+            fused = module(x)
+        with patch(model, CONFIG, backend="eager", query_chunk=16):
+            eager = module(x)
+    print(
+        f"enformer via kvbound.attention: dense vs port {(dense - port).abs().max():.2e}, compressed vs the "
+        f"eager compressed path {(fused - eager).abs().max():.2e}, vs port {(fused - port).abs().max():.2e}"
+    )
+    assert (dense - port).abs().max().item() <= 1e-5 * port.abs().max().item()
+    assert (fused - eager).abs().max().item() <= 1e-5 * port.abs().max().item()
+
+
+def test_enformer_undo_restores_exactly(enformer):
+    model, attention = enformer
+    x = _enformer_input(40)
+    with torch.no_grad():
+        before_out = model(x)["human"]
+        before = _snapshot(model)
+        handle = patch(model, CONFIG, calibrate_on=x, query_chunk=16)
+        assert {r.name for r in handle.modules} == {"transformer.0.0.fn.1", "transformer.1.0.fn.1"}
+        assert all("forward" in vars(r.module) for r in handle.modules)
+        model(x)
+        handle.undo()
+        after_out = model(x)["human"]
+    _assert_same_snapshot(before, _snapshot(model))
+    assert torch.equal(before_out, after_out)
+    assert all(m.forward.__func__ is attention.forward for m in _attention_modules(model, attention))
+    handle.undo()  # idempotent
+
+
+def test_enformer_training_mode_with_dropout_raises(enformer):
+    model, attention = enformer
+    module = _attention_modules(model, attention)[0]
+    with patch(model, compress=False):
+        module.train()
+        try:
+            with pytest.raises(RuntimeError, match="training mode with attn_dropout.p=0.05"):
+                module(torch.randn(1, 20, 96))
+        finally:
+            module.eval()
+
+
+# -------------------------------------------------------------------------------------------------- Borzoi
+@pytest.fixture(scope="module")
+def borzoi():
+    port = _port("borzoi_pytorch")
+    from borzoi_pytorch.config_borzoi import BorzoiConfig
+    from borzoi_pytorch.pytorch_borzoi_transformer import Attention
+
+    torch.manual_seed(0)
+    model = port.Borzoi(
+        BorzoiConfig(dim=64, depth=2, heads=2, attn_dim_key=8, attn_dim_value=16, bins_to_return=64)
+    ).eval()
+    for i, m in enumerate(_attention_modules(model, Attention)):
+        _randomize_(m, seed=20 + i)
+    x = torch.randn(1, 4, 128 * 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(x)  # the port caches its positional features (for 32 tokens) on the first forward
+    return model, Attention, x, expected
+
+
+def test_borzoi_features_match_port_formula():
+    _port("borzoi_pytorch")
+    from borzoi_pytorch.pytorch_borzoi_transformer import get_positional_embed
+
+    for n in (1, 9, 40, 200):
+        assert torch.equal(
+            borzoi_positional_features_reference(n, 32), get_positional_embed(n, 4096, 32, "cpu").double()
+        )
+
+
+def test_borzoi_port_forward_matches_float64_reference(borzoi):
+    model, attention, _, _ = borzoi
+    module = _attention_modules(model, attention)[0]
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(3))  # the length the port cached
+    ref = borzoi_attention_module_reference(module, x)["out"]
+    with torch.no_grad():
+        port = module(x)
+        with patch(model, compress=False, query_chunk=7, backend="eager"):
+            lean = module(x)
+    port_err = (port.double() - ref).abs().max().item()
+    lean_err = (lean.double() - ref).abs().max().item()
+    print(f"borzoi attention vs float64: port {port_err:.2e}, patched {lean_err:.2e}, |ref| {ref.abs().max():.2f}")
+    assert port_err < 1e-5 * ref.abs().max().item() + 1e-6
+    assert lean_err <= 2 * port_err + 1e-6
+
+
+def test_borzoi_patched_dense_matches_unpatched_and_runs_other_lengths(borzoi):
+    model, attention, x, expected = borzoi
+    modules = _attention_modules(model, attention)
+    short, long = torch.randn(1, 25, 64), torch.randn(1, 60, 64)
+    with torch.no_grad():
+        port_short = modules[0](short)  # the port reuses its cached 32-token features: silently wrong
+        with pytest.raises(RuntimeError, match="as_strided"):
+            modules[0](long)  # ... or out of bounds
+        with patch(model, compress=False, query_chunk=16, backend="eager"):
+            got = model(x)
+            lean_short, lean_long = modules[0](short), modules[0](long)
+            assert all(m.positions.shape[0] == 2 * 32 - 1 for m in modules)  # never written by the patch
+    err = (got - expected).abs().max().item()
+    print(f"borzoi model, patched dense vs port: max err {err:.2e} (|out| {expected.abs().max():.2f})")
+    assert err <= 1e-5 * expected.abs().max().item()
+    for inp, out in ((short, lean_short), (long, lean_long)):
+        ref = borzoi_attention_module_reference(modules[0], inp)["out"]
+        assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+    ref_short = borzoi_attention_module_reference(modules[0], short)["out"]
+    print(f"borzoi port at another length, max err vs float64: {(port_short.double() - ref_short).abs().max():.2e}")
+    assert (port_short.double() - ref_short).abs().max().item() > 1e-2
+
+
+def test_borzoi_compressed_within_bound_and_undo(borzoi):
+    model, attention, x, expected = borzoi
+    modules = _attention_modules(model, attention)
+    with torch.no_grad():
+        before = _snapshot(model)
+        seen, hooks = _capture_inputs(modules)
+        try:
+            handle = patch(model, CONFIG, calibrate_on=x, query_chunk=16, backend="eager")
+            got = model(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        print(handle.summary())
+        print(f"borzoi model output, compressed vs port: max err {(got - expected).abs().max():.2e}")
+        for i, module in enumerate(modules):
+            inp = seen[i][0]
+            ref = borzoi_attention_module_reference(module, inp)
+            out = module(inp)
+            b, h, n, _ = ref["q"].shape
+            effective = ref["q"] * module.scale + module.rel_content_bias.double()
+            core = attention_output_bound(effective, ref["v"], tau_k=CONFIG.tau, tau_v=CONFIG.tau)
+            bound = linear_output_bound(core.transpose(1, 2).reshape(b, n, -1), module.to_out.weight)
+            err = (out.double() - ref["out"]).abs()
+            print(f"  layer {i}: attention output max err {err.max():.2e}, certified bound max {bound.max():.2e}")
+            assert (err <= bound + 1e-5 * (1 + ref["out"].abs())).all()
+        handle.undo()
+        after_out = model(x)
+    _assert_same_snapshot(before, _snapshot(model))
+    assert torch.equal(after_out, expected)
+
+
+# --------------------------------------------------------------------------------------------- AlphaGenome
+@pytest.fixture(scope="module")
+def alphagenome():
+    _port("alphagenome_pytorch")
+    from alphagenome_pytorch.attention import AttentionBiasBlock, MHABlock
+    from alphagenome_pytorch.model import TransformerTower
+
+    torch.manual_seed(0)
+    tower = TransformerTower(64)
+    _randomize_(tower, seed=30)
+    with torch.no_grad():
+        for m in tower.modules():
+            if hasattr(m, "running_var"):
+                m.running_var.uniform_(0.5, 2.0)
+    return tower.eval(), MHABlock, AttentionBiasBlock
+
+
+def _alphagenome_input(s: int = 64, seed: int = 4):
+    return torch.randn(1, s, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def test_alphagenome_rope_and_tile_bias_match_port(alphagenome):
+    tower, _, bias_block = alphagenome
+    from alphagenome_pytorch.attention import apply_rope
+
+    x = torch.randn(2, 50, 3, 128)
+    assert (apply_rope(x.clone()).double() - rope_reference(x)).abs().max().item() < 1e-4
+    block = tower.blocks[0]["attn_bias"]
+    assert type(block) is bias_block
+    pair = torch.randn(1, 4, 4, 128)
+    with torch.no_grad():
+        full = block(pair)
+    tiles = alphagenome_tile_bias_reference(block, pair)
+    assert (full.double() - TileBias(tiles, 16, 64, 64).expand()).abs().max().item() < 1e-5
+
+
+def test_alphagenome_port_forward_matches_float64_reference(alphagenome):
+    tower, mha_class, _ = alphagenome
+    module = tower.blocks[1]["mha"]
+    x = _alphagenome_input(48)
+    tiles = torch.randn(1, 8, 3, 3)
+    ref = alphagenome_mha_module_reference(module, x, tiles)["out"]
+    with torch.no_grad():
+        port = module(x, TileBias(tiles, 16, 48, 48).expand())
+        with patch(tower, compress=False, query_chunk=16, backend="eager"):
+            lean = module(x, TileBias(tiles, 16, 48, 48))
+    port_err = (port.double() - ref).abs().max().item()
+    lean_err = (lean.double() - ref).abs().max().item()
+    print(f"alphagenome MHABlock vs float64: port {port_err:.2e}, patched {lean_err:.2e}, |ref| {ref.abs().max():.2f}")
+    assert port_err < 1e-5 * ref.abs().max().item() + 1e-6
+    assert lean_err <= 2 * port_err + 1e-6
+
+
+def test_alphagenome_patched_with_fused_backend(alphagenome):
+    tower, _, _ = alphagenome
+    module = tower.blocks[2]["mha"]
+    x = _alphagenome_input(48)
+    tiles = torch.randn(1, 8, 3, 3, generator=torch.Generator().manual_seed(6))
+    config = kvbound.CompressionConfig(block_size=16, rank=8, bits=4)
+    with torch.no_grad():
+        port = module(x, TileBias(tiles, 16, 48, 48).expand())
+        with patch(tower, compress=False, backend="kvbound", query_chunk=16):
+            dense = module(x, TileBias(tiles, 16, 48, 48))
+        with patch(tower, config, backend="kvbound", query_chunk=16):
+            fused = module(x, TileBias(tiles, 16, 48, 48))
+        with patch(tower, config, backend="eager", query_chunk=16):
+            eager = module(x, TileBias(tiles, 16, 48, 48))
+    print(
+        f"alphagenome via kvbound.attention: dense vs port {(dense - port).abs().max():.2e}, compressed vs the "
+        f"eager compressed path {(fused - eager).abs().max():.2e}, vs port {(fused - port).abs().max():.2e}"
+    )
+    assert (dense - port).abs().max().item() <= 1e-5 * port.abs().max().item()
+    assert (fused - eager).abs().max().item() <= 1e-5 * port.abs().max().item()
+
+
+def test_alphagenome_patched_tower_dense_matches_and_never_expands_bias(alphagenome):
+    tower, _, _ = alphagenome
+    s = 48  # not 128 (the head dim): only attention-shaped tensors are S x S
+    x = _alphagenome_input(s)
+    with torch.no_grad(), SquareTensors(s) as port_sizes:
+        expected, expected_pair = tower(x)
+    with torch.no_grad(), patch(tower, compress=False, query_chunk=16, backend="eager") as handle:
+        with SquareTensors(s) as lean_sizes:
+            got, got_pair = tower(x)
+    assert len(handle.modules) == 9 and [r.name for r in handle.helpers] == ["TransformerTower"]
+    err = (got - expected).abs().max().item()
+    pair_err = (got_pair - expected_pair).abs().max().item()
+    print(
+        f"alphagenome tower, patched dense vs port: max err {err:.2e} (|out| {expected.abs().max():.2f}), pair "
+        f"{pair_err:.2e}; S x S tensors: port {port_sizes.count}, patched {lean_sizes.count}"
+    )
+    assert err <= 1e-5 * expected.abs().max().item()
+    assert pair_err <= 1e-5 * expected_pair.abs().max().item()
+    assert port_sizes.count >= 9  # the instrument sees the port's [B, 8, S, S] bias and logits
+    assert lean_sizes.count == 0
+
+
+def test_alphagenome_compressed_within_bound_and_undo(alphagenome):
+    tower, mha_class, _ = alphagenome
+    config = kvbound.CompressionConfig(block_size=16, rank=8, bits=4)
+    x = _alphagenome_input(64)
+    modules = [block["mha"] for block in tower.blocks]
+    with torch.no_grad():
+        expected, _ = tower(x)
+        before = _snapshot(tower)
+        seen, hooks = _capture_inputs(modules)
+        try:
+            handle = patch(tower, config, calibrate_on=x, backend="eager")
+            got, _ = tower(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        print(handle.summary())
+        print(f"alphagenome tower output, compressed vs port: max err {(got - expected).abs().max():.2e}")
+        for i in (0, 5):
+            module = modules[i]
+            inp, bias = seen[i][0], seen[i][1]
+            assert isinstance(bias, TileBias)  # the patched tower hands over the compact bias
+            ref = alphagenome_mha_module_reference(module, inp, bias.values)
+            out = module(inp, bias)
+            b, hq, s, dv = ref["core"].shape
+            core = attention_output_bound(ref["q"], ref["v"], tau_k=config.tau, tau_v=config.tau, logit_scale=128**-0.5)
+            bound = linear_output_bound(core.transpose(1, 2).reshape(b, s, -1), module.linear_embedding.weight)
+            norm = module.final_norm
+            bound = bound * (norm.weight.double() / torch.sqrt(norm.running_var.double() + norm.eps)).abs()
+            err = (out.double() - ref["out"]).abs()
+            print(f"  block {i}: attention output max err {err.max():.2e}, certified bound max {bound.max():.2e}")
+            assert (err <= bound + 1e-5 * (1 + ref["out"].abs())).all()
+        handle.undo()
+        after, _ = tower(x)
+    _assert_same_snapshot(before, _snapshot(tower))
+    assert torch.equal(after, expected)
+    assert all("forward" not in vars(m) for m in modules) and "_forward_block" not in vars(tower)
+
+
+# ------------------------------------------------------------------------------------------------- the API
+def test_patch_finds_nothing_in_a_model_without_port_modules():
+    model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2))
+    before = _snapshot(model)
+    handle = patch(model)
+    assert len(handle) == 0 and handle.helpers == [] and not handle.calibrated
+    handle.undo()
+    _assert_same_snapshot(before, _snapshot(model))
+
+
+def test_patch_filter_double_patch_and_argument_errors(enformer):
+    model, attention = enformer
+    with patch(model, compress=False, filter_fn=lambda name, m: name.startswith("transformer.1")) as handle:
+        assert [r.name for r in handle.modules] == ["transformer.1.0.fn.1"]
+        with pytest.raises(ValueError, match="transformer.1.0.fn.1 is already patched by kvbound"):
+            patch(model, compress=False)
+        other = patch(model, compress=False, filter_fn=lambda name, m: name.startswith("transformer.0"))
+        other.undo()
+    with pytest.raises(ValueError, match="K: CompressionConfig.rank must be < head dim; got rank 16 for head dim 16"):
+        patch(model, kvbound.CompressionConfig(rank=16))
+    with pytest.raises(ValueError, match="calibrate_on: given with compress=False"):
+        patch(model, compress=False, calibrate_on=torch.zeros(1))
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        patch(model, backend="flash")
+    with pytest.raises(TypeError, match="calibrate_on: expected a tensor"):
+        patch(model, CONFIG, calibrate_on=3)
+    assert all("forward" not in vars(m) for m in _attention_modules(model, attention))  # failed calibration undid
+
+
+def test_patched_model_refuses_to_be_copied(enformer):
+    import copy
+
+    model, _ = enformer
+    with patch(model, compress=False):
+        with pytest.raises(TypeError, match="cannot be copied or pickled; call handle.undo"):
+            copy.deepcopy(model)
+    copy.deepcopy(model)
+
+
+def test_patch_skips_modules_with_an_instance_forward(enformer):
+    model, attention = enformer
+    module = _attention_modules(model, attention)[0]
+    module.forward = lambda x: attention.forward(module, x)  # what hook wrappers (e.g. accelerate's) look like
+    try:
+        with pytest.warns(UserWarning, match="left these modules unpatched: transformer.0.0.fn.1: has an instance"):
+            handle = patch(model, compress=False)
+        assert [r.name for r in handle.modules] == ["transformer.1.0.fn.1"]
+        handle.undo()
+    finally:
+        del module.forward
+
+
+def test_undo_refuses_to_clobber_a_later_patch(enformer):
+    model, attention = enformer
+    handle = patch(model, compress=False)
+    module = handle.modules[0].module
+    module.forward = lambda x: x
+    with pytest.raises(RuntimeError, match=r"transformer.0.0.fn.1.forward was replaced after kvbound.patch"):
+        handle.undo()
+    assert "forward" not in vars(handle.modules[1].module)
+    del module.forward
