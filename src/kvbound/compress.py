@@ -18,6 +18,7 @@ def compress_kv(
     basis: Basis | None = None,
     *,
     impl: str = "eager",
+    verify: bool = True,
 ) -> CompressedKV:
     """Compress K or V with a certified element-wise bound.
 
@@ -28,6 +29,8 @@ def compress_kv(
             exact truncated SVD (rank 0: residual quantisation only).
         impl: ``"eager"`` (float64 encoder, any basis or none) or ``"triton"`` (fused GPU encoder; needs a
             calibrated basis and rank >= 1; its output is certified by the same float64 check).
+        verify: ``impl="triton"`` only: run the float64 certificate on the stored numbers (default). ``False``
+            relies on the encoder's conservative in-kernel check alone (see ``encode_triton``) and saves a pass.
 
     Returns:
         a :class:`CompressedKV` whose ``decompress()`` is within ``config.tau`` of ``x`` element-wise.
@@ -38,5 +41,5 @@ def compress_kv(
     if impl == "triton":
         from kvbound.codec.encode_triton import encode_triton
 
-        return encode_triton(x, config, basis)
+        return encode_triton(x, config, basis, verify=verify)
     raise ValueError(f"impl: expected 'eager' or 'triton', got {impl!r}")

@@ -40,6 +40,7 @@ __all__ = ["encode", "decode", "promotion_widths", "uncertified_blocks"]
 
 # Elements of x processed at once (float64 temporaries of this size dominate memory).
 _CHUNK_ELEMENTS = 1 << 22
+_CHUNK_ELEMENTS_CUDA = 1 << 25
 _STEP_MARGIN = 1.0 - 2.0**-10
 _COEFF_FP16_LIMIT = 2.0**15
 
@@ -49,8 +50,9 @@ def promotion_widths(bits: int) -> list[int]:
     return [bits] + [w for w in (4, 5, 6, 8) if w > bits]
 
 
-def _chunks(total: int, per_item: int):
-    step = max(1, _CHUNK_ELEMENTS // max(1, per_item))
+def _chunks(total: int, per_item: int, device: torch.device | None = None):
+    budget = _CHUNK_ELEMENTS_CUDA if device is not None and device.type == "cuda" else _CHUNK_ELEMENTS
+    step = max(1, budget // max(1, per_item))
     for start in range(0, total, step):
         yield slice(start, min(total, start + step))
 
@@ -142,7 +144,7 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
     else:
         projection_store = torch.empty(bh, nb, r, d, dtype=torch.float16, device=device)
     coeff64 = torch.empty(bh, nb, block, r, dtype=torch.float64, device=device)
-    for sl in _chunks(bh, nb * block * d):
+    for sl in _chunks(bh, nb * block * d, device):
         xb = _blocks(xs[sl].to(torch.float64), n, block)
         if basis is not None:
             p = shared[head_of[sl]][:, None]  # [c, 1, r, D]
@@ -161,7 +163,7 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
     scale = torch.zeros(bh, nb, dtype=torch.float32, device=device)
     q_store: list[tuple[slice, torch.Tensor]] = []
     gamma = (r + 2) * 2.0**-52
-    for sl in _chunks(bh, nb * block * d):
+    for sl in _chunks(bh, nb * block * d, device):
         xb = _blocks(xs[sl].to(torch.float64), n, block)  # [c, NB, Bn, D]
         cd = coeffs[sl].to(torch.float64)
         pd = (shared[head_of[sl]][:, None] if basis is not None else projection_store[sl]).to(torch.float64)
@@ -220,7 +222,7 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
             codes_buf[dest[:, None] + torch.arange(wpr, device=device)] = _pack(q[rows], w)
     raw_rows_all = (mode == MODE_RAW)[..., None] & valid[None]
     if bool(raw_rows_all.any()):
-        for sl in _chunks(bh, nb * block * d):
+        for sl in _chunks(bh, nb * block * d, device):
             rows = raw_rows_all[sl]
             if not bool(rows.any()):
                 continue
@@ -269,7 +271,7 @@ def _decode_chunks(ckv: CompressedKV, with_rounding: bool = False):
     basis = ckv.basis if ckv.shared_basis else ckv.basis.reshape(bh, nb, r, d)
     local_row = torch.arange(block, device=device, dtype=torch.int64)
     gamma = (r + 2) * 2.0**-52
-    for sl in _chunks(bh, nb * block * d):
+    for sl in _chunks(bh, nb * block * d, device):
         cd = _blocks(coeffs[sl].to(torch.float64), n, block)
         pd = (basis[head_of[sl]][:, None] if ckv.shared_basis else basis[sl]).to(torch.float64)
         y = cd @ pd  # [c, NB, Bn, D]
