@@ -1,0 +1,228 @@
+"""K/V hooks for the compact models, installed per model instance and removed by the returned handle.
+
+* :class:`CompressedKVHook`: K and V of every layer go through ``kvbound.compress_kv(...).decompress()``
+  (in bfloat16, the dtype the models run in on the GPU, so ratios are against bf16 storage); the measured
+  error is checked against the certified bound ``tau`` on the exact values returned.
+* :class:`LowRankOnlyHook`: the ablation "low-rank part only, residual dropped": ``x P^T P`` with the same
+  calibrated per-head basis ``P`` (or a per-block truncated SVD without one). No bound.
+* :class:`RoundingHook`: K and V rounded to bfloat16 only (ratio 1): the floor every setting shares.
+* :class:`RecordingHook`: keeps K and V per layer (for :func:`calibrate_bases`).
+
+``install(model, hook, attention_fn=None)`` sets the hook (and optionally a replacement attention function,
+e.g. a fused kernel with the same signature as the model's eager one) on every attention layer and returns a
+:class:`HookHandle`; ``handle.remove()`` (or leaving its ``with`` block) restores what was there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbound.eval.models import TrackModel, _HookedAttention
+
+__all__ = [
+    "CompressedKVHook",
+    "HookHandle",
+    "KVStats",
+    "LowRankOnlyHook",
+    "RecordingHook",
+    "RoundingHook",
+    "calibrate_bases",
+    "install",
+]
+
+STORAGE_DTYPE = torch.bfloat16
+
+
+@dataclass
+class HookHandle:
+    layers: list[_HookedAttention]
+    previous: list[tuple[object, Callable]]
+
+    def remove(self) -> None:
+        for layer, (hook, attention_fn) in zip(self.layers, self.previous, strict=True):
+            layer.kv_hook = hook
+            layer.attention_fn = attention_fn
+        self.layers, self.previous = [], []
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def install(model: TrackModel, hook, attention_fn: Callable | None = None) -> HookHandle:
+    """Set ``hook`` (and ``attention_fn`` if given) on every attention layer of this model instance."""
+    layers = [module for module in model.modules() if isinstance(module, _HookedAttention)]
+    if not layers:
+        raise ValueError("model: expected attention layers to hook, found none")
+    previous = [(layer.kv_hook, layer.attention_fn) for layer in layers]
+    for layer in layers:
+        layer.kv_hook = hook
+        if attention_fn is not None:
+            layer.attention_fn = attention_fn
+    return HookHandle(layers, previous)
+
+
+@dataclass
+class KVStats:
+    """Bytes and errors accumulated over every call, per tensor kind ("k", "v")."""
+
+    dense_bytes: dict[str, int] = field(default_factory=lambda: {"k": 0, "v": 0})
+    stored_bytes: dict[str, int] = field(default_factory=lambda: {"k": 0, "v": 0})
+    max_abs_error: dict[str, float] = field(default_factory=lambda: {"k": 0.0, "v": 0.0})
+    calls: int = 0
+    bound_violations: int = 0
+    # blocks per storage mode (codec only): lowrank, packed, promoted, raw
+    mode_blocks: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("lowrank", "packed", "promoted", "raw"), 0)
+    )
+
+    def mode_shares(self) -> dict[str, float]:
+        total = sum(self.mode_blocks.values())
+        return {name: (count / total if total else float("nan")) for name, count in self.mode_blocks.items()}
+
+    def add(self, name: str, dense: int, stored: int, error: float) -> None:
+        self.dense_bytes[name] += dense
+        self.stored_bytes[name] += stored
+        self.max_abs_error[name] = max(self.max_abs_error[name], error)
+
+    def ratio(self, name: str | None = None) -> float:
+        names = ("k", "v") if name is None else (name,)
+        stored = sum(self.stored_bytes[n] for n in names)
+        return sum(self.dense_bytes[n] for n in names) / stored if stored else float("nan")
+
+
+def _dense_bytes(x: torch.Tensor) -> int:
+    return x.numel() * torch.empty((), dtype=STORAGE_DTYPE).element_size()
+
+
+class CompressedKVHook:
+    """Replace K and V by ``compress_kv(x.to(bf16), config, basis).decompress()``.
+
+    ``bases``: ``{(layer_index, "k" | "v"): kvbound.Basis}`` from :func:`calibrate_bases` (shared per-head
+    projections); missing entries use the codec's per-block SVD. ``strict``: raise if an element misses the
+    bound (otherwise count it in ``stats.bound_violations``). ``impl``: the encoder, passed to ``compress_kv``.
+    """
+
+    def __init__(self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager"):
+        self.config = config
+        self.bases = bases or {}
+        self.strict = strict
+        self.impl = impl
+        self.stats = KVStats()
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stats.calls += 1
+        return self._one(layer, "k", k), self._one(layer, "v", v)
+
+    def _one(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        import kvbound
+
+        stored = x.detach().to(STORAGE_DTYPE)
+        compressed = kvbound.compress_kv(stored, self.config, basis=self.bases.get((layer, name)), impl=self.impl)
+        restored = compressed.decompress().to(x.device)
+        error = float((restored.double() - stored.double()).abs().max().item())
+        if not error <= self.config.tau:  # also catches NaN
+            self.stats.bound_violations += 1
+            if self.strict:
+                raise ValueError(f"layer {layer} {name}: max |x - x_hat| = {error} exceeds tau = {self.config.tau}")
+        self.stats.add(name, _dense_bytes(stored), compressed.nbytes, error)
+        blocks = compressed.mode.numel()
+        for mode, share in compressed.mode_fractions().items():
+            self.stats.mode_blocks[mode] += round(share * blocks)
+        return restored.to(x.dtype)
+
+
+class LowRankOnlyHook:
+    """Keep only the rank-``rank`` part: ``x P^T P`` with a calibrated basis, else a per-block truncated SVD.
+
+    Stored bytes count fp16 coefficients (``N x r`` per head) plus the basis (``r x D`` per head, or per
+    block without a calibrated basis). There is no error bound.
+    """
+
+    def __init__(self, rank: int, block_size: int = 128, bases: dict | None = None):
+        if rank < 1:
+            raise ValueError(f"rank: expected >= 1, got {rank}")
+        self.rank = rank
+        self.block_size = block_size
+        self.bases = bases or {}
+        self.stats = KVStats()
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stats.calls += 1
+        return self._one(layer, "k", k), self._one(layer, "v", v)
+
+    def _one(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        stored = x.detach().to(STORAGE_DTYPE).float()
+        b, h, n, d = stored.shape
+        basis = self.bases.get((layer, name))
+        if basis is not None:
+            projection = basis.projection.to(device=x.device, dtype=torch.float32)  # [H, r, D]
+            restored = torch.einsum("bhnd,hrd,hre->bhne", stored, projection, projection)
+            stored_bytes = 2 * (b * h * n * self.rank) + 2 * h * self.rank * d
+        else:
+            restored = torch.empty_like(stored)
+            blocks = 0
+            for start in range(0, n, self.block_size):
+                block = stored[:, :, start : start + self.block_size].double()
+                u, s, vh = torch.linalg.svd(block, full_matrices=False)
+                r = min(self.rank, s.shape[-1])
+                restored[:, :, start : start + self.block_size] = (
+                    (u[..., :r] * s[..., None, :r]) @ vh[..., :r, :]
+                ).float()
+                blocks += 1
+            stored_bytes = 2 * (b * h * n * self.rank) + 2 * b * h * blocks * self.rank * d
+        error = float((restored - stored).abs().max().item())
+        self.stats.add(name, _dense_bytes(stored), stored_bytes, error)
+        return restored.to(x.dtype)
+
+
+class RoundingHook:
+    """K and V rounded to bfloat16 (what every compressed setting starts from)."""
+
+    def __init__(self):
+        self.stats = KVStats()
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stats.calls += 1
+        out = []
+        for name, x in (("k", k), ("v", v)):
+            rounded = x.to(STORAGE_DTYPE)
+            self.stats.add(
+                name,
+                _dense_bytes(rounded),
+                _dense_bytes(rounded),
+                float((rounded.double() - x.double()).abs().max().item()),
+            )
+            out.append(rounded.to(x.dtype))
+        return out[0], out[1]
+
+
+class RecordingHook:
+    """Keep (bf16 copies of) K and V per layer, unchanged."""
+
+    def __init__(self):
+        self.samples: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for name, x in (("k", k), ("v", v)):
+            self.samples.setdefault((layer, name), []).append(x.detach().to(STORAGE_DTYPE))
+        return k, v
+
+
+@torch.no_grad()
+def calibrate_bases(model: TrackModel, inputs: list[torch.Tensor], config) -> dict:
+    """``{(layer, "k" | "v"): kvbound.Basis}`` fitted with ``kvbound.calibrate`` on K/V of ``inputs``."""
+    import kvbound
+
+    if config.rank == 0:
+        return {}
+    recorder = RecordingHook()
+    with install(model, recorder):
+        for batch in inputs:
+            model(batch)
+    return {key: kvbound.calibrate(samples, config) for key, samples in recorder.samples.items()}

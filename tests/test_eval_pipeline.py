@@ -1,0 +1,168 @@
+"""The whole benchmark on the synthetic fixture, on CPU: train a toy model, then `kvbound eval`."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from kvbound.eval import cli, train
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fixture")
+
+
+def _rows(path):
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_train_toy_model_is_seeded_and_logged(fixture_dir, tmp_path):
+    runs = []
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        argv = [
+            "--model",
+            "enformer",
+            "--size",
+            "toy",
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--fixture",
+            str(fixture_dir),
+            "--weights-dir",
+            str(out),
+            "--log-dir",
+            str(out),
+            "--log-every",
+            "2",
+            "--eval-every",
+            "4",
+            "--eval-windows",
+            "2",
+            "--device",
+            "cpu",
+        ]
+        assert train.main(argv) == 0
+        runs.append(_rows(out / "train_enformer_toy.csv"))
+        summary = json.loads((out / "train_enformer_toy.json").read_text())
+        assert (out / "enformer_toy.safetensors").exists()
+    assert [row["step"] for row in runs[0]] == ["2", "4"]
+    assert all(math.isfinite(float(row["loss"])) and float(row["loss"]) > 0 for row in runs[0])
+    assert [row["loss"] for row in runs[0]] == [row["loss"] for row in runs[1]]  # same seed, same run
+    assert summary["parameters"] > 10_000 and summary["best"]["step"] == 4
+    assert -1.0 <= float(runs[0][-1]["valid_pearson_mean"]) <= 1.0
+
+
+def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
+    weights = tmp_path / "weights"
+    for kind in ("enformer", "alphagenome"):
+        for extra in ([], ["--no-attention"]):
+            argv = [
+                "--model",
+                kind,
+                "--size",
+                "toy",
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--fixture",
+                str(fixture_dir),
+                "--weights-dir",
+                str(weights),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--eval-every",
+                "3",
+                "--eval-windows",
+                "2",
+                "--device",
+                "cpu",
+                *extra,
+            ]
+            assert train.main(argv) == 0
+    out = tmp_path / "results"
+    argv = [
+        "--fixture",
+        str(fixture_dir),
+        "--weights-dir",
+        str(weights),
+        "--out",
+        str(out),
+        "--windows",
+        "2",
+        "--max-variants",
+        "30",
+        "--settings",
+        "default,ablation,floor",
+        "--block-size",
+        "16",
+        "--device",
+        "cpu",
+    ]
+    assert cli.main(argv) == 0
+    rows = _rows(out / "quality.csv")
+    models = {row["model"] for row in rows}
+    assert models == {"enformer_toy", "enformer_noattn_toy", "alphagenome_toy", "alphagenome_noattn_toy"}
+    assert all(row["weights"].startswith("trained") for row in rows)
+    by = {(row["model"], row["setting"]): row for row in rows}
+    for kind in ("enformer", "alphagenome"):
+        exact = by[(f"{kind}_toy", "exact")]
+        assert float(exact["ratio"]) == 1.0 and float(exact["auroc_drop"]) == 0.0
+        default = by[(f"{kind}_toy", "default r8 b4")]
+        assert int(default["bound_violations"]) == 0
+        assert 0 < float(default["max_abs_error_k"]) <= 2.0**-5 and 0 < float(default["max_abs_error_v"]) <= 2.0**-5
+        assert float(default["ratio"]) > 1.0
+        assert 0.0 <= float(default["auroc_all"]) <= 1.0 and int(default["variants"]) > 0
+        low_rank = by[(f"{kind}_toy", "low-rank only r8")]
+        assert float(low_rank["max_abs_error_k"]) > 2.0**-5  # no bound without the residual
+        assert {row["setting"] for row in rows if row["model"] == f"{kind}_noattn_toy"} == {"exact"}
+    strata = _rows(out / "quality_by_stratum.csv")
+    # toy windows (64 bins) reach 3,968 bp from the TSS: the 2-5 kb stratum is cut there, 5-8 kb is out of reach
+    assert {row["stratum"] for row in strata} == {"all", "0-2kb", "2-3kb"}
+    assert all(int(row["positives"]) > 0 for row in strata)
+    assert (out / "pareto.png").stat().st_size > 10_000
+    meta = json.loads((out / "eval_run.json").read_text())
+    assert meta["data"].startswith("fixture") and set(meta["models"]) == models
+
+
+def test_eval_says_when_weights_are_random(fixture_dir, tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = [
+        "--fixture",
+        str(fixture_dir),
+        "--weights-dir",
+        str(tmp_path / "none"),
+        "--out",
+        str(out),
+        "--models",
+        "alphagenome",
+        "--windows",
+        "1",
+        "--max-variants",
+        "9",
+        "--settings",
+        "default",
+        "--block-size",
+        "16",
+        "--device",
+        "cpu",
+    ]
+    assert cli.main(argv) == 0
+    rows = _rows(out / "quality.csv")
+    assert {row["weights"] for row in rows} == {"random (untrained)"}
+    assert "RANDOM" in capsys.readouterr().err
