@@ -84,8 +84,10 @@ def attention(
     if q_heads % kv_heads:
         raise ValueError(f"q: expected a head count that is a multiple of k's {kv_heads}, got {q_heads}")
     if n_q < 1 or n_k < 1 or head_dim_k < 1 or v_shape[3] < 1:
-        raise ValueError(f"q, k, v: expected non-empty sequences and head dims, got q {list(q.shape)}, "
-                         f"k {list(k_shape)}, v {list(v_shape)}")
+        raise ValueError(
+            f"q, k, v: expected non-empty sequences and head dims, got q {list(q.shape)}, "
+            f"k {list(k_shape)}, v {list(v_shape)}"
+        )
     if q.device.type == "cpu":
         from kvbound.kernels._common import interpreting
 
@@ -99,8 +101,7 @@ def attention(
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
     if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap)
-        or softcap <= 0
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
     ):
         raise ValueError(f"softcap: expected a finite value > 0 or None, got {softcap!r}")
     if not isinstance(causal, bool):
@@ -113,10 +114,30 @@ def attention(
     if compressed:
         out, lse = torch.ops.kvbound.attention_compressed(
             q,
-            k.coeffs, k.basis, k.mode, k.scale, k.bits, k.offset, k.codes, k.raw,
-            v.coeffs, v.basis, v.mode, v.scale, v.bits, v.offset, v.codes, v.raw,
-            bias4, float(scale), causal, softcap,
-            k.config.block_size, v.config.block_size, k.shared_basis, v.shared_basis,
+            k.coeffs,
+            k.basis,
+            k.mode,
+            k.scale,
+            k.bits,
+            k.offset,
+            k.codes,
+            k.raw,
+            v.coeffs,
+            v.basis,
+            v.mode,
+            v.scale,
+            v.bits,
+            v.offset,
+            v.codes,
+            v.raw,
+            bias4,
+            float(scale),
+            causal,
+            softcap,
+            k.config.block_size,
+            v.config.block_size,
+            k.shared_basis,
+            v.shared_basis,
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(q, k, v, bias4, float(scale), causal, softcap)
@@ -144,8 +165,10 @@ def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
     for field, shape in expected.items():
         got = tuple(getattr(ckv, field).shape)
         if got != shape:
-            raise ValueError(f"{name}.{field}: expected shape {list(shape)} for a CompressedKV of shape "
-                             f"{list(ckv.shape)}, got {list(got)}")
+            raise ValueError(
+                f"{name}.{field}: expected shape {list(shape)} for a CompressedKV of shape "
+                f"{list(ckv.shape)}, got {list(got)}"
+            )
     if ckv.coeffs.dtype not in (torch.float16, torch.float32):
         raise TypeError(f"{name}.coeffs: expected float16 or float32, got {ckv.coeffs.dtype}")
     if ckv.basis.dtype != torch.float16:
@@ -156,9 +179,7 @@ def _broadcast_bias(bias: object, shape: tuple[int, int, int, int], q: torch.Ten
     """A stride-0 view of ``bias`` with ``shape`` (no copy)."""
     check_tensor(bias, "bias", dtypes=_BIAS_DTYPES, check_finite=False)
     _check_device(bias.device, q, "bias")
-    if bias.dim() > 4 or any(
-        size not in (1, want) for size, want in zip(bias.shape[::-1], shape[::-1], strict=False)
-    ):
+    if bias.dim() > 4 or any(size not in (1, want) for size, want in zip(bias.shape[::-1], shape[::-1], strict=False)):
         raise ValueError(f"bias: expected a shape broadcastable to {list(shape)}, got {list(bias.shape)}")
     return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(shape)
 
@@ -223,26 +244,55 @@ def _attention_compressed_op(
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
     _check_values(
-        q=q, bias=bias, **{"k.coeffs": k_coeffs, "k.basis": k_basis, "k.scale": k_scale, "k.raw": k_raw,
-                           "v.coeffs": v_coeffs, "v.basis": v_basis, "v.scale": v_scale, "v.raw": v_raw},
+        q=q,
+        bias=bias,
+        **{
+            "k.coeffs": k_coeffs,
+            "k.basis": k_basis,
+            "k.scale": k_scale,
+            "k.raw": k_raw,
+            "v.coeffs": v_coeffs,
+            "v.basis": v_basis,
+            "v.scale": v_scale,
+            "v.raw": v_raw,
+        },
     )
     n_k = k_coeffs.shape[2]
     # The kernel indexes the small per-block tensors and the flat buffers as contiguous (no-op copies).
     k_op = CompressedOperand(
-        k_coeffs, k_basis.contiguous(), k_mode.contiguous(), k_scale.contiguous(), k_bits.contiguous(),
-        k_offset.contiguous(), k_codes.contiguous(), k_raw.contiguous(),
-        seq_len=n_k, head_dim=k_basis.shape[-1], block_size=k_block_size, shared_basis=k_shared_basis,
+        k_coeffs,
+        k_basis.contiguous(),
+        k_mode.contiguous(),
+        k_scale.contiguous(),
+        k_bits.contiguous(),
+        k_offset.contiguous(),
+        k_codes.contiguous(),
+        k_raw.contiguous(),
+        seq_len=n_k,
+        head_dim=k_basis.shape[-1],
+        block_size=k_block_size,
+        shared_basis=k_shared_basis,
     )
     v_op = CompressedOperand(
-        v_coeffs, v_basis.contiguous(), v_mode.contiguous(), v_scale.contiguous(), v_bits.contiguous(),
-        v_offset.contiguous(), v_codes.contiguous(), v_raw.contiguous(),
-        seq_len=n_k, head_dim=v_basis.shape[-1], block_size=v_block_size, shared_basis=v_shared_basis,
+        v_coeffs,
+        v_basis.contiguous(),
+        v_mode.contiguous(),
+        v_scale.contiguous(),
+        v_bits.contiguous(),
+        v_offset.contiguous(),
+        v_codes.contiguous(),
+        v_raw.contiguous(),
+        seq_len=n_k,
+        head_dim=v_basis.shape[-1],
+        block_size=v_block_size,
+        shared_basis=v_shared_basis,
     )
     return attention_compressed_fwd(q, k_op, v_op, bias, scale, causal, softcap)
 
 
 @_attention_compressed_op.register_fake
-def _attention_compressed_fake(q, k_coeffs, k_basis, k_mode, k_scale, k_bits, k_offset, k_codes, k_raw,
-                               v_coeffs, v_basis, *rest):
+def _attention_compressed_fake(
+    q, k_coeffs, k_basis, k_mode, k_scale, k_bits, k_offset, k_codes, k_raw, v_coeffs, v_basis, *rest
+):
     b, hq, nq, _ = q.shape
     return q.new_empty(b, hq, nq, v_basis.shape[-1]), q.new_empty(b, hq, nq, dtype=torch.float32)

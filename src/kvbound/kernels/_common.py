@@ -112,8 +112,21 @@ def softmax_step(
     """
     if HAS_BIAS or SOFTCAP or MASK:
         x = finish_logits(
-            x, row_mult, bias_rows, start_n, offs_n, stride_bias_key, row_query, row_valid, N_K,
-            bias_mult, softcap_log2, HAS_BIAS, SOFTCAP, CAUSAL, MASK,
+            x,
+            row_mult,
+            bias_rows,
+            start_n,
+            offs_n,
+            stride_bias_key,
+            row_query,
+            row_valid,
+            N_K,
+            bias_mult,
+            softcap_log2,
+            HAS_BIAS,
+            SOFTCAP,
+            CAUSAL,
+            MASK,
         )
         new_max = tl.maximum(running_max, tl.max(x, 1))
         # A row that has seen only masked keys keeps -inf; subtract 0 instead so that no inf - inf appears.
@@ -130,8 +143,9 @@ def softmax_step(
 
 
 @triton.jit
-def key_loop_bounds(row_start, N_Q, N_K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr):
+def key_loop_bounds(
+    row_start, N_Q, N_K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
+):
     """Key range of one program: tiles in ``[0, unmasked_end)`` need no mask, ``[unmasked_end, end)`` do
     (the ragged last tile, and with ``causal`` the tiles that cross the diagonal of any row)."""
     full_tiles_end = (N_K // BLOCK_N) * BLOCK_N

@@ -6,11 +6,13 @@ tile follows what the tile holds:
 * Logits through the basis. With a shared basis ``P_k`` ([Hkv, r, Dk]) the kernel forms ``Qp = Q P_k^T``
   once per query tile and then ``S = Qp C_tile^T`` per key tile (``r`` padded to 16 for ``tl.dot``): a rank-r
   product instead of a Dk-wide one. With per-block bases ``Qp`` is formed per tile from that block's ``P``
-  (``K_REBUILD=True`` instead rebuilds ``K_tile = C_tile P`` and takes ``Q K_tile^T``).
-* Residual only where there is one: ``S += Q R_tile^T`` is computed only for tiles whose block mode is not
-  ``MODE_LOWRANK`` (a scalar branch per tile). Packed codes are exact small integers, so the product uses the
-  integer codes as float16 operands and applies the block's step once per tile. ``MODE_RAW`` tiles are the
-  stored values themselves (their coefficients are zero).
+  (measured faster than rebuilding ``K_tile = C_tile P``; see kernels/README.md).
+* Residual only where there is one. Each head's key blocks are walked as runs: runs of consecutive
+  low-rank-only blocks first, with no residual code compiled into that loop (the rank-space fast path),
+  then runs of blocks with a residual in K or V, where ``S += Q R_tile^T`` is added for tiles whose mode is
+  not ``MODE_LOWRANK``, then the masked tail. Packed codes are exact small integers, so the product uses
+  them as float16 operands and applies the block's step once per tile. ``MODE_RAW`` tiles are the stored
+  values themselves (their coefficients are zero), multiplied in float32 operands (exact for 16-bit data).
 * Values in rank space. With a shared ``P_v``, ``acc_r += P_attn C_v_tile`` (r wide) and ``O = acc_r P_v``
   once at the end; the Dv-wide accumulator is touched only by tiles with a residual, and its rescaling by the
   running maximum is deferred until such a tile arrives. With per-block ``P_v`` each tile's ``P_attn C_v``
@@ -19,8 +21,10 @@ tile follows what the tile holds:
   each tile is decoded once for all of them.
 
 Precision: for 16-bit inputs every product with the factors and codes runs on float16 operands with float32
-accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too),
-and ``Qp`` likewise, so no operand overflows or loses bits. float32 inputs use float32 ("ieee") products.
+accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too);
+``Qp`` is rescaled likewise and split into float16 ``hi + lo`` parts, so no operand overflows and the
+rank-space logits keep about 22 bits even when logits are in the thousands. float32 inputs use float32
+("ieee") products.
 """
 
 from __future__ import annotations
@@ -64,8 +68,7 @@ def _split_float16(x):
 
 
 @triton.jit
-def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: tl.constexpr,
-                 PRECISION: tl.constexpr):
+def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """``Qp C^T`` [BLOCK_M, BLOCK_N] for coefficient tile ``coeffs`` [BLOCK_N, RANK_PAD]."""
     c = tl.trans(_to_operand(coeffs, FP32))
     x = tl.dot(query_rank, c, input_precision=PRECISION)
@@ -75,25 +78,38 @@ def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: t
 
 
 @triton.jit
-def _load_coeff_tile(coeff_head, coeff_desc, start_n, offs_n, stride_cn, stride_cr, N_K, RANK: tl.constexpr,
-                     RANK_PAD: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr):
+def _load_coeff_tile(
+    coeff_head,
+    coeff_desc,
+    start_n,
+    offs_n,
+    stride_cn,
+    stride_cr,
+    N_K,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    MASK: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     """Coefficients [BLOCK_N, RANK_PAD] of keys ``start_n + offs_n`` (zero beyond ``RANK`` and ``N_K``)."""
     if USE_TMA:
-        return coeff_desc.load([start_n, 0])
-    offs_r = tl.arange(0, RANK_PAD)
-    ptrs = coeff_head + start_n.to(tl.int64) * stride_cn + (offs_n * stride_cn)[:, None] + (offs_r * stride_cr)[None, :]
-    if MASK:
-        keep = ((start_n + offs_n) < N_K)[:, None] & (offs_r < RANK)[None, :]
-        return tl.load(ptrs, mask=keep, other=0.0)
-    elif RANK_PAD != RANK:
-        return tl.load(ptrs, mask=(offs_r < RANK)[None, :], other=0.0)
+        tile = coeff_desc.load([start_n, 0])
     else:
-        return tl.load(ptrs)
+        offs_r = tl.arange(0, RANK_PAD)
+        ptrs = coeff_head + start_n.to(tl.int64) * stride_cn + (offs_n * stride_cn)[:, None]
+        ptrs += (offs_r * stride_cr)[None, :]
+        if MASK:
+            keep = ((start_n + offs_n) < N_K)[:, None] & (offs_r < RANK)[None, :]
+            tile = tl.load(ptrs, mask=keep, other=0.0)
+        elif RANK_PAD != RANK:
+            tile = tl.load(ptrs, mask=(offs_r < RANK)[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
-def _load_basis(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr):
+def _load_basis(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """One projection ``P`` [RANK_PAD, D_PAD] (row-major [RANK, HEAD_DIM] in memory; zero padding)."""
     offs_r = tl.arange(0, RANK_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -102,8 +118,9 @@ def _load_basis(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM:
 
 
 @triton.jit
-def _load_codes_tile(codes_ptr, word_offset, width, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr,
-                     D_PAD: tl.constexpr):
+def _load_codes_tile(
+    codes_ptr, word_offset, width, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
+):
     """Integer residual codes q [BLOCK_N, D_PAD] (int32, zero outside the stored rows/columns) of block rows
     ``first_row + offs_n``; the block's ``width``-bit codes start at word ``word_offset``. The width is a
     run-time value (blocks are promoted individually); the column-to-word map is a D-long vector, so a
@@ -121,8 +138,7 @@ def _load_codes_tile(codes_ptr, word_offset, width, first_row, offs_n, row_ok, H
 
 
 @triton.jit
-def _load_raw_tile(raw_ptr, element_offset, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr,
-                   D_PAD: tl.constexpr):
+def _load_raw_tile(raw_ptr, element_offset, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """Exactly stored values [BLOCK_N, D_PAD] (input dtype) of block rows ``first_row + offs_n``."""
     offs_d = tl.arange(0, D_PAD)
     keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -131,10 +147,54 @@ def _load_raw_tile(raw_ptr, element_offset, first_row, offs_n, row_ok, HEAD_DIM:
 
 
 @triton.jit
+def _query_operand(
+    q_rows,
+    stride_qd,
+    row_valid,
+    logit_mult,
+    HEAD_DIM_K: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Load the query tile and return ``(q_op, q_res_mult)``: the operand of every product with K factors and
+    codes, and the per-row multiplier from those products to log2-unit logits. For 16-bit queries ``q_op`` is
+    float16 after a per-row power-of-two scaling, exact for float16 and bfloat16 alike (no overflow)."""
+    offs_dk = tl.arange(0, DK_PAD)
+    q = tl.load(
+        q_rows[:, None] + (offs_dk * stride_qd)[None, :],
+        mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
+        other=0.0,
+    )
+    if FP32:
+        q_op = q.to(tl.float32)
+        q_res_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
+    else:
+        q_scale, q_inv = row_normaliser(q.to(tl.float32))
+        q_op = (q.to(tl.float32) * q_inv[:, None]).to(tl.float16)
+        q_res_mult = q_scale * logit_mult
+    return q_op, q_res_mult
+
+
+@triton.jit
 def _key_residual_logits(
-    x, q_op, q_res_mult, inv_row_mult, mode, meta_index,
-    K_scale, K_bits, K_offset, K_codes, K_raw, first_row, offs_n, row_ok,
-    HEAD_DIM_K: tl.constexpr, DK_PAD: tl.constexpr, FP32: tl.constexpr,
+    x,
+    q_op,
+    q_res_mult,
+    inv_row_mult,
+    mode,
+    meta_index,
+    K_scale,
+    K_bits,
+    K_offset,
+    K_codes,
+    K_raw,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM_K: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Add ``Q R_tile^T`` (in units of the tile's row multiplier) for a tile whose mode is not low-rank."""
@@ -155,9 +215,40 @@ def _key_residual_logits(
 
 
 @triton.jit
+def _packed_residual_tile(
+    Scale, Bits, Offset, Codes, mode, meta_index, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
+):
+    """Codes of a packed tile as ``(codes, step)``, predicated instead of branched: a tile of another mode
+    loads nothing and yields zero codes and step 0 (its stored scale). Straight-line loads can be prefetched
+    by the software pipeliner, which loads inside a branch cannot."""
+    is_packed = (mode == 1) | (mode == 2)
+    step = tl.load(Scale + meta_index)
+    width = tl.where(is_packed, tl.load(Bits + meta_index).to(tl.int32), 8)
+    offset = tl.where(is_packed, tl.load(Offset + meta_index), 0)
+    # Compare a broadcast copy of the mode: a scalar-and-vector boolean mask trips Triton's interpreter.
+    mode_rows = tl.zeros_like(offs_n) + mode
+    rows = row_ok & ((mode_rows == 1) | (mode_rows == 2))
+    codes = _load_codes_tile(Codes, offset, width, first_row, offs_n, rows, HEAD_DIM, D_PAD)
+    return codes, tl.where(is_packed, step, 0.0)
+
+
+@triton.jit
 def _value_residual(
-    accumulator, p, mode, meta_index, V_scale, V_bits, V_offset, V_codes, V_raw, first_row, offs_n, row_ok,
-    HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, FP32: tl.constexpr,
+    accumulator,
+    p,
+    mode,
+    meta_index,
+    V_scale,
+    V_bits,
+    V_offset,
+    V_codes,
+    V_raw,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """``accumulator += p @ R_tile`` for a V tile whose mode is not low-rank."""
@@ -177,136 +268,446 @@ def _value_residual(
 
 # ---------------------------------------------------------------------------------------------- inner loop
 @triton.jit
-def _attention_compressed_inner(
-    accumulator, accumulator_max, rank_accumulator, running_sum, running_max,
-    q_op, q_res_mult, query_rank, query_rank_lo, query_rank_mult,
-    K_coeff_head, k_coeff_desc, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
-    V_coeff_head, v_coeff_desc, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
-    stride_kcn, stride_kcr, stride_vcn, stride_vcr,
-    k_meta_base, v_meta_base, bias_rows, stride_bias_key, row_query, row_valid,
-    lo, hi, N_K, bias_mult, softcap_log2,
-    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    RANK_K: tl.constexpr, RANK_V: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
-    BLOCK_SIZE_K: tl.constexpr, BLOCK_SIZE_V: tl.constexpr,
-    K_PER_BLOCK: tl.constexpr, V_PER_BLOCK: tl.constexpr, K_REBUILD: tl.constexpr,
-    K_RESIDUAL: tl.constexpr, V_RESIDUAL: tl.constexpr, SPLIT_RANK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-    FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+def _compressed_tile(
+    start_n,
+    accumulator,
+    accumulator_max,
+    rank_accumulator,
+    running_sum,
+    running_max,
+    q_op,
+    q_res_mult,
+    query_rank,
+    query_rank_lo,
+    query_rank_mult,
+    K_coeff_head,
+    k_coeff_desc,
+    K_basis,
+    K_mode,
+    K_scale,
+    K_bits,
+    K_offset,
+    K_codes,
+    K_raw,
+    V_coeff_head,
+    v_coeff_desc,
+    V_basis,
+    V_mode,
+    V_scale,
+    V_bits,
+    V_offset,
+    V_codes,
+    V_raw,
+    stride_kcn,
+    stride_kcr,
+    stride_vcn,
+    stride_vcr,
+    k_meta_base,
+    v_meta_base,
+    bias_rows,
+    stride_bias_key,
+    row_query,
+    row_valid,
+    N_K,
+    bias_mult,
+    softcap_log2,
+    HEAD_DIM_K: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    RANK_K: tl.constexpr,
+    RANK_V: tl.constexpr,
+    RK_PAD: tl.constexpr,
+    RV_PAD: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    BLOCK_SIZE_V: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr,
+    V_PER_BLOCK: tl.constexpr,
+    K_RESIDUAL: tl.constexpr,
+    V_RESIDUAL: tl.constexpr,
+    SPLIT_RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PREDICATED: tl.constexpr,
 ):
+    """One key tile: logits through the basis (+ residual), online softmax, values in rank space (+ residual).
+    ``K_RESIDUAL``/``V_RESIDUAL`` False compile the tile without any residual code."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        if MASK:
-            row_ok = (start_n + offs_n) < N_K
-        else:
-            row_ok = offs_n < BLOCK_N
-        # ---- logits: S = Q (C P + R)^T, in units of row_mult ----
-        k_block = start_n // BLOCK_SIZE_K
-        k_first_row = start_n % BLOCK_SIZE_K
-        k_meta = k_meta_base + k_block
-        if K_RESIDUAL:
-            k_mode = tl.load(K_mode + k_meta).to(tl.int32)
-        if K_REBUILD:
-            # K_tile = C P_block (+ residual) in float32, then one Dk-wide product with q.
-            coeffs = _load_coeff_tile(K_coeff_head, k_coeff_desc, start_n, offs_n, stride_kcn, stride_kcr, N_K, RANK_K,
-                                      RK_PAD, MASK, USE_TMA)
-            basis = _load_basis(K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD,
-                                HEAD_DIM_K, DK_PAD)
-            k_tile = tl.dot(_to_operand(coeffs, FP32), _to_operand(basis, FP32), input_precision=PRECISION)
-            if K_RESIDUAL:
-                if k_mode != 0:
-                    k_offset = tl.load(K_offset + k_meta)
-                    if k_mode == 3:
-                        k_tile += _load_raw_tile(K_raw, k_offset, k_first_row, offs_n, row_ok, HEAD_DIM_K,
-                                                 DK_PAD).to(tl.float32)
-                    else:
-                        k_step = tl.load(K_scale + k_meta)
-                        k_width = tl.load(K_bits + k_meta).to(tl.int32)
-                        codes = _load_codes_tile(K_codes, k_offset, k_width, k_first_row, offs_n, row_ok, HEAD_DIM_K,
-                                                 DK_PAD)
-                        k_tile += codes.to(tl.float32) * k_step
-            x = tl.dot(q_op, tl.trans(k_tile.to(q_op.dtype)), input_precision=PRECISION)
-            row_mult = q_res_mult
-        else:
-            if RANK_K > 0:
-                if K_PER_BLOCK:
-                    basis = _load_basis(K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD,
-                                        HEAD_DIM_K, DK_PAD)
-                    block_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis, FP32)), input_precision=PRECISION)
-                    block_rank_f32 = block_rank_f32 * q_res_mult[:, None]
-                    if FP32:
-                        row_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-                        block_rank = block_rank_f32
-                        block_rank_lo = block_rank_f32
-                    else:
-                        row_mult, inv_mult = row_normaliser(block_rank_f32)
-                        block_rank, block_rank_lo = _split_float16(block_rank_f32 * inv_mult[:, None])
-                else:
-                    row_mult = query_rank_mult
-                    block_rank = query_rank
-                    block_rank_lo = query_rank_lo
-                coeffs = _load_coeff_tile(K_coeff_head, k_coeff_desc, start_n, offs_n, stride_kcn, stride_kcr, N_K, RANK_K,
-                                          RK_PAD, MASK, USE_TMA)
-                x = _rank_logits(block_rank, block_rank_lo, coeffs, FP32, SPLIT_RANK and not FP32, PRECISION)
+    if MASK:
+        row_ok = (start_n + offs_n) < N_K
+    else:
+        row_ok = offs_n < BLOCK_N
+    # ---- logits: S = Q (C P + R)^T, in units of row_mult ----
+    k_meta = k_meta_base + start_n // BLOCK_SIZE_K
+    if RANK_K > 0:
+        if K_PER_BLOCK:
+            basis = _load_basis(
+                K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD, HEAD_DIM_K, DK_PAD
+            )
+            block_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis, FP32)), input_precision=PRECISION)
+            block_rank_f32 = block_rank_f32 * q_res_mult[:, None]
+            if FP32:
+                row_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+                block_rank = block_rank_f32
+                block_rank_lo = block_rank_f32
             else:
-                row_mult = q_res_mult
-                x = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if K_RESIDUAL:
-                if k_mode != 0:
-                    x = _key_residual_logits(
-                        x, q_op, q_res_mult, 1.0 / row_mult, k_mode, k_meta,
-                        K_scale, K_bits, K_offset, K_codes, K_raw, k_first_row, offs_n, row_ok,
-                        HEAD_DIM_K, DK_PAD, FP32, PRECISION,
-                    )
-        p, alpha, running_max, running_sum = softmax_step(
-            x, row_mult, running_max, running_sum, bias_rows, start_n, offs_n, stride_bias_key,
-            row_query, row_valid, N_K, bias_mult, softcap_log2, HAS_BIAS, SOFTCAP, CAUSAL, MASK,
+                row_mult, inv_mult = row_normaliser(block_rank_f32)
+                block_rank, block_rank_lo = _split_float16(block_rank_f32 * inv_mult[:, None])
+        else:
+            row_mult = query_rank_mult
+            block_rank = query_rank
+            block_rank_lo = query_rank_lo
+        coeffs = _load_coeff_tile(
+            K_coeff_head, k_coeff_desc, start_n, offs_n, stride_kcn, stride_kcr, N_K, RANK_K, RK_PAD, MASK, USE_TMA
         )
-        # ---- values: O += P (C_v P_v + R_v) ----
-        v_block = start_n // BLOCK_SIZE_V
-        v_first_row = start_n % BLOCK_SIZE_V
-        v_meta = v_meta_base + v_block
+        x = _rank_logits(block_rank, block_rank_lo, coeffs, FP32, SPLIT_RANK and not FP32, PRECISION)
+    else:
+        row_mult = q_res_mult
+        x = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if K_RESIDUAL:
+        k_mode = tl.load(K_mode + k_meta).to(tl.int32)
+        if PREDICATED:
+            codes, k_step = _packed_residual_tile(
+                K_scale,
+                K_bits,
+                K_offset,
+                K_codes,
+                k_mode,
+                k_meta,
+                start_n % BLOCK_SIZE_K,
+                offs_n,
+                row_ok,
+                HEAD_DIM_K,
+                DK_PAD,
+            )
+            dot = tl.dot(q_op, tl.trans(_to_operand(codes, FP32)), input_precision=PRECISION)
+            x += dot * (q_res_mult * (k_step / row_mult))[:, None]
+            if k_mode == 3:
+                x = _key_residual_logits(
+                    x,
+                    q_op,
+                    q_res_mult,
+                    1.0 / row_mult,
+                    k_mode,
+                    k_meta,
+                    K_scale,
+                    K_bits,
+                    K_offset,
+                    K_codes,
+                    K_raw,
+                    start_n % BLOCK_SIZE_K,
+                    offs_n,
+                    row_ok,
+                    HEAD_DIM_K,
+                    DK_PAD,
+                    FP32,
+                    PRECISION,
+                )
+        else:
+            if k_mode != 0:
+                x = _key_residual_logits(
+                    x,
+                    q_op,
+                    q_res_mult,
+                    1.0 / row_mult,
+                    k_mode,
+                    k_meta,
+                    K_scale,
+                    K_bits,
+                    K_offset,
+                    K_codes,
+                    K_raw,
+                    start_n % BLOCK_SIZE_K,
+                    offs_n,
+                    row_ok,
+                    HEAD_DIM_K,
+                    DK_PAD,
+                    FP32,
+                    PRECISION,
+                )
+    p, alpha, running_max, running_sum = softmax_step(
+        x,
+        row_mult,
+        running_max,
+        running_sum,
+        bias_rows,
+        start_n,
+        offs_n,
+        stride_bias_key,
+        row_query,
+        row_valid,
+        N_K,
+        bias_mult,
+        softcap_log2,
+        HAS_BIAS,
+        SOFTCAP,
+        CAUSAL,
+        MASK,
+    )
+    # ---- values: O += P (C_v P_v + R_v) ----
+    v_meta = v_meta_base + start_n // BLOCK_SIZE_V
+    p_op = _to_operand(p, FP32)
+    if V_PER_BLOCK:
+        accumulator = accumulator * alpha[:, None]
+        if RANK_V > 0:
+            coeffs_v = _load_coeff_tile(
+                V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
+            )
+            basis_v = _load_basis(
+                V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
+            )
+            partial = tl.dot(p_op, _to_operand(coeffs_v, FP32), input_precision=PRECISION)
+            if FP32:
+                accumulator = tl.dot(partial, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
+            else:
+                part_mult, part_inv = row_normaliser(partial)
+                partial16 = (partial * part_inv[:, None]).to(tl.float16)
+                accumulator += tl.dot(partial16, basis_v) * part_mult[:, None]
         if V_RESIDUAL:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
-        p_op = _to_operand(p, FP32)
-        if V_PER_BLOCK:
-            accumulator = accumulator * alpha[:, None]
-            if RANK_V > 0:
-                coeffs_v = _load_coeff_tile(V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V,
-                                            RV_PAD, MASK, USE_TMA)
-                basis_v = _load_basis(V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD,
-                                      HEAD_DIM_V, DV_PAD)
-                partial = tl.dot(p_op, _to_operand(coeffs_v, FP32), input_precision=PRECISION)
-                if FP32:
-                    accumulator = tl.dot(partial, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
-                else:
-                    part_mult, part_inv = row_normaliser(partial)
-                    partial16 = (partial * part_inv[:, None]).to(tl.float16)
-                    accumulator += tl.dot(partial16, basis_v) * part_mult[:, None]
-            if V_RESIDUAL:
-                if v_mode != 0:
+            if v_mode != 0:
+                accumulator = _value_residual(
+                    accumulator,
+                    p,
+                    v_mode,
+                    v_meta,
+                    V_scale,
+                    V_bits,
+                    V_offset,
+                    V_codes,
+                    V_raw,
+                    start_n % BLOCK_SIZE_V,
+                    offs_n,
+                    row_ok,
+                    HEAD_DIM_V,
+                    DV_PAD,
+                    FP32,
+                    PRECISION,
+                )
+    else:
+        if RANK_V > 0:
+            coeffs_v = _load_coeff_tile(
+                V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
+            )
+            rank_accumulator = rank_accumulator * alpha[:, None]
+            rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION)
+        if V_RESIDUAL:
+            v_mode = tl.load(V_mode + v_meta).to(tl.int32)
+            if PREDICATED:
+                safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+                accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+                accumulator_max = safe_max
+                codes_v, v_step = _packed_residual_tile(
+                    V_scale,
+                    V_bits,
+                    V_offset,
+                    V_codes,
+                    v_mode,
+                    v_meta,
+                    start_n % BLOCK_SIZE_V,
+                    offs_n,
+                    row_ok,
+                    HEAD_DIM_V,
+                    DV_PAD,
+                )
+                accumulator += tl.dot(p_op, _to_operand(codes_v, FP32), input_precision=PRECISION) * v_step
+                if v_mode == 3:
                     accumulator = _value_residual(
-                        accumulator, p, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first_row,
-                        offs_n, row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION,
+                        accumulator,
+                        p,
+                        v_mode,
+                        v_meta,
+                        V_scale,
+                        V_bits,
+                        V_offset,
+                        V_codes,
+                        V_raw,
+                        start_n % BLOCK_SIZE_V,
+                        offs_n,
+                        row_ok,
+                        HEAD_DIM_V,
+                        DV_PAD,
+                        FP32,
+                        PRECISION,
                     )
-        else:
-            if RANK_V > 0:
-                coeffs_v = _load_coeff_tile(V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V,
-                                            RV_PAD, MASK, USE_TMA)
-                rank_accumulator = rank_accumulator * alpha[:, None]
-                rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator,
-                                          input_precision=PRECISION)
-            if V_RESIDUAL:
+            else:
                 if v_mode != 0:
                     # Bring the Dv-wide accumulator up to the current maximum only now (deferred rescaling).
                     safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
                     accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
                     accumulator_max = safe_max
                     accumulator = _value_residual(
-                        accumulator, p, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first_row,
-                        offs_n, row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION,
+                        accumulator,
+                        p,
+                        v_mode,
+                        v_meta,
+                        V_scale,
+                        V_bits,
+                        V_offset,
+                        V_codes,
+                        V_raw,
+                        start_n % BLOCK_SIZE_V,
+                        offs_n,
+                        row_ok,
+                        HEAD_DIM_V,
+                        DV_PAD,
+                        FP32,
+                        PRECISION,
                     )
+    return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
+
+
+@triton.jit
+def _attention_compressed_inner(
+    accumulator,
+    accumulator_max,
+    rank_accumulator,
+    running_sum,
+    running_max,
+    q_op,
+    q_res_mult,
+    query_rank,
+    query_rank_lo,
+    query_rank_mult,
+    K_coeff_head,
+    k_coeff_desc,
+    K_basis,
+    K_mode,
+    K_scale,
+    K_bits,
+    K_offset,
+    K_codes,
+    K_raw,
+    V_coeff_head,
+    v_coeff_desc,
+    V_basis,
+    V_mode,
+    V_scale,
+    V_bits,
+    V_offset,
+    V_codes,
+    V_raw,
+    stride_kcn,
+    stride_kcr,
+    stride_vcn,
+    stride_vcr,
+    k_meta_base,
+    v_meta_base,
+    bias_rows,
+    stride_bias_key,
+    row_query,
+    row_valid,
+    lo,
+    hi,
+    N_K,
+    bias_mult,
+    softcap_log2,
+    HEAD_DIM_K: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    RANK_K: tl.constexpr,
+    RANK_V: tl.constexpr,
+    RK_PAD: tl.constexpr,
+    RV_PAD: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    BLOCK_SIZE_V: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr,
+    V_PER_BLOCK: tl.constexpr,
+    K_RESIDUAL: tl.constexpr,
+    V_RESIDUAL: tl.constexpr,
+    SPLIT_RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PREDICATED: tl.constexpr,
+):
+    """Key tiles at offsets ``lo, lo + BLOCK_N, ... < hi`` (a plain range: the software pipeliner prefetches
+    the next tiles' coefficients while this one computes)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _compressed_tile(
+            start_n,
+            accumulator,
+            accumulator_max,
+            rank_accumulator,
+            running_sum,
+            running_max,
+            q_op,
+            q_res_mult,
+            query_rank,
+            query_rank_lo,
+            query_rank_mult,
+            K_coeff_head,
+            k_coeff_desc,
+            K_basis,
+            K_mode,
+            K_scale,
+            K_bits,
+            K_offset,
+            K_codes,
+            K_raw,
+            V_coeff_head,
+            v_coeff_desc,
+            V_basis,
+            V_mode,
+            V_scale,
+            V_bits,
+            V_offset,
+            V_codes,
+            V_raw,
+            stride_kcn,
+            stride_kcr,
+            stride_vcn,
+            stride_vcr,
+            k_meta_base,
+            v_meta_base,
+            bias_rows,
+            stride_bias_key,
+            row_query,
+            row_valid,
+            N_K,
+            bias_mult,
+            softcap_log2,
+            HEAD_DIM_K,
+            HEAD_DIM_V,
+            DK_PAD,
+            DV_PAD,
+            RANK_K,
+            RANK_V,
+            RK_PAD,
+            RV_PAD,
+            BLOCK_SIZE_K,
+            BLOCK_SIZE_V,
+            K_PER_BLOCK,
+            V_PER_BLOCK,
+            K_RESIDUAL,
+            V_RESIDUAL,
+            SPLIT_RANK,
+            BLOCK_M,
+            BLOCK_N,
+            HAS_BIAS,
+            SOFTCAP,
+            CAUSAL,
+            MASK,
+            FP32,
+            PRECISION,
+            USE_TMA,
+            PREDICATED,
+        )
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
 
@@ -315,16 +716,15 @@ def compressed_configs(interpret: bool) -> list[triton.Config]:
     """Tile shapes to search; BLOCK_N must divide the codec's block size (the prune function enforces it)."""
     if interpret:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    # The tile shapes that won on an H200 (Triton 3.6; kernels/README.md has the numbers). A key tile wider
+    # than 64 was slower at every shape measured; narrower ones exist for codec blocks of 16 or 32 keys.
     shapes = [
         # (BLOCK_M, BLOCK_N, warps, stages)
-        (128, 64, 4, 3),
-        (128, 128, 8, 3),
-        (128, 64, 8, 3),
         (64, 64, 4, 3),
-        (128, 32, 4, 3),
-        (64, 128, 4, 3),
-        (128, 128, 4, 2),
-        (64, 32, 4, 4),
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (64, 32, 4, 3),
+        (64, 16, 4, 3),
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
@@ -333,55 +733,130 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_size = min(args["BLOCK_SIZE_K"], args["BLOCK_SIZE_V"])
     dv_pad = args["DV_PAD"]
+    # The widest key tile (up to 64) that divides the codec block; every block size is a power of two >= 16.
+    block_n = min(64, block_size)
     keep = []
     for config in configs:
-        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-        if block_size % block_n:
+        block_m = config.kwargs["BLOCK_M"]
+        if config.kwargs["BLOCK_N"] != block_n:
             continue
         if block_m * dv_pad > 128 * 128 and config.num_warps < 8:
             continue
         keep.append(config)
-    if not keep:
-        # Every block size is a power of two >= 16, so a 16-wide key tile always divides it.
-        keep = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 16}, num_warps=4, num_stages=3)]
-    return keep
+    return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=3)]
 
 
 @triton.autotune(
     configs=compressed_configs(interpreting()),
     key=[
-        "TUNE_N_Q", "TUNE_N_K", "HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "RANK_K", "RANK_V", "BLOCK_SIZE_K",
-        "BLOCK_SIZE_V", "K_PER_BLOCK", "V_PER_BLOCK", "K_REBUILD", "K_RESIDUAL", "V_RESIDUAL", "SPLIT_RANK", "HAS_BIAS",
-        "SOFTCAP", "CAUSAL",
+        "TUNE_N_Q",
+        "TUNE_N_K",
+        "HEAD_DIM_K",
+        "HEAD_DIM_V",
+        "GROUP",
+        "RANK_K",
+        "RANK_V",
+        "BLOCK_SIZE_K",
+        "BLOCK_SIZE_V",
+        "K_PER_BLOCK",
+        "V_PER_BLOCK",
+        "K_RESIDUAL",
+        "V_RESIDUAL",
+        "SPLIT_RANK",
+        "PREDICATED_RESIDUAL",
+        "HAS_BIAS",
+        "SOFTCAP",
+        "CAUSAL",
     ],
     prune_configs_by={"early_config_prune": _prune_compressed_configs},
 )
 @triton.jit
 def _attention_compressed_fwd(
-    Q, Bias, Out, Lse,
-    K_coeff, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
-    V_coeff, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_bb, stride_bh, stride_bq, stride_bk,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_kcb, stride_kch, stride_kcn, stride_kcr,
-    stride_vcb, stride_vch, stride_vcn, stride_vcr,
-    N_Q, N_K, H_KV, NB_K, NB_V,
-    logit_mult, bias_mult, softcap_log2,
-    TUNE_N_Q, TUNE_N_K,
-    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    RANK_K: tl.constexpr, RANK_V: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
-    BLOCK_SIZE_K: tl.constexpr, BLOCK_SIZE_V: tl.constexpr,
-    K_PER_BLOCK: tl.constexpr, V_PER_BLOCK: tl.constexpr, K_REBUILD: tl.constexpr,
-    K_RESIDUAL: tl.constexpr, V_RESIDUAL: tl.constexpr, SPLIT_RANK: tl.constexpr,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
-    FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    Bias,
+    Out,
+    Lse,
+    K_coeff,
+    K_basis,
+    K_mode,
+    K_scale,
+    K_bits,
+    K_offset,
+    K_codes,
+    K_raw,
+    V_coeff,
+    V_basis,
+    V_mode,
+    V_scale,
+    V_bits,
+    V_offset,
+    V_codes,
+    V_raw,
+    Runs,
+    RunCounts,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_bb,
+    stride_bh,
+    stride_bq,
+    stride_bk,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_kcb,
+    stride_kch,
+    stride_kcn,
+    stride_kcr,
+    stride_vcb,
+    stride_vch,
+    stride_vcn,
+    stride_vcr,
+    N_Q,
+    N_K,
+    H_KV,
+    NB_K,
+    NB_V,
+    NUM_SUPER,
+    logit_mult,
+    bias_mult,
+    softcap_log2,
+    TUNE_N_Q,
+    TUNE_N_K,
+    HEAD_DIM_K: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    RANK_K: tl.constexpr,
+    RANK_V: tl.constexpr,
+    RK_PAD: tl.constexpr,
+    RV_PAD: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    BLOCK_SIZE_V: tl.constexpr,
+    SUPER_BLOCK: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr,
+    V_PER_BLOCK: tl.constexpr,
+    K_RESIDUAL: tl.constexpr,
+    V_RESIDUAL: tl.constexpr,
+    SPLIT_RANK: tl.constexpr,
+    PREDICATED_RESIDUAL: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_SIZE_K % BLOCK_N == 0 and BLOCK_SIZE_V % BLOCK_N == 0,
-                     "a key tile must lie inside one codec block")
+    tl.static_assert(
+        BLOCK_SIZE_K % BLOCK_N == 0 and BLOCK_SIZE_V % BLOCK_N == 0, "a key tile must lie inside one codec block"
+    )
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and RK_PAD >= 16 and RV_PAD >= 16)
-    tl.static_assert(not K_REBUILD or K_PER_BLOCK, "K_REBUILD is the per-block-basis alternative")
+    tl.static_assert(SUPER_BLOCK % BLOCK_SIZE_K == 0 and SUPER_BLOCK % BLOCK_SIZE_V == 0)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // H_KV).to(tl.int64)
@@ -391,25 +866,11 @@ def _attention_compressed_fwd(
     row_query = rows // GROUP
     row_head = (kv_head * GROUP + rows % GROUP).to(tl.int64)
     row_valid = row_query < N_Q
-    offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
 
     # ---- queries: q_op is the operand of every product with K factors/codes ----
     q_rows = Q + batch * stride_qb + row_head * stride_qh + row_query.to(tl.int64) * stride_qn
-    q_ptrs = q_rows[:, None] + (offs_dk * stride_qd)[None, :]
-    q_load_mask = row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :]
-    q = tl.load(q_ptrs, mask=q_load_mask, other=0.0)
-    if FP32:
-        q_op = q.to(tl.float32)
-        q_res_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
-    elif K_REBUILD:
-        q_op = q
-        q_res_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
-    else:
-        # Power-of-two row scaling makes the float16 copy exact for float16 and bfloat16 queries alike.
-        q_scale, q_inv = row_normaliser(q.to(tl.float32))
-        q_op = (q.to(tl.float32) * q_inv[:, None]).to(tl.float16)
-        q_res_mult = q_scale * logit_mult
+    q_op, q_res_mult = _query_operand(q_rows, stride_qd, row_valid, logit_mult, HEAD_DIM_K, DK_PAD, BLOCK_M, FP32)
 
     k_meta_base = (batch * H_KV + kv_head) * NB_K
     v_meta_base = (batch * H_KV + kv_head) * NB_V
@@ -417,21 +878,24 @@ def _attention_compressed_fwd(
     V_coeff_head = V_coeff + batch * stride_vcb + kv_head.to(tl.int64) * stride_vch
     # Coefficient tiles through tensor descriptors: the rank is padded to RK_PAD/RV_PAD by zero fill.
     if USE_TMA and RANK_K > 0:
-        k_coeff_desc = tl.make_tensor_descriptor(K_coeff_head, shape=[N_K, RANK_K], strides=[stride_kcn, 1],
-                                                 block_shape=[BLOCK_N, RK_PAD])
+        k_coeff_desc = tl.make_tensor_descriptor(
+            K_coeff_head, shape=[N_K, RANK_K], strides=[stride_kcn, 1], block_shape=[BLOCK_N, RK_PAD]
+        )
     else:
         k_coeff_desc = K_coeff_head
     if USE_TMA and RANK_V > 0:
-        v_coeff_desc = tl.make_tensor_descriptor(V_coeff_head, shape=[N_K, RANK_V], strides=[stride_vcn, 1],
-                                                 block_shape=[BLOCK_N, RV_PAD])
+        v_coeff_desc = tl.make_tensor_descriptor(
+            V_coeff_head, shape=[N_K, RANK_V], strides=[stride_vcn, 1], block_shape=[BLOCK_N, RV_PAD]
+        )
     else:
         v_coeff_desc = V_coeff_head
 
     # ---- shared K basis: Qp = Q P_k^T once per query tile ----
     query_rank_mult = q_res_mult
     if RANK_K > 0 and not K_PER_BLOCK:
-        basis_k = _load_basis(K_basis + kv_head.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD,
-                              HEAD_DIM_K, DK_PAD)
+        basis_k = _load_basis(
+            K_basis + kv_head.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD, HEAD_DIM_K, DK_PAD
+        )
         query_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis_k, FP32)), input_precision=PRECISION)
         query_rank_f32 = query_rank_f32 * q_res_mult[:, None]
         if FP32:
@@ -458,30 +922,310 @@ def _attention_compressed_fwd(
     accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
 
+    # ---- key loops. Each head's super-blocks (SUPER_BLOCK keys, the larger codec block) form runs of
+    # consecutive low-rank-only super-blocks and runs of super-blocks with a residual in K or V (Runs holds
+    # [low starts, low ends, residual starts, residual ends], RunCounts the two run counts). Loop A walks
+    # the low-rank runs with no residual code compiled in (the rank-space fast path); loop B the residual
+    # runs; loop C the masked tail (ragged last tile, causal diagonal). Softmax accumulation is
+    # order-independent, and each run is a plain range loop that the software pipeliner can prefetch. ----
     unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    full_super = unmasked_end // SUPER_BLOCK
+    if K_RESIDUAL or V_RESIDUAL:
+        runs_row = Runs + pid_bh.to(tl.int64) * (4 * NUM_SUPER)
+        counts_row = RunCounts + pid_bh.to(tl.int64) * 2
+        for run in range(0, tl.load(counts_row)):
+            run_lo = tl.load(runs_row + run)
+            run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
+            accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                accumulator,
+                accumulator_max,
+                rank_accumulator,
+                running_sum,
+                running_max,
+                q_op,
+                q_res_mult,
+                query_rank,
+                query_rank_lo,
+                query_rank_mult,
+                K_coeff_head,
+                k_coeff_desc,
+                K_basis,
+                K_mode,
+                K_scale,
+                K_bits,
+                K_offset,
+                K_codes,
+                K_raw,
+                V_coeff_head,
+                v_coeff_desc,
+                V_basis,
+                V_mode,
+                V_scale,
+                V_bits,
+                V_offset,
+                V_codes,
+                V_raw,
+                stride_kcn,
+                stride_kcr,
+                stride_vcn,
+                stride_vcr,
+                k_meta_base,
+                v_meta_base,
+                bias_rows,
+                stride_bk,
+                row_query,
+                row_valid,
+                run_lo * SUPER_BLOCK,
+                run_hi * SUPER_BLOCK,
+                N_K,
+                bias_mult,
+                softcap_log2,
+                HEAD_DIM_K,
+                HEAD_DIM_V,
+                DK_PAD,
+                DV_PAD,
+                RANK_K,
+                RANK_V,
+                RK_PAD,
+                RV_PAD,
+                BLOCK_SIZE_K,
+                BLOCK_SIZE_V,
+                K_PER_BLOCK,
+                V_PER_BLOCK,
+                False,
+                False,
+                SPLIT_RANK,
+                BLOCK_M,
+                BLOCK_N,
+                HAS_BIAS,
+                SOFTCAP,
+                CAUSAL,
+                False,
+                FP32,
+                PRECISION,
+                USE_TMA,
+                False,
+            )
+    else:
+        # Nothing to skip: one plain loop over every full super-block.
+        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+            accumulator,
+            accumulator_max,
+            rank_accumulator,
+            running_sum,
+            running_max,
+            q_op,
+            q_res_mult,
+            query_rank,
+            query_rank_lo,
+            query_rank_mult,
+            K_coeff_head,
+            k_coeff_desc,
+            K_basis,
+            K_mode,
+            K_scale,
+            K_bits,
+            K_offset,
+            K_codes,
+            K_raw,
+            V_coeff_head,
+            v_coeff_desc,
+            V_basis,
+            V_mode,
+            V_scale,
+            V_bits,
+            V_offset,
+            V_codes,
+            V_raw,
+            stride_kcn,
+            stride_kcr,
+            stride_vcn,
+            stride_vcr,
+            k_meta_base,
+            v_meta_base,
+            bias_rows,
+            stride_bk,
+            row_query,
+            row_valid,
+            0,
+            full_super * SUPER_BLOCK,
+            N_K,
+            bias_mult,
+            softcap_log2,
+            HEAD_DIM_K,
+            HEAD_DIM_V,
+            DK_PAD,
+            DV_PAD,
+            RANK_K,
+            RANK_V,
+            RK_PAD,
+            RV_PAD,
+            BLOCK_SIZE_K,
+            BLOCK_SIZE_V,
+            K_PER_BLOCK,
+            V_PER_BLOCK,
+            False,
+            False,
+            SPLIT_RANK,
+            BLOCK_M,
+            BLOCK_N,
+            HAS_BIAS,
+            SOFTCAP,
+            CAUSAL,
+            False,
+            FP32,
+            PRECISION,
+            USE_TMA,
+            False,
+        )
+    if K_RESIDUAL or V_RESIDUAL:
+        if K_RESIDUAL and not K_PER_BLOCK:
+            # Rebuilt here rather than kept live through loop A, which does not need it.
+            q_op, q_res_mult = _query_operand(
+                q_rows, stride_qd, row_valid, logit_mult, HEAD_DIM_K, DK_PAD, BLOCK_M, FP32
+            )
+        for run in range(0, tl.load(counts_row + 1)):
+            run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
+            run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
+            accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                accumulator,
+                accumulator_max,
+                rank_accumulator,
+                running_sum,
+                running_max,
+                q_op,
+                q_res_mult,
+                query_rank,
+                query_rank_lo,
+                query_rank_mult,
+                K_coeff_head,
+                k_coeff_desc,
+                K_basis,
+                K_mode,
+                K_scale,
+                K_bits,
+                K_offset,
+                K_codes,
+                K_raw,
+                V_coeff_head,
+                v_coeff_desc,
+                V_basis,
+                V_mode,
+                V_scale,
+                V_bits,
+                V_offset,
+                V_codes,
+                V_raw,
+                stride_kcn,
+                stride_kcr,
+                stride_vcn,
+                stride_vcr,
+                k_meta_base,
+                v_meta_base,
+                bias_rows,
+                stride_bk,
+                row_query,
+                row_valid,
+                run_lo * SUPER_BLOCK,
+                run_hi * SUPER_BLOCK,
+                N_K,
+                bias_mult,
+                softcap_log2,
+                HEAD_DIM_K,
+                HEAD_DIM_V,
+                DK_PAD,
+                DV_PAD,
+                RANK_K,
+                RANK_V,
+                RK_PAD,
+                RV_PAD,
+                BLOCK_SIZE_K,
+                BLOCK_SIZE_V,
+                K_PER_BLOCK,
+                V_PER_BLOCK,
+                K_RESIDUAL,
+                V_RESIDUAL,
+                SPLIT_RANK,
+                BLOCK_M,
+                BLOCK_N,
+                HAS_BIAS,
+                SOFTCAP,
+                CAUSAL,
+                False,
+                FP32,
+                PRECISION,
+                USE_TMA,
+                PREDICATED_RESIDUAL,
+            )
     accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-        accumulator, accumulator_max, rank_accumulator, running_sum, running_max,
-        q_op, q_res_mult, query_rank, query_rank_lo, query_rank_mult,
-        K_coeff_head, k_coeff_desc, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
-        V_coeff_head, v_coeff_desc, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
-        stride_kcn, stride_kcr, stride_vcn, stride_vcr,
-        k_meta_base, v_meta_base, bias_rows, stride_bk, row_query, row_valid,
-        0, unmasked_end, N_K, bias_mult, softcap_log2,
-        HEAD_DIM_K, HEAD_DIM_V, DK_PAD, DV_PAD, RANK_K, RANK_V, RK_PAD, RV_PAD,
-        BLOCK_SIZE_K, BLOCK_SIZE_V, K_PER_BLOCK, V_PER_BLOCK, K_REBUILD, K_RESIDUAL, V_RESIDUAL, SPLIT_RANK,
-        BLOCK_M, BLOCK_N, HAS_BIAS, SOFTCAP, CAUSAL, False, FP32, PRECISION, USE_TMA,
-    )
-    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-        accumulator, accumulator_max, rank_accumulator, running_sum, running_max,
-        q_op, q_res_mult, query_rank, query_rank_lo, query_rank_mult,
-        K_coeff_head, k_coeff_desc, K_basis, K_mode, K_scale, K_bits, K_offset, K_codes, K_raw,
-        V_coeff_head, v_coeff_desc, V_basis, V_mode, V_scale, V_bits, V_offset, V_codes, V_raw,
-        stride_kcn, stride_kcr, stride_vcn, stride_vcr,
-        k_meta_base, v_meta_base, bias_rows, stride_bk, row_query, row_valid,
-        unmasked_end, end, N_K, bias_mult, softcap_log2,
-        HEAD_DIM_K, HEAD_DIM_V, DK_PAD, DV_PAD, RANK_K, RANK_V, RK_PAD, RV_PAD,
-        BLOCK_SIZE_K, BLOCK_SIZE_V, K_PER_BLOCK, V_PER_BLOCK, K_REBUILD, K_RESIDUAL, V_RESIDUAL, SPLIT_RANK,
-        BLOCK_M, BLOCK_N, HAS_BIAS, SOFTCAP, CAUSAL, True, FP32, PRECISION, USE_TMA,
+        accumulator,
+        accumulator_max,
+        rank_accumulator,
+        running_sum,
+        running_max,
+        q_op,
+        q_res_mult,
+        query_rank,
+        query_rank_lo,
+        query_rank_mult,
+        K_coeff_head,
+        k_coeff_desc,
+        K_basis,
+        K_mode,
+        K_scale,
+        K_bits,
+        K_offset,
+        K_codes,
+        K_raw,
+        V_coeff_head,
+        v_coeff_desc,
+        V_basis,
+        V_mode,
+        V_scale,
+        V_bits,
+        V_offset,
+        V_codes,
+        V_raw,
+        stride_kcn,
+        stride_kcr,
+        stride_vcn,
+        stride_vcr,
+        k_meta_base,
+        v_meta_base,
+        bias_rows,
+        stride_bk,
+        row_query,
+        row_valid,
+        full_super * SUPER_BLOCK,
+        end,
+        N_K,
+        bias_mult,
+        softcap_log2,
+        HEAD_DIM_K,
+        HEAD_DIM_V,
+        DK_PAD,
+        DV_PAD,
+        RANK_K,
+        RANK_V,
+        RK_PAD,
+        RV_PAD,
+        BLOCK_SIZE_K,
+        BLOCK_SIZE_V,
+        K_PER_BLOCK,
+        V_PER_BLOCK,
+        K_RESIDUAL,
+        V_RESIDUAL,
+        SPLIT_RANK,
+        BLOCK_M,
+        BLOCK_N,
+        HAS_BIAS,
+        SOFTCAP,
+        CAUSAL,
+        True,
+        FP32,
+        PRECISION,
+        USE_TMA,
+        False,
     )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
@@ -489,11 +1233,11 @@ def _attention_compressed_fwd(
     if not V_PER_BLOCK:
         accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
         if RANK_V > 0:
-            basis_v = _load_basis(V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD,
-                                  HEAD_DIM_V, DV_PAD)
+            basis_v = _load_basis(
+                V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
+            )
             if FP32:
-                accumulator = tl.dot(rank_accumulator, basis_v.to(tl.float32), accumulator,
-                                     input_precision=PRECISION)
+                accumulator = tl.dot(rank_accumulator, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
             else:
                 rank_mult, rank_inv = row_normaliser(rank_accumulator)
                 rank16 = (rank_accumulator * rank_inv[:, None]).to(tl.float16)
@@ -515,11 +1259,24 @@ class CompressedOperand:
     """The tensors and scalars of one ``CompressedKV`` that the kernel reads (a plain record, so that the
     public op can pass the tensors as separate arguments)."""
 
-    __slots__ = ("coeffs", "basis", "mode", "scale", "bits", "offset", "codes", "raw", "seq_len", "head_dim",
-                 "block_size", "shared_basis")
+    __slots__ = (
+        "coeffs",
+        "basis",
+        "mode",
+        "scale",
+        "bits",
+        "offset",
+        "codes",
+        "raw",
+        "seq_len",
+        "head_dim",
+        "block_size",
+        "shared_basis",
+    )
 
-    def __init__(self, coeffs, basis, mode, scale, bits, offset, codes, raw, *, seq_len, head_dim, block_size,
-                 shared_basis):
+    def __init__(
+        self, coeffs, basis, mode, scale, bits, offset, codes, raw, *, seq_len, head_dim, block_size, shared_basis
+    ):
         self.coeffs, self.basis, self.mode, self.scale, self.bits = coeffs, basis, mode, scale, bits
         self.offset, self.codes, self.raw = offset, codes, raw
         self.seq_len, self.head_dim = seq_len, head_dim
@@ -528,8 +1285,17 @@ class CompressedOperand:
     @classmethod
     def from_compressed(cls, ckv: CompressedKV) -> CompressedOperand:
         return cls(
-            ckv.coeffs, ckv.basis, ckv.mode, ckv.scale, ckv.bits, ckv.offset, ckv.codes, ckv.raw,
-            seq_len=ckv.seq_len, head_dim=ckv.head_dim, block_size=ckv.config.block_size,
+            ckv.coeffs,
+            ckv.basis,
+            ckv.mode,
+            ckv.scale,
+            ckv.bits,
+            ckv.offset,
+            ckv.codes,
+            ckv.raw,
+            seq_len=ckv.seq_len,
+            head_dim=ckv.head_dim,
+            block_size=ckv.config.block_size,
             shared_basis=ckv.shared_basis,
         )
 
@@ -543,6 +1309,37 @@ def _nonempty(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=like.device)
 
 
+def block_runs(k: CompressedOperand, v: CompressedOperand, super_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of consecutive super-blocks (``super_block`` keys) per (batch, K/V head): ``runs``
+    ``[B * Hkv, 4, NS]`` int32 holds the starts and (exclusive) ends of the low-rank-only runs, then those of
+    the runs with a residual (a super-block has one when any K or V block inside it is not ``MODE_LOWRANK``),
+    each list ascending and padded; ``counts`` ``[B * Hkv, 2]`` int32 their numbers. A few small device ops,
+    no host synchronisation."""
+    batch, heads = k.mode.shape[:2]
+    num_super = -(-k.seq_len // super_block)
+
+    def has_residual(op: CompressedOperand) -> torch.Tensor:
+        per = super_block // op.block_size
+        flags = (op.mode != 0).to(torch.int8)
+        flags = torch.nn.functional.pad(flags, (0, num_super * per - flags.shape[-1]))
+        return flags.view(batch, heads, num_super, per).amax(-1)
+
+    residual = torch.maximum(has_residual(k), has_residual(v)).reshape(batch * heads, num_super).to(torch.int32)
+    position = torch.arange(num_super, device=residual.device, dtype=torch.int32).expand_as(residual)
+    runs = torch.empty(batch * heads, 4, num_super, dtype=torch.int32, device=residual.device)
+    counts = torch.empty(batch * heads, 2, dtype=torch.int32, device=residual.device)
+    for kind, flag in ((0, 0), (1, 1)):
+        inside = residual == flag
+        before = torch.nn.functional.pad(inside, (1, 0))[:, :-1]
+        after = torch.nn.functional.pad(inside, (0, 1))[:, 1:]
+        for slot, edge, shift in ((0, inside & ~before, 0), (1, inside & ~after, 1)):
+            # Ascending positions of the run edges first, the rest after (sorted on a key pushed past NS).
+            key = torch.where(edge, position, position + num_super)
+            runs[:, 2 * kind + slot] = torch.sort(key, dim=-1).values % num_super + shift
+        counts[:, kind] = (inside & ~before).sum(-1)
+    return runs, counts
+
+
 def attention_compressed_fwd(
     q: torch.Tensor,
     k: CompressedOperand,
@@ -551,17 +1348,20 @@ def attention_compressed_fwd(
     scale: float,
     causal: bool,
     softcap: float | None,
-    k_rebuild: bool = False,
     residual: tuple[bool, bool] | None = None,
     split_rank: bool = True,
+    predicated: bool = False,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). Returns ``(out, lse)`` as
-    the dense launcher does. ``k_rebuild`` selects the rebuild-the-tile alternative for per-block K bases.
-    ``residual`` = (K has a block with a residual, V has one); None reads it off the modes (one host sync);
-    when False the kernel is compiled without the residual branch. ``split_rank`` forms the rank-space logits
-    from a float16 hi/lo split of ``Qp`` (float32-like precision; False: one float16 product, 2**-12 relative
-    error on ``Qp``). ``config`` bypasses the autotuner."""
+    the dense launcher does.
+
+    ``residual``: (K has a block with a residual, V has one); None reads it off the modes (one host sync).
+    False compiles the kernel without any residual code. ``split_rank``: form the rank-space logits from a
+    float16 hi/lo split of ``Qp`` (float32-like precision; False: one float16 product, 2**-12 relative error
+    on ``Qp``). ``predicated``: load packed residual tiles of the residual-block loop unconditionally, masked
+    by mode, instead of under a branch (measured slower on H200: see kernels/README.md). ``config``
+    (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the autotuner."""
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
@@ -580,21 +1380,55 @@ def attention_compressed_fwd(
     if residual is None:
         residual = (bool((k.mode != 0).any()), bool((v.mode != 0).any()))
     fp32 = q.dtype == torch.float32 or k.coeffs.dtype == torch.float32 or v.coeffs.dtype == torch.float32
+    super_block = max(k.block_size, v.block_size)
+    if residual[0] or residual[1]:
+        runs, run_counts = block_runs(k, v, super_block)
+    else:
+        runs = run_counts = torch.zeros(1, dtype=torch.int32, device=q.device)
 
     def grid(meta):
         return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
 
     kernel = _attention_compressed_fwd if config is None else _attention_compressed_fwd.fn
     kernel[grid](
-        q, bias_arg, out, lse,
-        k_coeff, _nonempty(k.basis, q), k.mode, k.scale, k.bits, k.offset, _nonempty(k.codes, q),
+        q,
+        bias_arg,
+        out,
+        lse,
+        k_coeff,
+        _nonempty(k.basis, q),
+        k.mode,
+        k.scale,
+        k.bits,
+        k.offset,
+        _nonempty(k.codes, q),
         _nonempty(k.raw, q),
-        v_coeff, _nonempty(v.basis, q), v.mode, v.scale, v.bits, v.offset, _nonempty(v.codes, q),
+        v_coeff,
+        _nonempty(v.basis, q),
+        v.mode,
+        v.scale,
+        v.bits,
+        v.offset,
+        _nonempty(v.codes, q),
         _nonempty(v.raw, q),
-        *q.stride(), *bias_strides, *out.stride(), *k_coeff_strides, *v_coeff_strides,
-        n_q, n_k, kv_heads, nb_k, nb_v,
-        logit_mult, bias_mult, softcap_log2,
-        next_power_of_2(n_q * group), next_power_of_2(n_k),
+        runs,
+        run_counts,
+        *q.stride(),
+        *bias_strides,
+        *out.stride(),
+        *k_coeff_strides,
+        *v_coeff_strides,
+        n_q,
+        n_k,
+        kv_heads,
+        nb_k,
+        nb_v,
+        -(-n_k // super_block),
+        logit_mult,
+        bias_mult,
+        softcap_log2,
+        next_power_of_2(n_q * group),
+        next_power_of_2(n_k),
         HEAD_DIM_K=head_dim_k,
         HEAD_DIM_V=head_dim_v,
         DK_PAD=max(16, next_power_of_2(head_dim_k)),
@@ -605,12 +1439,13 @@ def attention_compressed_fwd(
         RV_PAD=max(16, next_power_of_2(v.rank)),
         BLOCK_SIZE_K=k.block_size,
         BLOCK_SIZE_V=v.block_size,
+        SUPER_BLOCK=super_block,
         K_PER_BLOCK=not k.shared_basis,
         V_PER_BLOCK=not v.shared_basis,
-        K_REBUILD=bool(k_rebuild and not k.shared_basis),
         K_RESIDUAL=residual[0],
         V_RESIDUAL=residual[1],
         SPLIT_RANK=split_rank,
+        PREDICATED_RESIDUAL=predicated,
         GROUP=group,
         HAS_BIAS=bias is not None,
         SOFTCAP=softcap is not None,

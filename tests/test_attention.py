@@ -1,0 +1,343 @@
+"""kvbound.attention against the float64 oracle, on awkward shapes, dense and compressed K/V.
+
+Criterion (as flash-attention's tests): the kernel's max error against ``reference_attention`` (float64, on the
+decompressed K/V for compressed inputs) is at most twice that of plain PyTorch attention computed in the same
+dtype, plus a tiny absolute floor. CPU runs use Triton's interpreter (tests/conftest.py sets it) with fp16/fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbound import CompressionConfig, calibrate, compress_kv, reference_attention
+from kvbound.attention import attention
+
+# Absolute floor added to the 2x criterion: a few units in the last place of the output dtype at unit scale.
+FLOOR = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def plain_attention(q, k, v, *, scale=None, causal=False, bias=None, softcap=None):
+    """torch softmax(q k^T) v in q's dtype (the baseline whose error the kernel must match)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, 1)
+    v = v.to(q.dtype).repeat_interleave(group, 1)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias.to(q.dtype)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if causal:
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        logits = logits.masked_fill(~keep, -math.inf)
+    return torch.softmax(logits, dim=-1) @ v
+
+
+def check_against_reference(out, q, k_ref, v_ref, **kw):
+    """Assert the 2x criterion; ``k_ref``/``v_ref`` are what the kernel must reproduce (decompressed if compressed)."""
+    ref_kw = dict(kw)
+    if ref_kw.get("bias") is not None and ref_kw["bias"].dtype == torch.float64:
+        # reference_attention takes 16/32-bit floats; the kernel reads a float64 bias as float32 too.
+        ref_kw["bias"] = ref_kw["bias"].float()
+    ref = reference_attention(q, k_ref, v_ref, **ref_kw)
+    plain = plain_attention(q, k_ref, v_ref, **kw)
+    err = (out.double() - ref).abs()
+    plain_err = (plain.double() - ref).abs()
+    print(
+        f"kernel max {err.max().item():.3e} mean {err.mean().item():.3e} | "
+        f"plain {q.dtype} max {plain_err.max().item():.3e} mean {plain_err.mean().item():.3e}"
+    )
+    assert out.dtype == q.dtype
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    assert err.max().item() <= 2 * plain_err.max().item() + FLOOR[q.dtype]
+
+
+def structured(b, h, n, d, dtype, seed, *, spikes=True):
+    """Rank-6 rows plus noise, with blocks that need every storage mode at block size 16 and the default tau:
+    rows 16-31 get noise that 4-bit codes hold, rows 32-47 noise that needs wider codes, and one outlier
+    (row 50) and rows 64-79 of wide noise that only exact storage certifies; the rest is low-rank within tau."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(h, d, 6, generator=g, dtype=torch.float64))[0].transpose(1, 2)
+    x = torch.randn(b, h, n, 6, generator=g, dtype=torch.float64) * math.sqrt(d / 6) @ basis
+    x += (torch.rand(b, h, n, d, generator=g, dtype=torch.float64) * 2 - 1) * 0.004
+    if spikes:
+        x[:, :, 16:32] += torch.randn(b, h, min(n, 32) - min(n, 16), d, generator=g, dtype=torch.float64) * 0.05
+        x[:, :, 32:48] += torch.randn(b, h, min(n, 48) - min(n, 32), d, generator=g, dtype=torch.float64) * 0.4
+        if n > 50:
+            x[:, :, 50, 3] += 40.0
+        if n > 64:
+            x[:, :, 64:80] += torch.randn(b, h, min(n, 80) - 64, d, generator=g, dtype=torch.float64) * 8.0
+    return x.to(dtype)
+
+
+def all_modes(ckv) -> bool:
+    return all(share > 0 for share in ckv.mode_fractions().values())
+
+
+# ------------------------------------------------------------------------------------------------- dense
+DENSE_CASES = [
+    # B, Hq, Hkv, Nq, Nk, Dk, Dv, dtype, causal, bias shape (None = no bias), softcap
+    (1, 2, 2, 1, 1, 64, 64, torch.float16, False, None, None),
+    (1, 2, 2, 37, 37, 40, 192, torch.float16, True, None, None),
+    (2, 4, 1, 37, 200, 64, 40, torch.float32, False, (200,), 5.0),
+    (1, 6, 2, 200, 37, 40, 64, torch.float16, True, (1, 1, 200, 37), None),
+    (1, 8, 1, 5, 1000, 64, 64, torch.float16, False, (1, 8, 1, 1000), 3.0),
+]
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"B{c[0]}H{c[1]}/{c[2]}N{c[3]}x{c[4]}D{c[5]}/{c[6]}")
+def test_dense_matches_reference(case):
+    b, hq, hkv, nq, nk, dk, dv, dtype, causal, bias_shape, softcap = case
+    g = torch.Generator().manual_seed(nq * 7 + nk)
+    q = torch.randn(b, hq, nq, dk, generator=g).to(dtype)
+    k = torch.randn(b, hkv, nk, dk, generator=g).to(dtype)
+    v = torch.randn(b, hkv, nk, dv, generator=g).to(dtype)
+    bias = None if bias_shape is None else torch.randn(bias_shape, generator=g)
+    out = attention(q, k, v, causal=causal, bias=bias, softcap=softcap)
+    check_against_reference(out, q, k, v, causal=causal, bias=bias, softcap=softcap)
+
+
+def test_dense_noncontiguous_inputs_and_custom_scale():
+    """[B, N, H, D] storage viewed as [B, H, N, D] (strides go to the kernel, no copies), GQA, causal."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 37, 4, 64, generator=g).to(torch.float16).transpose(1, 2)
+    k = torch.randn(1, 37, 2, 64, generator=g).to(torch.float16).transpose(1, 2)
+    v = torch.randn(1, 48, 2, 37, generator=g).to(torch.float16).permute(0, 2, 3, 1)[..., :40]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    out = attention(q, k, v, causal=True, scale=0.3)
+    check_against_reference(out, q, k, v, causal=True, scale=0.3)
+
+
+def test_bias_of_every_float_dtype_broadcast():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 19, 64, generator=g).to(torch.float16)
+    k = torch.randn(2, 2, 33, 64, generator=g).to(torch.float16)
+    v = torch.randn(2, 2, 33, 64, generator=g).to(torch.float16)
+    for dtype, shape in ((torch.float64, (2, 1, 19, 1)), (torch.bfloat16, (33,)), (torch.float16, (1, 2, 1, 33))):
+        bias = (torch.randn(shape, generator=g) * 3).to(dtype)
+        out = attention(q, k, v, bias=bias)
+        check_against_reference(out, q, k, v, bias=bias)
+
+
+def test_lse_is_natural_log_sum_exp():
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 37, 40, generator=g)
+    k = torch.randn(1, 2, 53, 40, generator=g)
+    v = torch.randn(1, 2, 53, 24, generator=g)
+    bias = torch.randn(37, 53, generator=g)
+    out, lse = attention(q, k, v, causal=True, bias=bias, softcap=4.0, return_lse=True)
+    logits = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(40) + bias.double()
+    logits = 4.0 * torch.tanh(logits / 4.0)
+    logits = logits.masked_fill(~torch.ones(37, 53, dtype=torch.bool).tril(), -math.inf)
+    want = torch.logsumexp(logits, dim=-1)
+    err = (lse.double() - want).abs().max().item()
+    print(f"lse max err {err:.3e}")
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, 37)
+    assert err < 1e-5
+
+
+# -------------------------------------------------------------------------------------------- compressed
+def test_compressed_shared_basis_every_mode_gqa_causal_bias_softcap():
+    cfg = CompressionConfig(block_size=16, rank=8)
+    k = structured(1, 2, 200, 64, torch.float16, 1)
+    v = structured(1, 2, 200, 40, torch.float16, 2)
+    # Calibrated on clean samples of the same heads (same seed: same low-rank basis, no spikes).
+    ck = compress_kv(k, cfg, calibrate(structured(1, 2, 200, 64, torch.float16, 1, spikes=False), cfg))
+    cv = compress_kv(v, cfg, calibrate(structured(1, 2, 200, 40, torch.float16, 2, spikes=False), cfg))
+    assert all_modes(ck) and all_modes(cv), (ck.mode_fractions(), cv.mode_fractions())
+    q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    bias = torch.randn(1, 4, 1, 200, generator=torch.Generator().manual_seed(5))
+    out = attention(q, ck, cv, causal=True, bias=bias, softcap=5.0)
+    check_against_reference(out, q, ck.decompress(), cv.decompress(), causal=True, bias=bias, softcap=5.0)
+
+
+def test_compressed_per_block_basis_every_mode_mqa_fp32():
+    cfg = CompressionConfig(block_size=16, rank=8, bits=4)
+    k = structured(2, 1, 77, 40, torch.float32, 3)
+    v = structured(2, 1, 77, 192, torch.float32, 4)
+    ck, cv = compress_kv(k, cfg), compress_kv(v, cfg)
+    assert not ck.shared_basis and all_modes(ck) and all_modes(cv), (ck.mode_fractions(), cv.mode_fractions())
+    q = torch.randn(2, 8, 37, 40, generator=torch.Generator().manual_seed(6))
+    out = attention(q, ck, cv)
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
+
+
+@pytest.mark.parametrize("n", [1, 37])
+def test_compressed_mixed_configs_and_rank_zero(n):
+    """K and V with different block sizes, widths and ranks (V: rank 0, residual codes only)."""
+    k = structured(1, 2, n, 64, torch.float16, 5)
+    v = structured(1, 2, n, 64, torch.float16, 6)
+    ck = compress_kv(k, CompressionConfig(block_size=32, rank=8, bits=3))
+    cv = compress_kv(v, CompressionConfig(block_size=16, rank=0, bits=2))
+    q = torch.randn(1, 2, n, 64, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    out = attention(q, ck, cv, causal=True)
+    check_against_reference(out, q, ck.decompress(), cv.decompress(), causal=True)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_extreme_logits_never_nan(compressed):
+    """q scaled by 1e3: logits in the tens of thousands. fp16 plain attention overflows here, so the baseline is
+    plain attention in float32 on the same fp16 inputs."""
+    k = structured(1, 1, 100, 64, torch.float16, 8)
+    v = structured(1, 1, 100, 64, torch.float16, 9)
+    q = (torch.randn(1, 2, 37, 64, generator=torch.Generator().manual_seed(10)) * 1e3).to(torch.float16)
+    cfg = CompressionConfig(block_size=16)
+    kk, vv = (compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))) if compressed else (k, v)
+    out = attention(q, kk, vv, causal=True)
+    k_ref, v_ref = (kk.decompress(), vv.decompress()) if compressed else (k, v)
+    ref = reference_attention(q, k_ref, v_ref, causal=True)
+    plain32 = plain_attention(q.float(), k_ref.float(), v_ref.float(), causal=True)
+    err = (out.double() - ref).abs().max().item()
+    plain_err = (plain32.double() - ref).abs().max().item()
+    print(f"kernel max {err:.3e} | plain float32 max {plain_err:.3e}")
+    assert torch.isfinite(out).all()
+    # fp16 output rounding of values up to |v|max is the unavoidable part.
+    assert err <= 2 * plain_err + 2.0**-10 * v_ref.abs().max().item()
+
+
+def test_inputs_are_not_modified():
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 2, 17, 64, generator=g).to(torch.float16)
+    k = torch.randn(1, 1, 17, 64, generator=g).to(torch.float16)
+    v = torch.randn(1, 1, 17, 64, generator=g).to(torch.float16)
+    bias = torch.randn(17, generator=g)
+    copies = [t.clone() for t in (q, k, v, bias)]
+    attention(q, k, v, bias=bias, softcap=2.0)
+    for before, after in zip(copies, (q, k, v, bias), strict=True):
+        assert torch.equal(before, after)
+
+
+def test_torch_compile_traces_both_ops():
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 2, 21, 64, generator=g).to(torch.float16)
+    k = structured(1, 1, 21, 64, torch.float16, 14)
+    v = structured(1, 1, 21, 64, torch.float16, 15)
+    ck = compress_kv(k, CompressionConfig(block_size=16))
+    cv = compress_kv(v, CompressionConfig(block_size=16))
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, causal=True), backend="aot_eager", fullgraph=True)
+    check_against_reference(fn(q, k, v), q, k, v, causal=True)
+    check_against_reference(fn(q, ck, cv), q, ck.decompress(), cv.decompress(), causal=True)
+
+
+# ------------------------------------------------------------------------------------------- validation
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 32, generator=g).to(torch.float16)
+    k = torch.randn(1, 2, 8, 32, generator=g).to(torch.float16)
+    v = torch.randn(1, 2, 8, 16, generator=g).to(torch.float16)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (lambda q, k, v: (q.double(), k, v), TypeError, "q: expected dtype"),
+        (lambda q, k, v: (q, k.float(), v), TypeError, "k: expected dtype"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "q: expected 4 dimensions"),
+        (lambda q, k, v: (q, k[..., :16], v), ValueError, "k: expected shape"),
+        (lambda q, k, v: (q, k, v[:, :1]), ValueError, "v: expected shape"),
+        (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple of k's 2"),
+        (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), ValueError, "non-empty"),
+        (lambda q, k, v: (q, compress_kv(k, CompressionConfig(block_size=16)), v), TypeError, "both"),
+        (lambda q, k, v: (q, [k], v), TypeError, "k: expected a torch.Tensor"),
+    ],
+)
+def test_invalid_inputs_raise_clear_errors(change, error, words):
+    q, k, v = change(*_tensors())
+    with pytest.raises(error, match=words):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "bias"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_inputs_raise(name, value):
+    q, k, v = _tensors()
+    tensors = {"q": q, "k": k, "v": v, "bias": torch.zeros(8)}
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[5] = value
+    with pytest.raises(ValueError, match=f"{name}: expected finite values"):
+        attention(tensors["q"], tensors["k"], tensors["v"], bias=tensors["bias"])
+
+
+def test_non_finite_compressed_factors_raise():
+    q, k, v = _tensors()
+    ck = compress_kv(k, CompressionConfig(block_size=16))
+    cv = compress_kv(v, CompressionConfig(block_size=16))
+    ck.coeffs = ck.coeffs.clone()
+    ck.coeffs.view(-1)[3] = math.nan
+    with pytest.raises(ValueError, match="k.coeffs: expected finite values"):
+        attention(q, ck, cv)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(scale=math.nan), ValueError, "scale"),
+        (dict(softcap=0.0), ValueError, "softcap"),
+        (dict(softcap=-2.0), ValueError, "softcap"),
+        (dict(causal=1), TypeError, "causal"),
+        (dict(bias=torch.zeros(3, 8)), ValueError, "bias: expected a shape broadcastable to"),
+        (dict(bias=torch.zeros(8, dtype=torch.int32)), TypeError, "bias: expected dtype"),
+    ],
+)
+def test_invalid_options_raise(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        attention(*_tensors(), **kwargs)
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        attention(*_tensors())
+
+
+# --------------------------------------------------------------------------------------------------- GPU
+def _gpu_case(n, dk, dv, hq, hkv, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, hq, n, dk, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, n, dk, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, hkv, n, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    return q, k, v
+
+
+def _check_rows(out, q, k_ref, v_ref, rows, **kw):
+    """The 2x criterion on the first query rows (the float64 reference of all rows would not fit)."""
+    check_against_reference(out[:, :, :rows].contiguous(), q[:, :, :rows].contiguous(), k_ref, v_ref, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, dk, dv, hq, hkv", [(4096, 64, 64, 8, 8), (65536, 128, 128, 8, 8), (8192, 128, 192, 8, 1)])
+def test_gpu_dense_bf16(n, dk, dv, hq, hkv):
+    q, k, v = _gpu_case(n, dk, dv, hq, hkv, n + dk)
+    out = attention(q, k, v)
+    _check_rows(out, q, k, v, 128)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_bf16_causal_bias_softcap_mqa():
+    q, k, v = _gpu_case(8192, 128, 192, 8, 1, 1)
+    tile = torch.randn(1, 8, 512, 512, device="cuda")
+    bias = tile.repeat_interleave(16, 2).repeat_interleave(16, 3)
+    out = attention(q, k, v, bias=bias, softcap=5.0)
+    check_against_reference(
+        out[:, :, :64].contiguous(), q[:, :, :64].contiguous(), k, v, bias=bias[:, :, :64], softcap=5.0
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [True, False])
+def test_gpu_compressed_bf16(shared):
+    n, d = 65536 if shared else 16384, 64
+    cfg = CompressionConfig()
+    k = structured(1, 8, n, d, torch.float32, 21, spikes=False).to("cuda", torch.bfloat16)
+    v = structured(1, 8, n, d, torch.float32, 22, spikes=False).to("cuda", torch.bfloat16)
+    k[:, :, 1000:1200] += 0.2 * torch.randn_like(k[:, :, 1000:1200])
+    ck = compress_kv(k, cfg, calibrate(k, cfg) if shared else None)
+    cv = compress_kv(v, cfg, calibrate(v, cfg) if shared else None)
+    q = torch.randn(1, 8, n, d, device="cuda", dtype=torch.bfloat16)
+    out = attention(q, ck, cv)
+    check_against_reference(out[:, :, :128].contiguous(), q[:, :, :128].contiguous(), ck.decompress(), cv.decompress())

@@ -1,0 +1,159 @@
+"""Launcher-level tests of the attention kernels: block runs, tile shapes, optional paths. Every result is
+compared with the float64 oracle (``reference_attention``) on the decompressed K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbound import CompressionConfig, calibrate, compress_kv, reference_attention
+from kvbound.kernels._common import tma_ready
+from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd, block_runs
+from kvbound.kernels.attention_dense import attention_dense_fwd
+from test_attention import check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
+
+
+def _python_runs(flags: list[int], want: int) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, f in enumerate(flags + [1 - want]):
+        if f == want and start is None:
+            start = i
+        elif f != want and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _fake_operand(mode: torch.Tensor, block_size: int, seq_len: int) -> CompressedOperand:
+    return CompressedOperand(
+        None,
+        None,
+        mode,
+        None,
+        None,
+        None,
+        None,
+        None,
+        seq_len=seq_len,
+        head_dim=8,
+        block_size=block_size,
+        shared_basis=True,
+    )
+
+
+@pytest.mark.parametrize("k_block, v_block", [(16, 16), (32, 16), (16, 64)])
+def test_block_runs_match_a_python_scan(k_block, v_block):
+    g = torch.Generator().manual_seed(k_block + v_block)
+    n = 300
+    mode_k = (torch.rand(2, 3, -(-n // k_block), generator=g) < 0.3).to(torch.int8) * 3
+    mode_v = (torch.rand(2, 3, -(-n // v_block), generator=g) < 0.2).to(torch.int8)
+    super_block = max(k_block, v_block)
+    runs, counts = block_runs(_fake_operand(mode_k, k_block, n), _fake_operand(mode_v, v_block, n), super_block)
+    num_super = -(-n // super_block)
+    for row in range(6):
+        b, h = divmod(row, 3)
+        flags = []
+        for s in range(num_super):
+            keys = range(s * super_block, min(n, (s + 1) * super_block))
+            flags.append(int(any(mode_k[b, h, j // k_block] != 0 or mode_v[b, h, j // v_block] != 0 for j in keys)))
+        for kind in (0, 1):
+            want = _python_runs(flags, kind)
+            count = int(counts[row, kind])
+            got = list(zip(runs[row, 2 * kind, :count].tolist(), runs[row, 2 * kind + 1, :count].tolist(), strict=True))
+            assert got == want, (row, kind, flags)
+
+
+def _compressed_case(n=150, d=64, dv=48, block=32, shared=True, seed=0):
+    cfg = CompressionConfig(block_size=block, rank=8)
+    k = structured(1, 2, n, d, torch.float16, seed)
+    v = structured(1, 2, n, dv, torch.float16, seed + 1)
+    if shared:
+        ck = compress_kv(k, cfg, calibrate(structured(1, 2, n, d, torch.float16, seed, spikes=False), cfg))
+        cv = compress_kv(v, cfg, calibrate(structured(1, 2, n, dv, torch.float16, seed + 1, spikes=False), cfg))
+    else:
+        ck, cv = compress_kv(k, cfg), compress_kv(v, cfg)
+    q = torch.randn(1, 4, 45, d, generator=torch.Generator().manual_seed(seed + 2)).to(torch.float16)
+    return q, ck, cv
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(predicated=True),
+        dict(split_rank=False),
+        dict(config=dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)),
+    ],
+    ids=["predicated", "single-fp16-rank-product", "tile-16x32"],
+)
+def test_compressed_launcher_options(options):
+    q, ck, cv = _compressed_case()
+    assert ck.mode_fractions()["lowrank"] < 1.0
+    out, lse = attention_compressed_fwd(
+        q,
+        CompressedOperand.from_compressed(ck),
+        CompressedOperand.from_compressed(cv),
+        None,
+        0.125,
+        True,
+        None,
+        **options,
+    )
+    check_against_reference(out, q, ck.decompress(), cv.decompress(), scale=0.125, causal=True)
+
+
+def test_residual_loops_on_low_rank_only_data_change_nothing():
+    """Residual code compiled in (forced flags) on data without residual blocks: same result, and the
+    all-low-rank kernel (flags off) agrees with it to the last bit of float16."""
+    cfg = CompressionConfig(block_size=32, rank=8)
+    k = structured(1, 1, 130, 64, torch.float16, 4, spikes=False)
+    v = structured(1, 1, 130, 64, torch.float16, 5, spikes=False)
+    ck, cv = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
+    assert ck.mode_fractions()["lowrank"] == 1.0 and cv.mode_fractions()["lowrank"] == 1.0
+    q = torch.randn(1, 2, 33, 64, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+    plain, _ = attention_compressed_fwd(q, kop, vop, None, 0.125, False, None, residual=(False, False))
+    forced, _ = attention_compressed_fwd(q, kop, vop, None, 0.125, False, None, residual=(True, True))
+    check_against_reference(forced, q, ck.decompress(), cv.decompress(), scale=0.125)
+    assert torch.equal(plain, forced)
+
+
+def test_per_block_basis_launcher_gqa_bias():
+    q, ck, cv = _compressed_case(n=97, shared=False, seed=7)
+    bias = torch.randn(97, generator=torch.Generator().manual_seed(8))
+    out, _ = attention_compressed_fwd(
+        q,
+        CompressedOperand.from_compressed(ck),
+        CompressedOperand.from_compressed(cv),
+        bias.expand(1, 4, 45, 97),
+        0.125,
+        False,
+        2.0,
+    )
+    check_against_reference(out, q, ck.decompress(), cv.decompress(), scale=0.125, bias=bias, softcap=2.0)
+
+
+def test_dense_pointer_path_when_rows_are_not_16_byte_aligned():
+    """Head dim 36 in float16 (72-byte rows) cannot go through tensor descriptors; the pointer path runs."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 29, 36, generator=g).to(torch.float16)
+    k = torch.randn(1, 2, 41, 36, generator=g).to(torch.float16)
+    v = torch.randn(1, 2, 41, 36, generator=g).to(torch.float16)
+    assert not tma_ready(k, v)
+    out, lse = attention_dense_fwd(q, k, v, None, 1 / math.sqrt(36), True, None)
+    check_against_reference(out, q, k, v, causal=True)
+    assert torch.isfinite(lse).all()
+
+
+def test_dense_explicit_tile_shape():
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 3, 50, 64, generator=g)
+    k = torch.randn(2, 3, 70, 64, generator=g)
+    v = torch.randn(2, 3, 70, 32, generator=g)
+    out, _ = attention_dense_fwd(
+        q, k, v, None, 0.1, False, None, config=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+    )
+    ref = reference_attention(q, k, v, scale=0.1)
+    check_against_reference(out, q, k, v, scale=0.1)
+    assert (out.double() - ref).abs().max() < 1e-5
