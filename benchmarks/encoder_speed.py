@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import subprocess
 
 import torch
@@ -34,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     config = kvbound.CompressionConfig()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("KVBOUND_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     stamp = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
              "commit": commit or "unknown", "date": datetime.date.today().isoformat()}
     rows = []
