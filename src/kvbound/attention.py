@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kvbound._validate import check_finite_values, check_tensor
+from kvbound._validate import check_finite_many, check_tensor
 from kvbound.codec.format import CompressedKV
 
 __all__ = ["attention"]
@@ -186,9 +186,7 @@ def _broadcast_bias(bias: object, shape: tuple[int, int, int, int], q: torch.Ten
 
 # -------------------------------------------------------------------------------------------- custom ops
 def _check_values(**tensors: torch.Tensor | None) -> None:
-    for name, t in tensors.items():
-        if t is not None:
-            check_finite_values(t, name)
+    check_finite_many(tensors)
 
 
 @torch.library.custom_op("kvbound::attention_dense", mutates_args=())

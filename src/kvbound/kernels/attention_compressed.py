@@ -1378,7 +1378,7 @@ def attention_compressed_fwd(
     k_coeff_strides = k.coeffs.stride() if k.coeffs.numel() else (0, 0, 0, 0)
     v_coeff_strides = v.coeffs.stride() if v.coeffs.numel() else (0, 0, 0, 0)
     if residual is None:
-        residual = (bool((k.mode != 0).any()), bool((v.mode != 0).any()))
+        residual = tuple(torch.stack([(k.mode != 0).any(), (v.mode != 0).any()]).tolist())
     fp32 = q.dtype == torch.float32 or k.coeffs.dtype == torch.float32 or v.coeffs.dtype == torch.float32
     super_block = max(k.block_size, v.block_size)
     if residual[0] or residual[1]:
