@@ -55,3 +55,24 @@ def test_triton_encoder_gpu_real_sizes(n, d):
     assert bool((err <= config.tau).all()), err.max().item()
     slow = kvbound.compress_kv(x, config, basis)
     assert torch.equal(fast.mode, slow.mode)
+
+
+def test_triton_certificate_matches_eager_certificate_on_tampering():
+    from kvbound.codec.eager import uncertified_blocks
+    from kvbound.codec.encode_triton import certify_triton
+
+    gen = torch.Generator().manual_seed(9)
+    x = _data(200, 40, torch.float16, gen)
+    config = kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=32)
+    ckv = kvbound.compress_kv(x, config, kvbound.calibrate(x, config))
+    assert not bool(certify_triton(ckv, x).any())
+    packed = (ckv.bits > 0).nonzero()[0].tolist()
+    raw = (ckv.mode == 3).nonzero()[0].tolist()
+    lowrank = (ckv.mode == 0).nonzero().tolist()
+    ckv.scale[tuple(packed)] *= 1.3  # wrong step
+    ckv.raw[3] += 1.0  # an exact value altered
+    if lowrank:
+        ckv.coeffs[0, lowrank[0][1], lowrank[0][2] * 32, 0] += 0.5  # a coefficient altered
+    fast, slow = certify_triton(ckv, x), uncertified_blocks(ckv, x)
+    assert torch.equal(fast[..., :], slow | fast & (ckv.mode == 3))  # the eager check trusts exact blocks
+    assert bool(fast[tuple(packed)]) and bool(fast[tuple(raw)])

@@ -11,8 +11,9 @@ Three passes over ``x``, one program per block of ``block_size`` rows of one hea
    written out), copies exact blocks, and zeroes the coefficients of exact blocks.
 
 The in-kernel check uses float32 arithmetic with a generous rounding allowance, so it almost never accepts what the
-exact check rejects; the exact float64 certificate (``uncertified_blocks``) then runs on the stored numbers, and if a
-block fails it, the tensor is re-encoded by the eager encoder. So the returned object carries the same guarantee as
+exact check rejects; the float64 certificate of ``kvbound.codec.eager.uncertified_blocks`` then runs on the stored
+numbers in a fourth kernel (``_certify_kernel``), and if a block fails it, the tensor is re-encoded by the eager
+encoder. So the returned object carries the same guarantee as
 the eager one: ``|x - decompress()| <= tau`` on every element.
 """
 
@@ -26,11 +27,11 @@ import triton.language as tl
 
 from kvbound._validate import check_tensor
 from kvbound.codec.basis import Basis
-from kvbound.codec.eager import _check_basis, encode, promotion_widths, uncertified_blocks
+from kvbound.codec.eager import _check_basis, encode, promotion_widths
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
 from kvbound.config import CompressionConfig
 
-__all__ = ["encode_triton"]
+__all__ = ["certify_triton", "encode_triton"]
 
 _STEP_MARGIN = 1.0 - 2.0**-10
 _COEFF_FP16_LIMIT = 2.0**15
@@ -216,6 +217,84 @@ def _write_kernel(
                      mask=row_ok[:, None] & (ranks < R)[None, :])
 
 
+@triton.jit
+def _certify_kernel(
+    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, bad_ptr,
+    N, H, D, R, NB, tau, gamma,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """The float64 certificate of ``uncertified_blocks`` for one block, evaluated in-kernel."""
+    k = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    x_head = x_ptr + b * stride_xb + h * stride_xh
+    c_head = c_ptr + bh * N * R
+    mode = tl.load(mode_ptr + bh * NB + k).to(tl.int32)
+    width = tl.load(width_ptr + bh * NB + k).to(tl.int32)
+    step = tl.load(step_ptr + bh * NB + k).to(tl.float64)
+    offset = tl.load(offset_ptr + bh * NB + k)
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, D_PAD)
+    bad = 0
+    for t in range(0, BLOCK, ROWS):
+        row0 = k * BLOCK + t
+        row_ok = (row0 + rows) < N
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
+                    mask=mask, other=0.0)
+        if mode == 3:
+            stored = tl.load(raw_ptr + offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :], mask=mask,
+                             other=0.0)
+            bad = bad | tl.max(tl.max((mask & (stored != x)).to(tl.int32), 1), 0)
+        else:
+            x64 = x.to(tl.float64)
+            low = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
+            low_abs = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
+            for r in range(0, R):
+                c = tl.load(c_head + (row0 + rows).to(tl.int64) * R + r, mask=row_ok, other=0.0).to(tl.float64)
+                p = tl.load(p_ptr + h * R * D + r * D + cols, mask=cols < D, other=0.0).to(tl.float64)
+                low += c[:, None] * p[None, :]
+                low_abs += tl.abs(c)[:, None] * tl.abs(p)[None, :]
+            y = low
+            if width > 0:
+                per_word = 32 // width
+                wpr = (D + per_word - 1) // per_word
+                word_index = (t + rows)[:, None].to(tl.int64) * wpr + (cols // per_word)[None, :]
+                word = tl.load(codes_ptr + offset + word_index, mask=mask, other=0)
+                u = (word >> ((cols % per_word) * width)[None, :]) & ((1 << width) - 1)
+                qs = (u - (1 << (width - 1))).to(tl.float64) * step
+                y = low + qs
+                low_abs = low_abs + tl.abs(qs)
+            y32 = y.to(tl.float32)
+            err = tl.abs(x64 - y32.to(tl.float64)) + _ulp(y32).to(tl.float64) + gamma * low_abs
+            bad = bad | tl.max(tl.max((mask & ~(err <= tau)).to(tl.int32), 1), 0)
+    tl.store(bad_ptr + bh * NB + k, bad.to(tl.int8))
+
+
+def certify_triton(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
+    """Bool [B, H, NB]: blocks of ``ckv`` (shared basis) that fail the float64 certificate against ``x``.
+
+    The same check as ``kvbound.codec.eager.uncertified_blocks``, one program per block, no float64 tensor in memory.
+    """
+    if not ckv.shared_basis:
+        raise ValueError("ckv: certify_triton reads a shared basis; use uncertified_blocks for per-block bases")
+    if tuple(x.shape) != ckv.shape:
+        raise ValueError(f"x: expected shape {ckv.shape}, got {tuple(x.shape)}")
+    batch, heads, n, d = ckv.shape
+    nb, r, block = ckv.num_blocks, ckv.rank, ckv.config.block_size
+    d_pad = max(16, triton.next_power_of_2(d))
+    bad = torch.empty(batch, heads, nb, dtype=torch.int8, device=ckv.device)
+    # an empty coefficient tensor (rank 0) still needs a valid pointer
+    coeffs = ckv.coeffs if ckv.coeffs.numel() else ckv.scale
+    _certify_kernel[(nb, batch * heads)](
+        x, ckv.basis, coeffs, ckv.mode, ckv.bits, ckv.scale, ckv.offset, ckv.codes, ckv.raw, bad, n, heads, d, r, nb,
+        ckv.config.tau, (r + 2) * 2.0**-52, *x.stride(), BLOCK=block, ROWS=_rows_per_tile(block, d_pad), D_PAD=d_pad,
+    )
+    return bad.bool()
+
+
 def _rows_per_tile(block: int, d_pad: int) -> int:
     # Keep a [ROWS, D_PAD] float32 tile around 8K elements.
     return max(16, min(block, 8192 // d_pad))
@@ -291,7 +370,7 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
         shape=(batch, heads, n, d), dtype=x.dtype, config=config, coeffs=coeffs, basis=projection, mode=mode,
         scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
     )
-    if verify and bool(uncertified_blocks(ckv, x).any()):
+    if verify and bool(certify_triton(ckv, x).any()):
         return encode(x, config, basis)
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
