@@ -58,3 +58,12 @@ def test_reference_rejects_bad_input():
         kvbound.reference_attention(bad, k, v)
     with pytest.raises(ValueError, match="bias: expected a shape broadcastable"):
         kvbound.reference_attention(torch.randn(1, 2, 4, 16), k, v, bias=torch.randn(3, 3))
+
+
+def test_reference_accepts_float64_bias():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen) for _ in range(3))
+    bias = torch.randn(1, 2, 5, 5, generator=gen, dtype=torch.float64)
+    got = kvbound.reference_attention(q, k, v, bias=bias)
+    want = plain_softmax_attention(q, k, v, 0.25, bias=bias)
+    assert (got - want).abs().max().item() < 1e-12

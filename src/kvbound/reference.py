@@ -56,7 +56,8 @@ def reference_attention(
     v64 = v.detach().to(torch.float64).repeat_interleave(group, dim=1)
     logits = (q64 @ k64.transpose(-1, -2)) * scale
     if bias is not None:
-        check_tensor(bias, "bias", check_finite=False)
+        check_tensor(bias, "bias", dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                     check_finite=False)
         try:
             logits = logits + bias.detach().to(torch.float64)
         except RuntimeError as err:
