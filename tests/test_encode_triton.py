@@ -76,3 +76,32 @@ def test_triton_certificate_matches_eager_certificate_on_tampering():
     fast, slow = certify_triton(ckv, x), uncertified_blocks(ckv, x)
     assert torch.equal(fast[..., :], slow | fast & (ckv.mode == 3))  # the eager check trusts exact blocks
     assert bool(fast[tuple(packed)]) and bool(fast[tuple(raw)])
+
+
+@pytest.mark.gpu
+def test_int64_offsets_beyond_2_31_elements():
+    """K/V of more than 2**31 elements: dense and compressed attention must still read the last keys."""
+    heads, d = 8, 64
+    n = (1 << 31) // (heads * d) + 37
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, 4, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = (torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
+    v = torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
+    k[:, :, -1] = q[:, :, 0] * 4  # the last key dominates query 0
+    v[:, :, -1] = 1.0
+    assert k.numel() > 2**31
+    out = kvbound.attention(q, k, v)
+    ref = kvbound.reference_attention(q, k, v)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-2, err
+    assert out[:, :, 0].float().mean().item() > 0.5  # the last key was read
+    config = kvbound.CompressionConfig(tau=0.05)
+    basis_k = kvbound.calibrate(k[:, :, :65536], config)
+    basis_v = kvbound.calibrate(v[:, :, :65536], config)
+    ck = kvbound.compress_kv(k, config, basis_k, impl="triton")
+    cv = kvbound.compress_kv(v, config, basis_v, impl="triton")
+    out_c = kvbound.attention(q, ck, cv)
+    ref_c = kvbound.reference_attention(q, ck.decompress(), cv.decompress())
+    err_c = (out_c.double() - ref_c).abs().max().item()
+    print(f"dense error {err:.3g}, compressed error {err_c:.3g}")
+    assert err_c < 2e-2, err_c
