@@ -77,3 +77,28 @@ def test_rank_space_flops_one_tile():
 def test_formulas_reject_negative_sizes():
     with pytest.raises(ValueError, match="q_len"):
         formulas.attention_flops(1, 8, -1, 16, 64, 64, False)
+
+
+def test_gbps_and_ring_bytes():
+    # 1 GB in 2 ms = 500 GB/s
+    assert formulas.gbps(10**9, 2.0) == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="milliseconds"):
+        formulas.gbps(10, 0.0)
+    # a ring of 4: each rank forwards 3 shards
+    assert formulas.ring_dense_bytes_per_rank(4, 1000) == 3000
+    assert formulas.ring_dense_bytes_per_rank(1, 1000) == 0
+    with pytest.raises(ValueError, match="world_size"):
+        formulas.ring_dense_bytes_per_rank(0, 1000)
+
+
+def test_quantiles_and_time_calls():
+    import torch
+
+    from kvbound.bench.runner import quantiles, time_calls
+
+    assert quantiles([4.0, 1.0, 3.0, 2.0, 5.0]) == pytest.approx([1.8, 3.0, 4.2])
+    calls = []
+    times = time_calls(lambda: calls.append(1), torch.device("cpu"), warmup=2, repeats=3)
+    assert len(times) == 3 and len(calls) == 5 and all(t >= 0 for t in times)
+    with pytest.raises(ValueError, match="repeats"):
+        time_calls(lambda: None, torch.device("cpu"), warmup=0, repeats=0)

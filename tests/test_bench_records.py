@@ -127,3 +127,23 @@ def test_ncu_child_command_drops_parent_options(tmp_path):
     cmd = ncu.ncu_command("ncu", tmp_path / "rep", child)
     assert cmd[:3] == ["ncu", "--clock-control", "none"]
     assert "regex:kvbound_bench:.*/" in cmd and "dram__bytes_read.sum" in cmd[cmd.index("--metrics") + 1]
+
+
+def test_suite_rows_round_trip_and_older_files_still_read(tmp_path):
+    rows = [
+        _row(mode="encode", suite="encoder", provider="encoder-triton", gbps=812.5, max_err_over_tau=0.62),
+        _row(mode="model", suite="models", provider="patch-compressed", batch=8, input_len=196_608, layers=11,
+             attention_ms_p50=2.5, peak_bytes=3 * 2**30, baseline_bytes=2**30, diff_max_abs=4e-3, diff_rel=6e-4,
+             calibration_ms=80.0, compress_ms=1.5),
+        _row(mode="ring", suite="ring", provider="ring-compressed", world_size=2, bytes_sent=10**6,
+             dense_bytes_sent=4 * 10**6, repeats=5),
+    ]
+    records.write_rows(tmp_path / "s.csv", rows)
+    back = records.read_rows(tmp_path / "s.csv")
+    assert back[0]["gbps"] == 812.5 and back[1]["peak_bytes"] == 3 * 2**30 and back[1]["layers"] == 11
+    assert back[2]["world_size"] == 2 and back[2]["bytes_sent"] == 10**6 and back[2]["suite"] == "ring"
+    # A CSV written before these columns existed reads with them empty.
+    old = tmp_path / "old.csv"
+    old.write_text("mode,provider,shape,status,ms_p50\ntime,sdpa-cudnn,s,ok,1.5\n")
+    (row,) = records.read_rows(old)
+    assert row["ms_p50"] == 1.5 and row["suite"] is None and row["world_size"] is None

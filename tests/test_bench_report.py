@@ -63,12 +63,105 @@ def fixture_rows():
     return rows
 
 
+def _encode(provider, ms, **kw):
+    dense = 2 * 8 * 16384 * 64 * 2
+    row = {"mode": "encode", "suite": "encoder", "provider": provider, "shape": "seed-n16384-d64", "family": "seed",
+           "batch": 1, "q_heads": 8, "kv_heads": 8, "q_len": 16384, "kv_len": 16384, "head_dim_qk": 64,
+           "head_dim_v": 64, "dtype": "bfloat16", "status": "ok", "ms_p20": ms * 0.9, "ms_p50": ms, "ms_p80": ms * 1.1,
+           "kv_dense_bytes": dense, "gbps": dense / (ms * 1e-3) / 1e9, **ENV}
+    if provider != "device-copy":
+        row.update(config="r8b4", rank=8, bits=4, block_size=128, tau=0.03125, kv_bytes=dense // 4,
+                   compression_ratio=4.0, max_err_over_tau=0.62, kv_max_abs_error=0.62 * 0.03125,
+                   k_share_lowrank=0.5, k_share_packed=0.5, k_share_promoted=0.0, k_share_raw=0.0,
+                   v_share_lowrank=0.25, v_share_packed=0.5, v_share_promoted=0.25, v_share_raw=0.0)
+    else:
+        row.update(max_err_over_tau=0.0)
+    row.update(kw)
+    return row
+
+
+def _model(name, batch, provider, ms, attention_ms, peak_gib, **kw):
+    return {"mode": "model", "suite": "models", "provider": provider, "shape": name, "family": "port",
+            "batch": batch, "q_heads": 8, "kv_heads": 8, "q_len": 1536, "kv_len": 1536, "head_dim_qk": 64,
+            "head_dim_v": 192, "dtype": "bfloat16", "input_len": 196608, "layers": 11, "repeats": 5, "status": "ok",
+            "ms_p20": ms * 0.95, "ms_p50": ms, "ms_p80": ms * 1.05, "attention_ms_p20": attention_ms * 0.9,
+            "attention_ms_p50": attention_ms, "attention_ms_p80": attention_ms * 1.1,
+            "baseline_bytes": 2 * 2**30, "peak_bytes": int((2 + peak_gib) * 2**30), **ENV, **kw}
+
+
+def _ring(n, world, provider, ms, sent, **kw):
+    shard = n // world * 8 * 128 * 2
+    return {"mode": "ring", "suite": "ring", "provider": provider, "shape": f"ring-n{n}-d64", "family": "ring",
+            "batch": 1, "q_heads": 8, "kv_heads": 8, "q_len": n, "kv_len": n, "head_dim_qk": 64, "head_dim_v": 64,
+            "dtype": "bfloat16", "world_size": world, "status": "ok", "ms_p20": ms, "ms_p50": ms, "ms_p80": ms,
+            "flops": attention_flops(1, 8, n, n, 64, 64, False), "bytes_sent": sent,
+            "dense_bytes_sent": (world - 1) * shard, "err_max": 1e-3, "err_rel": 4e-4,
+            "tflops": attention_flops(1, 8, n, n, 64, 64, False) / (ms * 1e-3) / 1e12 if ms else None, **ENV, **kw}
+
+
+def suite_rows():
+    rows = [_encode("encoder-triton", 2.0), _encode("encoder-triton-noverify", 1.5), _encode("encoder-eager", 8.0),
+            _encode("device-copy", 0.05),
+            {"mode": "calibrate", "suite": "encoder", "provider": "kvbound.calibrate", "config": "r8",
+             "shape": "seed-n16384-d64", "status": "ok", "ms_p20": 3.0, "ms_p50": 3.5, "ms_p80": 4.0,
+             "note": "one K and one V sample of 16384 tokens x 8 heads", **ENV}]
+    for batch, scale in ((1, 1.0), (8, 7.0)):
+        rows += [
+            _model("enformer", batch, "unpatched", 25.0 * scale, 6.7 * scale, 3.0 * scale, ref_max_abs=2.0),
+            _model("enformer", batch, "patch-dense", 20.0 * scale, 1.7 * scale, 1.0 * scale, diff_max_abs=4e-3,
+                   diff_rel=6e-4),
+            _model("enformer", batch, "patch-compressed", 22.0 * scale, 2.0 * scale, 1.1 * scale, diff_max_abs=6e-3,
+                   diff_rel=9e-4, compression_ratio=3.9, calibration_ms=80.0, compress_ms=1.5, config="r8b4"),
+        ]
+    rows.append(_model("alphagenome", 1, "patch-dense", 0.0, 0.0, 0.0, status="error", ms_p50=None,
+                       reason="out of memory: CUDA out of memory"))
+    for n in (65536, 131072):
+        shard = n // 2 * 8 * 128 * 2
+        rows += [_ring(n, 1, "ring-compressed", 20.0 * n / 65536, 0, compress_ms=0.8, compression_ratio=4.0,
+                       err_vs_dense_rel=5e-3),
+                 _ring(n, 2, "ring-compressed", 11.0 * n / 65536, shard // 4, compress_ms=0.5, compression_ratio=4.0,
+                       err_vs_dense_rel=5e-3),
+                 _ring(n, 2, "ring-dense", 12.0 * n / 65536, shard),
+                 _ring(n, 2, "allgather-dense", 13.0 * n / 65536, shard)]
+    rows.append(_ring(65536, 4, "ring-dense", 0.0, 0, status="unsupported", ms_p50=None,
+                      reason="needs 4 GPUs; 2 present"))
+    return rows
+
+
+LEGACY_ENCODER = (
+    "encoder,shape,ms,input_GBps,copy_ms,ratio,lowrank,packed,promoted,raw,max_err_over_tau,gpu,torch,triton,commit,"
+    "date\n"
+    "triton,1x8x65536x64,8.1811,8.2,0.0363,2.66,0.0,1.0,0.0,0.0,0.2363,NVIDIA H200,2.11.0+cu130,3.6.0,96bd3af,"
+    "2026-11-30\n"
+)
+LEGACY_PUBLIC_API = (
+    "device,date,commit,command,N,heads,d,kv_modes,kv_ratio,cudnn_ms,kvbound_compressed_ms,compressed_vs_cudnn,"
+    "kvbound_dense_ms,dense_vs_cudnn\n"
+    "NVIDIA H200,2026-11-30,ace6c27,python benchmarks/public_api_timing.py OUT,65536,8,64,all lowrank,7.94,19.536,"
+    "14.470,1.35,21.192,0.92\n"
+)
+KERNEL_DEV = """device,date,commit,plan,shape,provider,ms_p50
+NVIDIA H200,2026-11-30,3f6727e,main,h8_n16k_d64,sdpa_cudnn,1.17
+"""
+
+
 @pytest.fixture()
 def results(tmp_path):
     directory = tmp_path / "benchmarks" / "results"
     directory.mkdir(parents=True)
     records.write_rows(directory / "h200.csv", fixture_rows())
     return directory
+
+
+@pytest.fixture()
+def all_results(results):
+    records.write_rows(results / "suites_h200.csv", suite_rows())
+    for folder, name, text in (("encoder", "encoder_old.csv", LEGACY_ENCODER),
+                               ("public_api", "public_api_old.csv", LEGACY_PUBLIC_API),
+                               ("kernel_dev", "attention_run1.csv", KERNEL_DEV)):
+        (results / folder).mkdir()
+        (results / folder / name).write_text(text)
+    return results
 
 
 def test_data_movement_table_ratios():
@@ -142,3 +235,90 @@ def test_report_writes_benchmarks_md(results, tmp_path):
 
 def test_report_without_csv_fails(tmp_path):
     assert report.main(["--results", str(tmp_path), "--out", str(tmp_path / "B.md"), "--no-plots"]) == 2
+
+
+def test_encoder_tables():
+    headers, body = tables.encoder_table(suite_rows())
+    rows = {r[2]: dict(zip(headers, r, strict=True)) for r in body}
+    assert [r[2] for r in body] == ["encoder-triton", "encoder-triton-noverify", "encoder-eager", "device-copy"]
+    triton = rows["encoder-triton"]
+    assert triton["time / copy"] == "40.0x" and triton["K+V ratio"] == "4.00" and triton["max err / tau"] == "0.620"
+    assert triton["K modes lr/pk/pr/raw"] == "50%/50%/0%/0%" and triton["V modes"] == "25%/50%/25%/0%"
+    assert triton["input GB/s"] == f"{2 * 8 * 16384 * 64 * 2 / 2e-3 / 1e9:.3g}"
+    assert triton["K / V"] == "[1, 8, 16384, 64 / 64] bfloat16"
+    assert rows["device-copy"]["K modes lr/pk/pr/raw"] == "-"
+    _, calibration = tables.encoder_calibration_table(suite_rows())
+    assert calibration == [["seed-n16384-d64", "one K and one V sample of 16384 tokens x 8 heads", "3.5", "3-4",
+                             "NVIDIA H200"]]
+    assert tables.calibration_table(suite_rows())[1] == []  # per-sample rows are not model loads
+
+
+def test_models_table():
+    headers, body = tables.models_table(suite_rows())
+    rows = [dict(zip(headers, r, strict=True)) for r in body]
+    assert [(r["model"], r["batch"], r["variant"]) for r in rows] == [
+        ("enformer", "1", "unpatched"), ("enformer", "1", "patch-dense"), ("enformer", "1", "patch-compressed"),
+        ("enformer", "8", "unpatched"), ("enformer", "8", "patch-dense"), ("enformer", "8", "patch-compressed"),
+        ("alphagenome", "1", "patch-dense")]
+    dense = rows[1]
+    assert dense["vs unpatched"] == "1.25x" and dense["attention share"] == "8%" and dense["peak GiB"] == "3.00"
+    assert dense["peak above baseline GiB"] == "1.00" and dense["rel diff"] == "6.00e-04"
+    compressed = rows[5]
+    assert compressed["K+V ratio"] == "3.90" and compressed["calibration s"] == "0.080"
+    assert compressed["peak above baseline GiB"] == "7.70" and compressed["encode ms / forward"] == "1.5"
+    assert rows[6]["status"] == "error" and "out of memory" in rows[6]["note / reason"]
+
+
+def test_ring_table():
+    headers, body = tables.ring_table(suite_rows())
+    rows = [dict(zip(headers, r, strict=True)) for r in body]
+    assert [(r["N"], r["processes"], r["provider"]) for r in rows][:5] == [
+        ("65536", "1", "ring-compressed"), ("65536", "2", "ring-compressed"), ("65536", "2", "ring-dense"),
+        ("65536", "2", "allgather-dense"), ("65536", "4", "ring-dense")]
+    two = rows[1]
+    assert two["dense / sent"] == "4.00x" and two["sent per rank"] == "16.8 MB" and two["dense per rank"] == "67.1 MB"
+    assert two["TFLOP/s"] == f"{attention_flops(1, 8, 65536, 65536, 64, 64, False) / 11e-3 / 1e12:.1f}"
+    assert rows[0]["sent per rank"] == "0 B" and rows[0]["dense / sent"] == "-"
+    assert rows[4]["status"] == "unsupported" and "needs 4 GPUs" in rows[4]["note / reason"]
+
+
+def test_suite_plots_are_png(tmp_path):
+    rows = suite_rows()
+    for path in (plots.model_forwards(rows, tmp_path / "m.png"), plots.ring_vs_n(rows, tmp_path / "r.png")):
+        assert path is not None and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000
+    assert plots.model_forwards(fixture_rows(), tmp_path / "none.png") is None
+    assert plots.ring_vs_n(fixture_rows(), tmp_path / "none.png") is None
+
+
+def test_report_has_every_suite_and_lists_older_schemas(all_results, tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    plots_dir = tmp_path / "benchmarks" / "plots"
+    assert report.main(["--results", str(all_results), "--out", str(out), "--plots-dir", str(plots_dir)]) == 0
+    text = out.read_text()
+    for heading in ("## Encoder", "## Models end to end", "## Context-parallel ring",
+                    "## Earlier measurements (schemas of removed scripts)"):
+        assert heading in text
+    assert "| seed-n16384-d64 | [1, 8, 16384, 64 / 64] bfloat16 | encoder-triton | r8b4 | ok | 2 |" in text
+    assert "| enformer | 8 | patch-compressed | ok | 154 |" in text
+    assert "| 131072 | 64 | 2 | ring-compressed | ok | 22 |" in text
+    # the former scripts' CSVs: listed with their provenance and shown as recorded
+    assert "`benchmarks/results/encoder/encoder_old.csv` (1 rows in the schema of the former " in text
+    assert "| 1x8x65536x64 | triton | 8.1811 | 8.2 | 0.0363 | 2.66 | 0.0/1.0/0.0/0.0 | 0.2363 |" in text
+    assert "| 65536 | 8 | 64 | all lowrank | 7.94 | 19.536 | 14.470 | 1.35x | 21.192 | 0.92x |" in text
+    assert "command: `python benchmarks/public_api_timing.py OUT`" in text
+    assert "`benchmarks/results/kernel_dev/attention_run1.csv` (1 rows): not read by this report" in text
+    assert "![model forwards](benchmarks/plots/model_forwards.png)" in text
+    assert "![ring vs N](benchmarks/plots/ring_vs_n.png)" in text
+    assert (plots_dir / "ring_vs_n.png").read_bytes()[:8] == PNG_MAGIC
+    # the attention suite's tables are unaffected by the other suites' rows
+    assert "| 65536 | 64 |" in text and "seed-n16384-d64 (seed)" in text
+
+
+def test_report_reads_only_legacy_files(tmp_path):
+    directory = tmp_path / "results" / "encoder"
+    directory.mkdir(parents=True)
+    (directory / "old.csv").write_text(LEGACY_ENCODER)
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "| 1x8x65536x64 | triton |" in text and "_(no timed rows)_" in text

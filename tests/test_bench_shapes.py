@@ -96,3 +96,20 @@ def test_smoke_shapes_are_small():
 def test_load_shapes_reports_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.toml"):
         load_shapes([tmp_path / "nope.toml"])
+
+
+def test_every_committed_shape_file_parses():
+    from kvbound.bench.providers import all_providers
+
+    files = sorted((REPO / "benchmarks" / "shapes").glob("*.toml"))
+    assert len(files) >= 4
+    names = {p.name for p in all_providers()}
+    for path in files:
+        for s in load_shapes([path]):
+            assert set(s.providers) <= names, (path.name, s.name, s.providers)
+    residual_free = load_shapes([REPO / "benchmarks" / "shapes" / "residual_free.toml"])
+    seed = {s.name: s for s in load_shapes([REPO / "benchmarks" / "shapes" / "seed.toml"])}
+    for s in residual_free:
+        twin = seed[s.name.replace("residual-free", "seed")]  # same problem as a seed shape, other name
+        assert (s.q_len, s.head_dim_qk, s.q_heads, s.dtype) == (twin.q_len, twin.head_dim_qk, twin.q_heads, twin.dtype)
+        assert s.zero_tile_share == 1.0 and s.family != "seed"

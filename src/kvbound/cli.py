@@ -7,7 +7,7 @@ import sys
 
 _COMMANDS = {
     "demo": ("kvbound.demo", "compress K/V with real structure and show ratio, bound and attention error"),
-    "bench": ("kvbound.bench.cli", "time every attention provider side by side on the GPU and write CSV rows"),
+    "bench": ("kvbound.bench.cli", "time attention, encoders, patched models or the ring side by side; CSV rows"),
     "roofline": ("kvbound.bench.roofline", "measure the card's ceilings and place each provider on a roofline"),
     "eval": ("kvbound.eval.cli", "expression Pearson and variant AUROC with exact and compressed K/V"),
 }

@@ -1,13 +1,26 @@
-"""``kvbound bench`` / ``python -m kvbound.bench``: every provider side by side on the shapes in
-``benchmarks/shapes/``, one CSV row per measurement.
+"""``kvbound bench`` / ``python -m kvbound.bench``: every measurement the project reports, one CSV row each.
+
+Suites (``--suite``, default ``attention``):
+
+``attention``  every attention provider side by side on the shapes in ``benchmarks/shapes/``
+               (``kvbound.bench.runner``);
+``encoder``    the Triton and eager encoders against a device copy, and ``kvbound.calibrate`` per sample
+               (``kvbound.bench.encoder``);
+``models``     whole forwards of Enformer, Borzoi and AlphaGenome, unpatched and under ``kvbound.patch``
+               (``kvbound.bench.ports``; the GPU needs the ports' wheels: ``benchmarks/wheels.sh``);
+``ring``       context-parallel attention on 1 and 2 GPUs (``kvbound.bench.ring``).
 
     python -m kvbound.bench --out benchmarks/results/h200.csv            # seed + model shapes, default configs
     python -m kvbound.bench --sweep --out ...                            # + the (rank, bits) sweep
     python -m kvbound.bench --ncu --out benchmarks/results/h200-ncu.csv  # DRAM / L2 bytes under Nsight Compute
-    python -m kvbound.bench --cpu-smoke --out /tmp/smoke.csv             # tiny shapes on the CPU
+    python -m kvbound.bench --suite encoder --out benchmarks/results/encoder_h200.csv
+    python -m kvbound.bench --suite models --out benchmarks/results/models_h200.csv
+    python -m kvbound.bench --suite ring --out benchmarks/results/ring_h200x2.csv
+    python -m kvbound.bench [--suite S] --cpu-smoke --out /tmp/smoke.csv  # tiny sizes on the CPU
 
 Without a CUDA GPU it exits with status 2 unless ``--cpu-smoke`` is given (which re-runs itself with
-``TRITON_INTERPRET=1`` so that Triton kernels run in the interpreter).
+``TRITON_INTERPRET=1`` so that Triton kernels run in the interpreter). ``python -m kvbound.bench.report`` turns
+the CSVs under ``benchmarks/results/`` into BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -20,12 +33,16 @@ import time
 from fnmatch import fnmatch
 from pathlib import Path
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "SUITES"]
+
+SUITES = ("attention", "encoder", "models", "ring")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbound bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=SUITES, default="attention",
+                   help="what to measure (default attention; see above)")
     p.add_argument("--shapes", nargs="+", type=Path, default=None,
                    help="shape files (default: benchmarks/shapes/seed.toml and models.toml; smoke.toml with "
                         "--cpu-smoke)")
@@ -62,6 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     p.add_argument("--list", action="store_true", help="list providers and whether they can run here, then exit")
+    g = p.add_argument_group("encoder, models and ring suites")
+    g.add_argument("--rank", type=int, default=None,
+                   help="compression rank (default 8; 4 for the models suite with --cpu-smoke)")
+    g.add_argument("--bits", type=int, default=None, help="residual bits (default 4)")
+    g.add_argument("--block-size", type=int, default=None, help="block size (default 128; 16 with --cpu-smoke)")
+    g.add_argument("--tau", type=float, default=None, help="error bound (default 2**-5)")
+    g.add_argument("--encoders", nargs="+", default=None, metavar="NAME",
+                   help="encoder suite: encoders to run (encoder-triton encoder-triton-noverify encoder-eager "
+                        "device-copy)")
+    g.add_argument("--batches", nargs="+", type=int, default=None,
+                   help="models suite: batch sizes (default per model: 1 and a larger one)")
+    g.add_argument("--patch-backend", choices=("auto", "eager", "kvbound"), default="auto",
+                   help="models suite: kvbound.patch backend (default auto: kvbound.attention on CUDA)")
+    g.add_argument("--warmup", type=int, default=None, help="models and ring suites: untimed calls (default 2 / 1)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="models and ring suites: timed calls (default 5; 2 on CPU)")
+    g.add_argument("--lengths", nargs="+", type=int, default=None,
+                   help="ring suite: whole sequence lengths (default 65536 131072 262144 524288; 256 on CPU)")
+    g.add_argument("--world-sizes", nargs="+", type=int, default=None,
+                   help="ring suite: processes (one per GPU; default 1 2)")
+    g.add_argument("--heads", type=int, default=None, help="ring suite: heads (default 8; 2 on CPU)")
+    g.add_argument("--head-dim", type=int, default=None, help="ring suite: head dim (default 64; 32 on CPU)")
     return p
 
 
@@ -94,11 +133,113 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device = torch.device("cuda")
+    if args.suite != "attention":
+        return _run_suite(args, argv, device)
     if args.ncu and not args.ncu_child:
         from kvbound.bench.ncu import run_under_ncu
 
         return run_under_ncu(argv, args)
     return _run(args, argv, providers, device)
+
+
+def _suite_config(args):
+    from kvbound.config import DEFAULT_TAU, CompressionConfig
+
+    smoke = args.cpu_smoke
+    # The tiny Borzoi has 8-dimensional keys, and the rank must stay below the head dim.
+    smoke_rank = 4 if args.suite == "models" else 8
+    return CompressionConfig(
+        block_size=args.block_size or (16 if smoke else 128),
+        rank=args.rank if args.rank is not None else (smoke_rank if smoke else 8), bits=args.bits or 4,
+        tau=args.tau if args.tau is not None else DEFAULT_TAU)
+
+
+def _suite_rows(args, device, console):
+    """The chosen suite's rows (a generator), or an int exit status when the arguments select nothing."""
+    config = _suite_config(args)
+    if args.suite == "encoder":
+        from kvbound.bench.encoder import ENCODERS, EncoderOptions, encoder_rows
+        from kvbound.bench.shapes import default_shape_files, load_shapes
+
+        shapes = load_shapes(args.shapes or default_shape_files(args.cpu_smoke))
+        if args.only:
+            shapes = [s for s in shapes if any(fnmatch(s.name, pattern) for pattern in args.only)]
+        unknown = sorted(set(args.encoders or ()) - set(ENCODERS))
+        if not shapes or unknown:
+            console.print(f"kvbound bench --suite encoder: nothing to run (shapes {args.only}, unknown encoders "
+                          f"{unknown}; encoders: {list(ENCODERS)})")
+            return 2
+        options = EncoderOptions(
+            warmup_ms=args.warmup_ms if args.warmup_ms is not None else (2.0 if device.type == "cpu" else 25.0),
+            rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if device.type == "cpu" else 100.0),
+            seed=args.seed, zero_tile_share=args.zero_tile_share, encoders=tuple(args.encoders or ENCODERS),
+            calibration=not args.no_calibration)
+        return encoder_rows(shapes, device, config, options)
+    if args.suite == "models":
+        from kvbound.bench.ports import ModelOptions, model_rows, port_models
+
+        specs = port_models(args.cpu_smoke)
+        if args.only:
+            specs = tuple(s for s in specs if any(fnmatch(s.name, pattern) for pattern in args.only))
+        if not specs:
+            console.print(f"kvbound bench --suite models: --only {args.only} matches no model of "
+                          f"{[s.name for s in port_models(args.cpu_smoke)]}")
+            return 2
+        options = ModelOptions(
+            warmup=args.warmup if args.warmup is not None else 2,
+            repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
+            batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed)
+        return model_rows(specs, device, config, options)
+    from kvbound.bench.ring import DEFAULT_LENGTHS, SMOKE_LENGTHS, RingOptions, ring_rows
+
+    smoke = args.cpu_smoke
+    options = RingOptions(
+        lengths=tuple(args.lengths or (SMOKE_LENGTHS if smoke else DEFAULT_LENGTHS)),
+        world_sizes=tuple(args.world_sizes or (1, 2)), heads=args.heads or (2 if smoke else 8),
+        head_dim=args.head_dim or (32 if smoke else 64), dtype="float16" if smoke else "bfloat16",
+        warmup=args.warmup if args.warmup is not None else 1,
+        repeats=args.repeats if args.repeats is not None else (2 if smoke else 5),
+        check_rows=16 if smoke else 64,
+        zero_tile_share=args.zero_tile_share if args.zero_tile_share is not None else 0.5, seed=args.seed,
+        rank=config.rank, bits=config.bits, block_size=config.block_size, tau=config.tau)
+    return ring_rows(device, options)
+
+
+def _run_suite(args, argv: list[str], device) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvbound.bench import records, tables
+
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    rows = _suite_rows(args, device, console)
+    if isinstance(rows, int):
+        return rows
+    out = args.out or Path("benchmarks/results") / time.strftime(f"{args.suite}-%Y%m%d-%H%M%S.csv")
+    if out.exists():
+        out.unlink()
+    env = records.environment(argv, commit=args.commit)
+    console.print(f"kvbound bench --suite {args.suite}: {env['gpu']}, torch {env['torch']}, triton {env['triton']} "
+                  f"-> {out}")
+    started = time.perf_counter()
+    for row in rows:
+        records.append_row(out, {**row, **env})
+        timing = f"{row['ms_p50']:.4g} ms" if row.get("ms_p50") is not None else (row.get("reason") or "")[:100]
+        extra = f" (x{row['world_size']})" if row.get("world_size") else (
+            f" B={row['batch']}" if args.suite == "models" else "")
+        console.print(f"[{time.perf_counter() - started:7.1f} s] {row['shape']}{extra} {row['provider']}: "
+                      f"{row['status']} {timing}", highlight=False)
+    written = records.read_rows(out) if out.exists() else []
+    table_of = {"encoder": tables.encoder_table, "models": tables.models_table, "ring": tables.ring_table}
+    headers, body = table_of[args.suite](written)
+    table = Table(title=f"kvbound bench --suite {args.suite}")
+    for h in headers:
+        table.add_column(h)
+    for line in body:
+        table.add_row(*line)
+    console.print(table)
+    console.print(f"{len(written)} rows written to {out} in {time.perf_counter() - started:.0f} s")
+    return 1 if any(r["status"] == "check_failed" for r in written) else 0
 
 
 def _run(args, argv: list[str], providers, device) -> int:
@@ -152,7 +293,8 @@ def _run(args, argv: list[str], providers, device) -> int:
     out = args.out or Path("benchmarks/results") / time.strftime("bench-%Y%m%d-%H%M%S.csv")
     if out.exists() and not args.resume:
         out.unlink()
-    env = records.environment(_without(_without(argv, "--resume"), "--crashed"), commit=args.commit)
+    env = {**records.environment(_without(_without(argv, "--resume"), "--crashed"), commit=args.commit),
+           "suite": "attention"}
     console.print(f"kvbound bench: {len(tasks)} measurements on {len(shapes)} shapes, {env['gpu']}, "
                   f"torch {env['torch']}, triton {env['triton']} -> {out}")
     started = time.perf_counter()

@@ -31,6 +31,15 @@ for residual-free tiles that is ``r / (block_m * heads_per_program)`` (rank 8, 1
 A kernel that instead works in rank space with a shared basis (logits ``(Q P^T) C^T``, values accumulated as
 ``(P_attn C_v) P_v``; FACTS.md's second loop) replaces ``Dk`` and ``Dv`` by ``r`` in the per-pair cost and adds
 two projections per query tile: ``rank_space_flops`` counts it for residual-free tiles.
+
+Encoder throughput (``--suite encoder``, ``gbps``): the bytes of the dense K and V given to the encoder over its
+median time, ``(K + V bytes) / time``, the same for the encoders and for a plain device copy of K and V (which
+also writes as many bytes as it reads, so its traffic is twice that).
+
+Ring traffic per rank (``--suite ring``, ``ring_dense_bytes_per_rank``): a ring of ``W`` ranks passes every
+shard on ``W - 1`` times, so each rank sends ``(W - 1) * shard`` bytes, with ``shard`` the dense K + V bytes of
+one rank (``dense_bytes_sent``) or the packed ``CompressedKV`` buffers it forwards (``bytes_sent``, measured).
+An all-gather moves the same ``(W - 1) * shard`` dense bytes per rank.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ __all__ = [
     "reconstruction_overhead",
     "rank_space_flops",
     "tflops",
+    "gbps",
+    "ring_dense_bytes_per_rank",
 ]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -67,6 +78,23 @@ def tflops(flops: int, milliseconds: float) -> float:
     if not milliseconds > 0:
         raise ValueError(f"milliseconds: expected a time > 0, got {milliseconds!r}")
     return flops / (milliseconds * 1e-3) / 1e12
+
+
+def gbps(nbytes: int, milliseconds: float) -> float:
+    """Bytes over time, in 10**9 bytes per second."""
+    _positive(nbytes=nbytes)
+    if not milliseconds > 0:
+        raise ValueError(f"milliseconds: expected a time > 0, got {milliseconds!r}")
+    return nbytes / (milliseconds * 1e-3) / 1e9
+
+
+def ring_dense_bytes_per_rank(world_size: int, shard_bytes: int) -> int:
+    """Dense K + V bytes each rank sends in a ring (or an all-gather) of ``world_size`` ranks: every shard of
+    ``shard_bytes`` travels ``world_size - 1`` hops."""
+    _positive(world_size=world_size, shard_bytes=shard_bytes)
+    if world_size == 0:
+        raise ValueError("world_size: expected >= 1, got 0")
+    return (world_size - 1) * shard_bytes
 
 
 def dense_bytes_moved(

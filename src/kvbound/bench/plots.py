@@ -1,4 +1,5 @@
-"""PNG plots drawn from result CSVs (never from a live run): speed vs N, bytes vs (rank, bits), roofline.
+"""PNG plots drawn from result CSVs (never from a live run): speed vs N, bytes vs (rank, bits), roofline, model
+forwards per variant (``--suite models``) and the context-parallel ring vs N (``--suite ring``).
 
     python -m kvbound.bench.plots benchmarks/results/*.csv --out-dir benchmarks/plots
 """
@@ -8,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["speed_vs_n", "bytes_vs_rank_bits", "draw_roofline", "main", "provider_label"]
+__all__ = ["speed_vs_n", "bytes_vs_rank_bits", "draw_roofline", "model_forwards", "ring_vs_n", "main",
+           "provider_label"]
 
 
 def _pyplot():
@@ -105,6 +107,98 @@ def bytes_vs_rank_bits(rows: list[dict], path: str | Path) -> Path | None:
     return path
 
 
+def _save(fig, path: str | Path) -> Path:
+    plt = _pyplot()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
+    """Whole-forward time per (model, batch) and variant, attention modules' share hatched; and, when measured,
+    the allocator's peak above the baseline (CUDA)."""
+    from kvbound.bench.tables import MODEL_VARIANTS, latest_rows
+
+    timed = [r for r in latest_rows(rows, "model", ("provider", "shape", "batch"))
+             if r["status"] == "ok" and r.get("ms_p50")]
+    if not timed:
+        return None
+    plt = _pyplot()
+    groups = list(dict.fromkeys((r["shape"], r["batch"]) for r in timed))
+    variants = [v for v in MODEL_VARIANTS if any(r["provider"] == v for r in timed)]
+    variants += sorted({r["provider"] for r in timed} - set(variants))
+    peaks = {id(r) for r in timed if r.get("peak_bytes") is not None and r.get("baseline_bytes") is not None}
+    panels = 2 if peaks else 1
+    fig, axes = plt.subplots(1, panels, figsize=(max(7, 1.6 * len(groups) + 4) * panels * 0.75 + 2, 4.8),
+                             squeeze=False)
+    width = 0.8 / len(variants)
+    by = {(r["shape"], r["batch"], r["provider"]): r for r in timed}
+    for j, variant in enumerate(variants):
+        offset = (j - (len(variants) - 1) / 2) * width
+        xs = [i + offset for i, g in enumerate(groups) if (*g, variant) in by]
+        mine = [by[(*g, variant)] for g in groups if (*g, variant) in by]
+        axes[0][0].bar(xs, [r["ms_p50"] for r in mine], width=width, color=f"C{j}", label=f"{variant}: forward")
+        axes[0][0].bar(xs, [r.get("attention_ms_p50") or 0.0 for r in mine], width=width * 0.6, color="none",
+                       edgecolor="black", hatch="//", label="attention modules" if j == 0 else None)
+        if peaks:
+            mine_peak = [r for r in mine if id(r) in peaks]
+            axes[0][1].bar([x for x, r in zip(xs, mine, strict=True) if id(r) in peaks],
+                           [(r["peak_bytes"] - r["baseline_bytes"]) / 2**30 for r in mine_peak], width=width,
+                           color=f"C{j}", label=variant)
+    labels = [f"{name}\nB={batch}" for name, batch in groups]
+    axes[0][0].set_yscale("log")
+    axes[0][0].set_ylabel("ms per forward (median; hatched: attention modules)")
+    axes[0][0].set_title("whole forward, bf16 autocast")
+    if peaks:
+        axes[0][1].set_ylabel("GiB allocated above the baseline during one forward")
+        axes[0][1].set_title("peak memory (torch.cuda.max_memory_allocated)")
+    for ax in axes[0]:
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("genomic ports: unpatched vs kvbound.patch\n" + _footer(timed), fontsize=9)
+    return _save(fig, path)
+
+
+def ring_vs_n(rows: list[dict], path: str | Path) -> Path | None:
+    """Context-parallel attention: ms per layer and bytes sent per rank vs N, one line per (provider, processes)."""
+    from kvbound.bench.tables import latest_rows
+
+    timed = [r for r in latest_rows(rows, "ring", ("provider", "shape", "world_size"))
+             if r["status"] == "ok" and r.get("ms_p50")]
+    if not timed:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), squeeze=False)
+    series: dict[str, list[dict]] = {}
+    for r in timed:
+        series.setdefault(f"{r['provider']}, {r['world_size']} proc.", []).append(r)
+    for i, (label, mine) in enumerate(sorted(series.items())):
+        mine.sort(key=lambda r: r["q_len"])
+        style = "-" if mine[0]["world_size"] > 1 else "--"
+        axes[0][0].plot([r["q_len"] for r in mine], [r["ms_p50"] for r in mine], style, marker="o", color=f"C{i}",
+                        label=label)
+        sent = [r for r in mine if r.get("bytes_sent")]
+        if sent:
+            axes[0][1].plot([r["q_len"] for r in sent], [r["bytes_sent"] / 1e6 for r in sent], style, marker="o",
+                            color=f"C{i}", label=label)
+    axes[0][0].set_ylabel("ms per layer (median of the slowest rank)")
+    axes[0][1].set_ylabel("MB sent per rank per layer")
+    for ax in axes[0]:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N (whole sequence)")
+        ax.grid(True, which="both", alpha=0.2)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    fig.suptitle("context-parallel attention (kvbound.distributed)\n" + _footer(timed), fontsize=9)
+    return _save(fig, path)
+
+
 def draw_roofline(points: list[dict], ceilings: dict, path: str | Path, title: str = "") -> Path:
     """Two panels (DRAM, L2): achieved TFLOP/s against FLOP per byte, with ``min(peak, bandwidth * x)``.
 
@@ -167,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [r for path in args.csv for r in read_rows(path)]
     written = [speed_vs_n(rows, args.out_dir / "speed_vs_n.png"),
-               bytes_vs_rank_bits(rows, args.out_dir / "bytes_vs_rank_bits.png")]
+               bytes_vs_rank_bits(rows, args.out_dir / "bytes_vs_rank_bits.png"),
+               model_forwards(rows, args.out_dir / "model_forwards.png"),
+               ring_vs_n(rows, args.out_dir / "ring_vs_n.png")]
     from kvbound.bench.roofline import roofline_from_rows
 
     written.append(roofline_from_rows(rows, args.out_dir / "roofline.png"))

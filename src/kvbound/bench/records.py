@@ -7,6 +7,19 @@
 ``calibrate``  ``kvbound.calibrate`` over one model's layers (``ms_p50`` = the whole model load).
 ``ceiling``    the card's measured ceilings (``kvbound roofline``): ``device-copy`` (``bytes_moved`` over
                ``ms_p50``), ``l2-copy`` (likewise, L2-resident) and ``bf16-matmul`` (``flops`` over ``ms_p50``).
+``encode``     ``--suite encoder``: compressing one layer's K and V (``encoder-triton``, ``encoder-triton-noverify``,
+               ``encoder-eager``) or copying them (``device-copy``); ``gbps`` is K + V input bytes over ``ms_p50``,
+               ``max_err_over_tau`` the largest ``|x - decompress(x)| / tau`` over K and V.
+``model``      ``--suite models``: one whole forward of a genomic port (``unpatched``, ``patch-dense``,
+               ``patch-compressed``); ``attention_ms_*`` the summed forwards of its attention modules,
+               ``peak_bytes`` / ``baseline_bytes`` the CUDA allocator's peak during the forward and what was
+               allocated before it, ``diff_*`` the output against the unpatched model's on the same input.
+``ring``       ``--suite ring``: one context-parallel attention layer over ``world_size`` processes
+               (``ring-compressed``, ``ring-dense``, ``allgather-dense``); ``ms_*`` the slowest rank per call,
+               ``bytes_sent`` / ``dense_bytes_sent`` per rank.
+
+``suite`` names the ``kvbound bench --suite`` that wrote a row (empty in rows written before suites existed:
+the attention suite).
 
 ``status`` is ``ok``, ``unsupported`` (the provider cannot compute this shape; ``reason`` says why),
 ``check_failed`` (output differs from the float64 reference beyond the tolerance, or is not finite; still
@@ -83,6 +96,25 @@ COLUMNS: dict[str, type] = {
     "l2_write_bytes": float,
     "ncu_kernels": int,
     "ncu_ms": float,
+    "suite": str,
+    "input_len": int,
+    "layers": int,
+    "repeats": int,
+    "gbps": float,
+    "max_err_over_tau": float,
+    "attention_ms_p20": float,
+    "attention_ms_p50": float,
+    "attention_ms_p80": float,
+    "peak_bytes": int,
+    "baseline_bytes": int,
+    "diff_max_abs": float,
+    "diff_rel": float,
+    "ref_max_abs": float,
+    "calibration_ms": float,
+    "world_size": int,
+    "bytes_sent": int,
+    "dense_bytes_sent": int,
+    "compress_ms": float,
     "gpu": str,
     "torch": str,
     "triton": str,
@@ -93,7 +125,7 @@ COLUMNS: dict[str, type] = {
     "command": str,
 }
 
-MODES = ("time", "ncu", "calibrate", "ceiling")
+MODES = ("time", "ncu", "calibrate", "ceiling", "encode", "model", "ring")
 STATUSES = ("ok", "unsupported", "check_failed", "error")
 
 

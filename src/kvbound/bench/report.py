@@ -2,7 +2,10 @@
 
 Every number in the generated file comes from a committed CSV row; the file names each CSV with its device,
 dates, commit, library versions and the exact command that produced it, and redraws the plots from the same
-rows into ``benchmarks/plots/``.
+rows into ``benchmarks/plots/``. Every CSV under the results folder (subfolders included) is listed: files in
+the ``kvbound bench`` schema feed the tables; files in the two schemas of the former side scripts
+(``benchmarks/encoder_speed.py``, ``benchmarks/public_api_timing.py``) are shown as recorded in their own
+section; any other CSV is listed as not read, with its columns.
 
     python -m kvbound.bench.report --results benchmarks/results --out BENCHMARKS.md
 """
@@ -10,15 +13,17 @@ rows into ``benchmarks/plots/``.
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbound.bench import tables
 from kvbound.bench.records import read_rows
 from kvbound.bench.summary import speed_vs_cudnn
 
-__all__ = ["main", "render"]
+__all__ = ["main", "render", "ResultFile", "read_results"]
 
 _METHOD = """\
 How the numbers are made:
@@ -42,8 +47,113 @@ How the numbers are made:
 """
 
 
+_ENCODER_METHOD = """\
+`python -m kvbound.bench --suite encoder`: one layer's K and V of each shape (the attention suite's inputs),
+compressed by the Triton encoder with the float64 certificate (`encoder-triton`), without it
+(`encoder-triton-noverify`: the in-kernel check only), by the eager float64 encoder, and copied on the device
+(`device-copy`: the floor). Time: K then V, `do_bench` quantiles. Input GB/s: K + V bytes over the median. Before
+timing, every element of `decompress()` is checked against its input: max err / tau <= 1 or the row is
+`check_failed`. Modes: share of blocks stored low-rank only / with `bits`-bit codes / promoted to wider codes /
+exactly. The basis comes from `kvbound.calibrate` on another draw of the same layer; that calibration is timed in
+the second table.
+"""
+
+_MODELS_METHOD = """\
+`python -m kvbound.bench --suite models`: each port at its full size with random weights (Enformer's
+zero-initialised `to_out` re-randomised), bf16 autocast, `no_grad`, one-hot random DNA. `unpatched`: the port as
+published; `patch-dense`: `kvbound.patch(model, compress=False)`; `patch-compressed`:
+`kvbound.patch(model, compress=True)` calibrated on a forward over another input. Forward: median of timed calls
+(CUDA events) after warm-up. Attention: the attention modules' forwards summed, timed by forward hooks in separate
+calls. Peak: `torch.cuda.max_memory_allocated` during one forward; "above baseline" subtracts what was allocated
+before it (weights, inputs, the reference output). Diff: the output against the unpatched output on the same input
+(max abs; rel = L2 norm of the difference over the L2 norm of the reference). Encode ms:
+`CompressedKV.encode_seconds` summed over layers per forward.
+"""
+
+_RING_METHOD = """\
+`python -m kvbound.bench --suite ring`: one attention layer (B = 1, 8 heads, non-causal, bf16) over the whole
+sequence N, sharded over one process per GPU (NCCL). `ring-compressed`:
+`kvbound.distributed.context_parallel_attention` with K/V shards compressed once (Triton encoder, inside the timed
+layer) and passed around the ring; `ring-dense`: the same ring with dense K/V; `allgather-dense`: all-gather the
+dense shards, then `kvbound.attention`. Time: the slowest rank per call, quantiles over calls. Sent per rank: bytes
+each rank put on the link (largest over ranks); dense per rank: `(W - 1)` dense K + V shards. Errors: checked query
+rows against the float64 reference over the K/V the provider computes on (compressed: the decompressed shards), and
+against the original K/V (`err vs dense ref`).
+"""
+
+
+@dataclass
+class ResultFile:
+    """One CSV under the results folder: ``kind`` is ``bench`` (``rows`` typed by ``records.read_rows``),
+    ``legacy-encoder`` or ``legacy-public-api`` (``raw`` string rows of a former side script) or ``unknown``."""
+
+    path: Path
+    kind: str
+    rows: list[dict] = field(default_factory=list)
+    raw: list[dict] = field(default_factory=list)
+    columns: list[str] = field(default_factory=list)
+
+
 def _files(results: Path) -> list[Path]:
-    return sorted(p for p in results.glob("*.csv") if p.is_file())
+    return sorted(p for p in results.rglob("*.csv") if p.is_file())
+
+
+def read_results(results: Path) -> list[ResultFile]:
+    """Every CSV under ``results`` (recursively), classified by its header."""
+    out = []
+    for path in _files(results):
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            columns = list(reader.fieldnames or [])
+            raw = list(reader)
+        if {"mode", "provider", "shape", "status"} <= set(columns):
+            out.append(ResultFile(path, "bench", rows=read_rows(path), columns=columns))
+        elif set(tables.LEGACY_ENCODER_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "legacy-encoder", raw=raw, columns=columns))
+        elif set(tables.LEGACY_PUBLIC_API_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "legacy-public-api", raw=raw, columns=columns))
+        else:
+            out.append(ResultFile(path, "unknown", raw=raw, columns=columns))
+    return out
+
+
+def _legacy_provenance(item: ResultFile, root: Path) -> str:
+    script = {"legacy-encoder": "benchmarks/encoder_speed.py", "legacy-public-api": "benchmarks/public_api_timing.py"}
+    raw = item.raw
+
+    def values(*keys: str) -> str:
+        return ", ".join(sorted({r[k] for k in keys for r in raw if r.get(k)})) or "-"
+
+    versions = "".join(f"; {label} {values(key)}" for label, key in (("torch", "torch"), ("Triton", "triton"))
+                       if values(key) != "-")
+    return "\n".join([
+        f"- `{_relative(item.path, root)}` ({len(raw)} rows in the schema of the former `{script[item.kind]}`; "
+        "shown as recorded under \"Earlier measurements\")",
+        f"  - device: {values('gpu', 'device')}; date: {values('date')}; commit: `{values('commit')}`{versions}",
+    ] + [f"  - command: `{c}`" for c in sorted({r['command'] for r in raw if r.get('command')})])
+
+
+def _unknown_provenance(item: ResultFile, root: Path) -> str:
+    shown = ", ".join(item.columns[:12]) + (", ..." if len(item.columns) > 12 else "")
+    return (f"- `{_relative(item.path, root)}` ({len(item.raw)} rows): not read by this report (not the `kvbound "
+            f"bench` schema nor a former side script's; columns: {shown})")
+
+
+def _legacy_section(files: list[ResultFile], root: Path) -> str:
+    parts = []
+    for item in files:
+        if item.kind == "legacy-encoder":
+            parts.append(f"From `{_relative(item.path, root)}` (former `benchmarks/encoder_speed.py`: one tensor per "
+                         "row, median of `do_bench` only; K/V of rank-6 structure plus noise of std 0.02, calibrated "
+                         "on the first 4096 tokens of the same tensor; now `--suite encoder`):\n")
+            parts.append(tables.to_markdown(*tables.legacy_encoder_table(item.raw)))
+        elif item.kind == "legacy-public-api":
+            parts.append(f"From `{_relative(item.path, root)}` (former `benchmarks/public_api_timing.py`: median of "
+                         "`do_bench`, K/V of rank-6 structure plus noise of std 0.004 so that every block certifies "
+                         "low-rank at the default tau; now the attention suite on "
+                         "`benchmarks/shapes/residual_free.toml`):\n")
+            parts.append(tables.to_markdown(*tables.legacy_public_api_table(item.raw)))
+    return "\n".join(parts) if parts else "_(none)_\n"
 
 
 def _unique(rows: list[dict], key: str) -> str:
@@ -124,15 +234,20 @@ def _ceilings(rows: list[dict]) -> str:
     return text + ".\n"
 
 
-def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Path | None]) -> str:
-    """The whole BENCHMARKS.md text."""
+def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Path | None],
+           other_files: list[ResultFile] | None = None) -> str:
+    """The whole BENCHMARKS.md text. ``other_files``: CSVs not in the bench schema (legacy or unknown)."""
     rows = [r for file_rows in rows_by_file.values() for r in file_rows]
+    other_files = other_files or []
+    sources = [_provenance(p, r, root) for p, r in rows_by_file.items()]
+    sources += [_legacy_provenance(f, root) for f in other_files if f.kind.startswith("legacy")]
+    sources += [_unknown_provenance(f, root) for f in other_files if f.kind == "unknown"]
     parts = [
         "# kvbound benchmarks\n",
         "Generated by `python -m kvbound.bench.report` from the CSV files listed below; do not edit by hand "
         "(rerun the commands, commit the CSVs, regenerate).\n",
         "## Where these numbers come from\n",
-        "\n".join(_provenance(p, r, root) for p, r in rows_by_file.items()) or "_(no CSV files)_",
+        "\n".join(sources) or "_(no CSV files)_",
         "",
         _METHOD,
         "## Ceilings\n",
@@ -162,6 +277,19 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "in rank space (residual-free tiles) over dense FLOP. See `kvbound/bench/formulas.py`.\n",
         "## Calibration time per model load\n",
         tables.to_markdown(*tables.calibration_table(rows)),
+        "## Encoder\n",
+        _ENCODER_METHOD,
+        tables.to_markdown(*tables.encoder_table(rows)),
+        "Calibration (`kvbound.calibrate`) of one model-sized sample:\n",
+        tables.to_markdown(*tables.encoder_calibration_table(rows)),
+        "## Models end to end\n",
+        _MODELS_METHOD,
+        tables.to_markdown(*tables.models_table(rows)),
+        "## Context-parallel ring\n",
+        _RING_METHOD,
+        tables.to_markdown(*tables.ring_table(rows)),
+        "## Earlier measurements (schemas of removed scripts)\n",
+        _legacy_section(other_files, root),
     ]
     shown = {name: path for name, path in plots.items() if path is not None}
     if shown:
@@ -179,23 +307,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"))
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    files = _files(args.results)
+    files = read_results(args.results)
     if not files:
         print(f"kvbound.bench.report: no CSV files under {args.results}", file=sys.stderr)
         return 2
-    rows_by_file = {path: read_rows(path) for path in files}
+    rows_by_file = {f.path: f.rows for f in files if f.kind == "bench"}
     rows = [r for file_rows in rows_by_file.values() for r in file_rows]
     plots: dict[str, Path | None] = {}
     if not args.no_plots:
-        from kvbound.bench.plots import bytes_vs_rank_bits, speed_vs_n
+        from kvbound.bench.plots import bytes_vs_rank_bits, model_forwards, ring_vs_n, speed_vs_n
         from kvbound.bench.roofline import roofline_from_rows
 
         plots["speed vs N"] = speed_vs_n(rows, args.plots_dir / "speed_vs_n.png")
         plots["roofline"] = roofline_from_rows(rows, args.plots_dir / "roofline.png")
         plots["bytes vs (rank, bits)"] = bytes_vs_rank_bits(rows, args.plots_dir / "bytes_vs_rank_bits.png")
+        plots["model forwards"] = model_forwards(rows, args.plots_dir / "model_forwards.png")
+        plots["ring vs N"] = ring_vs_n(rows, args.plots_dir / "ring_vs_n.png")
     root = args.out.resolve().parent
-    args.out.write_text(render(rows_by_file, root, plots))
-    print(f"wrote {args.out} from {len(files)} CSV files ({len(rows)} rows)")
+    others = [f for f in files if f.kind != "bench"]
+    args.out.write_text(render(rows_by_file, root, plots, others))
+    read = sum(1 for f in files if f.kind != "unknown")
+    print(f"wrote {args.out} from {read} of {len(files)} CSV files ({len(rows)} bench rows)")
     return 0
 
 

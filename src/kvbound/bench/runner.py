@@ -19,8 +19,8 @@ from kvbound.bench.formulas import DTYPE_BYTES, attention_flops, tflops
 from kvbound.bench.providers import Case, CompressedConfigSpec, Prepared, Provider, Unsupported
 from kvbound.bench.shapes import AttentionShape
 
-__all__ = ["RunOptions", "Task", "plan_tasks", "run_task", "skipped_row", "measure", "input_sets_for", "shape_fields",
-           "calibration_rows", "MODEL_LAYERS", "NVTX_PREFIX"]
+__all__ = ["RunOptions", "Task", "plan_tasks", "run_task", "skipped_row", "measure", "time_calls", "quantiles",
+           "input_sets_for", "shape_fields", "calibration_rows", "MODEL_LAYERS", "NVTX_PREFIX"]
 
 QUANTILES = (0.2, 0.5, 0.8)
 NVTX_PREFIX = "kvbound_bench:"
@@ -103,6 +103,39 @@ def measure(fn: Callable[[], object], device: torch.device, warmup_ms: float, re
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return [_quantile(times, q) for q in QUANTILES]
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    For calls too long for ``do_bench``'s fixed time budget (a whole model forward, a distributed layer): on CUDA
+    each call is bracketed by events and the device synchronised after it; on the CPU, ``time.perf_counter``."""
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats!r}")
+    for _ in range(warmup):
+        fn()
+    _synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def quantiles(values: list[float]) -> list[float]:
+    """p20, p50, p80 of ``values`` (linear interpolation, numpy's default)."""
+    if not values:
+        raise ValueError("values: expected at least one time")
+    return [_quantile(values, q) for q in QUANTILES]
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -31,6 +31,11 @@ _MISSING = object()
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
 
 
+def _encoder(x: torch.Tensor, config: CompressionConfig, basis: Basis | None) -> str:
+    """The Triton encoder on the GPU when it applies (a calibrated basis, rank >= 1), else the eager one."""
+    return "triton" if x.is_cuda and basis is not None and config.rank > 0 else "eager"
+
+
 @dataclass(eq=False)
 class PatchedModule:
     """One module a handle patched, and what its patched forward has done since."""
@@ -130,8 +135,8 @@ class PatchHandle:
             return k, v
         if not self.compress:
             return k, v
-        ck = compress_kv(k, self.config, record.basis_k)
-        cv = compress_kv(v, self.config, record.basis_v)
+        ck = compress_kv(k, self.config, record.basis_k, impl=_encoder(k, self.config, record.basis_k))
+        cv = compress_kv(v, self.config, record.basis_v, impl=_encoder(v, self.config, record.basis_v))
         record.last_k_ratio = ck.compression_ratio
         record.last_v_ratio = cv.compression_ratio
         record.encode_seconds += ck.encode_seconds + cv.encode_seconds

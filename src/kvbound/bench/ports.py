@@ -1,0 +1,487 @@
+"""``kvbound bench --suite models``: whole forwards of the genomic ports, unpatched and under ``kvbound.patch``.
+
+For each port at its full published size with random weights (enformer-pytorch 0.8.12 ``Enformer.from_hparams``
+with the defaults: 196,608 bp -> 1536 tokens, 11 layers; borzoi-pytorch 0.5.1 ``Borzoi(BorzoiConfig())``:
+524,288 bp -> 4096 tokens, 8 layers; alphagenome-pytorch 0.3.1 ``AlphaGenome()``: 1,048,576 bp -> 8192 tokens,
+9 blocks, run with ``embeddings_only=True``), under ``torch.autocast(dtype=torch.bfloat16)`` and ``no_grad``,
+at batch 1 and a larger batch, three variants run on the same one-hot DNA input:
+
+``unpatched``         the port as published;
+``patch-dense``       ``kvbound.patch(model, compress=False)``: memory-lean attention on exact K/V;
+``patch-compressed``  ``kvbound.patch(model, config, compress=True, calibrate_on=...)``: K/V compressed on every
+                      forward, with one basis per layer calibrated on a forward over another input.
+
+Each row records the whole forward (``ms_p20/50/80``), the summed forwards of the attention modules, timed
+by forward hooks in separate calls (``attention_ms_*``), the CUDA allocator's peak during one forward
+(``peak_bytes``; ``baseline_bytes`` were allocated before it: weights, inputs, the reference output) and the
+output's difference from the unpatched model's on the same input (``diff_max_abs``, ``diff_rel`` =
+``||out - ref|| / ||ref||``; Enformer: the human head, Borzoi: its output, AlphaGenome: ``embeddings_128bp``).
+Enformer zero-initialises its attention output projection (``to_out``); it is re-randomised, else attention
+would add exactly nothing and every variant would match the unpatched output trivially.
+
+``--cpu-smoke`` runs tiny configs through the same code (Enformer and Borzoi at a few dozen tokens, and
+AlphaGenome's ``TransformerTower(64)``, the module the patch works on, since the full AlphaGenome has fixed
+widths), with ``kvbound.patch``'s CPU backend; peak memory is recorded on CUDA only. A port that is not installed
+gets an ``unsupported`` row saying so.
+
+The GPU machine has no network and none of the ports: ``benchmarks/wheels.sh`` (run where pip can reach PyPI)
+puts their wheels, and the few modules they import that the GPU image lacks, into ``.whl/``. Then, on one H200
+(the ``run`` tool, ``kind="nvidia-h200"``, ``carry=[".whl"]``)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit; export HF_HUB_OFFLINE=1; \\
+    python3 -m kvbound.bench --suite models --only enformer borzoi --commit <sha> --out $OUT/models_h200_a.csv
+
+and the same with ``--only alphagenome --out $OUT/models_h200_b.csv`` (two calls keep each under the run tool's
+10 minutes; ``--batches 1`` keeps batch 1 only). On the CPU::
+
+    python -m kvbound.bench --suite models --cpu-smoke --out /tmp/models.csv
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvbound.bench.encoder import config_label
+from kvbound.bench.runner import quantiles, time_calls
+
+__all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "ModelOptions", "AttentionTimer",
+           "model_rows", "port_models", "compressed_ratio"]
+
+VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Positional and keyword arguments of one forward."""
+
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PortModel:
+    """One port at one size.
+
+    ``build()`` returns the model on the CPU, in eval mode, with its random weights set (seeded by the caller);
+    ``make_input(batch, seed, device)`` the forward's arguments; ``output(result)`` the tensor compared between
+    variants; ``attention_class()`` the class of its attention modules (timed by hooks, patched by kvbound);
+    ``describe(module)`` ``(q_heads, kv_heads, dk, dv)`` of one of them."""
+
+    name: str
+    package: str
+    distribution: str
+    input_len: int
+    tokens: int
+    batches: tuple[int, ...]
+    build: Callable[[], nn.Module]
+    make_input: Callable[[int, int, torch.device], Inputs]
+    output: Callable[[object], torch.Tensor]
+    attention_class: Callable[[], type]
+    describe: Callable[[nn.Module], tuple[int, int, int, int]]
+    note: str = ""
+
+
+def _one_hot_dna(batch: int, length: int, seed: int, device: torch.device, *, channels_first: bool = False
+                 ) -> torch.Tensor:
+    """``[B, L, 4]`` (or ``[B, 4, L]``) float32 one-hot of uniformly random bases."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.one_hot(torch.randint(0, 4, (batch, length), generator=g), 4).float()
+    return (x.transpose(1, 2).contiguous() if channels_first else x).to(device)
+
+
+def _relative_describe(module: nn.Module) -> tuple[int, int, int, int]:
+    heads = module.heads
+    return heads, heads, module.to_k.out_features // heads, module.to_v.out_features // heads
+
+
+def _alphagenome_describe(module: nn.Module) -> tuple[int, int, int, int]:
+    dk, dv = module.norm_k.normalized_shape[0], module.norm_v.normalized_shape[0]
+    return module.q_proj.out_features // dk, module.k_proj.out_features // dk, dk, dv
+
+
+def _rerandomise_enformer_to_out(model: nn.Module) -> None:
+    from enformer_pytorch.modeling_enformer import Attention
+
+    for module in model.modules():
+        if type(module) is Attention:
+            module.to_out.reset_parameters()  # zero-initialised by the port
+
+
+# ------------------------------------------------------------------------------------------------ Enformer
+def _enformer(**hparams) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from enformer_pytorch import Enformer
+
+        model = Enformer.from_hparams(**hparams)
+        _rerandomise_enformer_to_out(model)
+        return model.eval()
+
+    return build
+
+
+def _enformer_attention() -> type:
+    from enformer_pytorch.modeling_enformer import Attention
+
+    return Attention
+
+
+# -------------------------------------------------------------------------------------------------- Borzoi
+def _borzoi(**config) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from borzoi_pytorch import Borzoi
+        from borzoi_pytorch.config_borzoi import BorzoiConfig
+
+        return Borzoi(BorzoiConfig(**config)).eval()
+
+    return build
+
+
+def _borzoi_attention() -> type:
+    from borzoi_pytorch.pytorch_borzoi_transformer import Attention
+
+    return Attention
+
+
+# --------------------------------------------------------------------------------------------- AlphaGenome
+def _alphagenome_full() -> nn.Module:
+    from alphagenome_pytorch import AlphaGenome
+
+    return AlphaGenome().eval()
+
+
+def _alphagenome_tower(d_model: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from alphagenome_pytorch.model import TransformerTower
+
+        return TransformerTower(d_model).eval()
+
+    return build
+
+
+def _alphagenome_attention() -> type:
+    from alphagenome_pytorch.attention import MHABlock
+
+    return MHABlock
+
+
+def _first(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+PORT_MODELS: tuple[PortModel, ...] = (
+    PortModel(
+        name="enformer", package="enformer_pytorch", distribution="enformer-pytorch==0.8.12",
+        input_len=196_608, tokens=1536, batches=(1, 8),
+        build=_enformer(dim=1536, depth=11, heads=8, output_heads=dict(human=5313, mouse=1643), target_length=896),
+        make_input=lambda b, seed, device: Inputs((_one_hot_dna(b, 196_608, seed, device),)),
+        output=lambda result: result["human"], attention_class=_enformer_attention, describe=_relative_describe,
+        note="Enformer.from_hparams (defaults), to_out re-randomised; output: human head",
+    ),
+    PortModel(
+        name="borzoi", package="borzoi_pytorch", distribution="borzoi-pytorch==0.5.1",
+        input_len=524_288, tokens=4096, batches=(1, 4),
+        build=_borzoi(),
+        make_input=lambda b, seed, device: Inputs((_one_hot_dna(b, 524_288, seed, device, channels_first=True),)),
+        output=lambda result: result, attention_class=_borzoi_attention, describe=_relative_describe,
+        note="Borzoi(BorzoiConfig()); output: human tracks",
+    ),
+    PortModel(
+        name="alphagenome", package="alphagenome_pytorch", distribution="alphagenome-pytorch==0.3.1",
+        input_len=1_048_576, tokens=8192, batches=(1, 2),
+        build=_alphagenome_full,
+        make_input=lambda b, seed, device: Inputs(
+            (_one_hot_dna(b, 1_048_576, seed, device), torch.zeros(b, dtype=torch.long, device=device)),
+            {"embeddings_only": True}),
+        output=lambda result: result["embeddings_128bp"], attention_class=_alphagenome_attention,
+        describe=_alphagenome_describe,
+        note="AlphaGenome() (float32 parameters, default dtype policy), embeddings_only=True; output: "
+             "embeddings_128bp",
+    ),
+)
+
+SMOKE_PORT_MODELS: tuple[PortModel, ...] = (
+    PortModel(
+        name="enformer-tiny", package="enformer_pytorch", distribution="enformer-pytorch==0.8.12",
+        input_len=8 * 48, tokens=48, batches=(1, 2),
+        build=_enformer(dim=96, depth=2, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8,
+                        target_length=-1, output_heads=dict(human=8)),
+        make_input=lambda b, seed, device: Inputs((_one_hot_dna(b, 8 * 48, seed, device),)),
+        output=lambda result: result["human"], attention_class=_enformer_attention, describe=_relative_describe,
+        note="Enformer.from_hparams(dim=96, depth=2, heads=4, attn_dim_key=16, num_downsamples=3)",
+    ),
+    PortModel(
+        name="borzoi-tiny", package="borzoi_pytorch", distribution="borzoi-pytorch==0.5.1",
+        input_len=128 * 32, tokens=32, batches=(1, 2),
+        build=_borzoi(dim=64, depth=2, heads=2, attn_dim_key=8, attn_dim_value=16, bins_to_return=64),
+        make_input=lambda b, seed, device: Inputs((_one_hot_dna(b, 128 * 32, seed, device, channels_first=True),)),
+        output=lambda result: result, attention_class=_borzoi_attention, describe=_relative_describe,
+        note="Borzoi(BorzoiConfig(dim=64, depth=2, heads=2, attn_dim_key=8, attn_dim_value=16))",
+    ),
+    PortModel(
+        name="alphagenome-tower-tiny", package="alphagenome_pytorch", distribution="alphagenome-pytorch==0.3.1",
+        input_len=64, tokens=64, batches=(1, 2),
+        build=_alphagenome_tower(64),
+        make_input=lambda b, seed, device: Inputs(
+            (torch.randn(b, 64, 64, generator=torch.Generator().manual_seed(seed)).to(device),)),
+        output=_first, attention_class=_alphagenome_attention, describe=_alphagenome_describe,
+        note="TransformerTower(64): 9 blocks of 8 x 128 / 1 x 128 / 1 x 192 heads on 64 tokens of width 64",
+    ),
+)
+
+
+def port_models(cpu_smoke: bool) -> tuple[PortModel, ...]:
+    return SMOKE_PORT_MODELS if cpu_smoke else PORT_MODELS
+
+
+@dataclass
+class ModelOptions:
+    warmup: int = 2
+    repeats: int = 5
+    batches: tuple[int, ...] | None = None  # None: each model's own list
+    backend: str = "auto"
+    seed: int = 0
+
+
+class AttentionTimer:
+    """Forward hooks on ``modules`` that time each call (CUDA events, or ``perf_counter`` on the CPU);
+    ``total_ms()`` sums the calls since ``reset()``. Use as a context manager: the hooks are removed on exit."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.calls: list[tuple] = []
+        self._open: dict[int, object] = {}
+        self._handles = []
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._before))
+            self._handles.append(module.register_forward_hook(self._after))
+
+    def _stamp(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _before(self, module, args) -> None:
+        self._open[id(module)] = self._stamp()
+
+    def _after(self, module, args, output) -> None:
+        self.calls.append((self._open.pop(id(module)), self._stamp()))
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self._open.clear()
+
+    def total_ms(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return float(sum(start.elapsed_time(end) for start, end in self.calls))
+        return sum(end - start for start, end in self.calls) * 1e3
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> AttentionTimer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def compressed_ratio(records, describe: Callable[[nn.Module], tuple[int, int, int, int]]) -> float | None:
+    """Dense K + V bytes over stored bytes, over all patched layers, from each layer's last K and V ratios."""
+    dense = stored = 0.0
+    for record in records:
+        if record.last_k_ratio is None or record.last_v_ratio is None:
+            continue
+        _, kv_heads, dk, dv = describe(record.module)
+        dense += kv_heads * (dk + dv)
+        stored += kv_heads * (dk / record.last_k_ratio + dv / record.last_v_ratio)
+    return dense / stored if stored else None
+
+
+def _forward(spec: PortModel, model: nn.Module, inputs: Inputs, device: torch.device) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        return spec.output(model(*inputs.args, **inputs.kwargs))
+
+
+def _difference(out: torch.Tensor, reference: torch.Tensor) -> dict:
+    if out.shape != reference.shape:
+        raise ValueError(f"output: expected shape {tuple(reference.shape)} as unpatched, got {tuple(out.shape)}")
+    diff = out.to(torch.float64) - reference.to(torch.float64)
+    norm = float(torch.linalg.vector_norm(reference.to(torch.float64)))
+    return {"diff_max_abs": float(diff.abs().max()),
+            "diff_rel": float(torch.linalg.vector_norm(diff)) / norm if norm > 0 else math.inf}
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module], None], backend: str):
+    """The model patched as ``name`` (undone on exit) and the handle (None when unpatched)."""
+    import kvbound
+
+    if name == "unpatched":
+        yield None
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # skipped modules are reported from handle.skipped
+        if name == "patch-dense":
+            handle = kvbound.patch(model, compress=False, backend=backend)
+        elif name == "patch-compressed":
+            handle = kvbound.patch(model, config, compress=True, calibrate_on=calibrate, backend=backend)
+        else:
+            raise ValueError(f"variant: expected one of {VARIANTS}, got {name!r}")
+    try:
+        yield handle
+    finally:
+        handle.undo()
+
+
+def _error_reason(err: BaseException) -> str:
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return f"out of memory: {str(err).splitlines()[0][:200]}"
+    text = str(err).splitlines()[0][:300] if str(err) else ""
+    return f"{type(err).__name__}: {text}"
+
+
+def _measure_variant(spec: PortModel, model: nn.Module, inputs: Inputs, reference: torch.Tensor | None,
+                     modules: list[nn.Module], handle, device: torch.device, options: ModelOptions) -> dict:
+    """Check, time, time attention, then peak memory of one variant (the model already patched as it is)."""
+    row: dict = {}
+    out = _forward(spec, model, inputs, device)
+    if not bool(torch.isfinite(out).all()):
+        row.update(status="check_failed", reason="output has NaN or Inf")
+    if reference is not None:
+        row.update(_difference(out, reference))
+    del out
+    encode_before = sum(r.encode_seconds for r in handle.modules) if handle is not None else 0.0
+    times = time_calls(lambda: _forward(spec, model, inputs, device), device, warmup=options.warmup,
+                       repeats=options.repeats)
+    row.update(zip(("ms_p20", "ms_p50", "ms_p80"), quantiles(times), strict=True))
+    if handle is not None and handle.compress:
+        calls = options.warmup + options.repeats
+        encoded = sum(r.encode_seconds for r in handle.modules) - encode_before
+        row["compress_ms"] = encoded / calls * 1e3
+    attention = []
+    with AttentionTimer(modules, device) as timer:
+        for _ in range(options.repeats):
+            timer.reset()
+            _forward(spec, model, inputs, device)
+            attention.append(timer.total_ms())
+    row.update(zip(("attention_ms_p20", "attention_ms_p50", "attention_ms_p80"), quantiles(attention), strict=True))
+    if device.type == "cuda":
+        _release(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row["baseline_bytes"] = torch.cuda.memory_allocated(device)
+        _forward(spec, model, inputs, device)
+        torch.cuda.synchronize(device)
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return row
+
+
+def _base_row(spec: PortModel, batch: int, describe: tuple[int, int, int, int] | None, layers: int,
+              options: ModelOptions) -> dict:
+    row = {"mode": "model", "suite": "models", "shape": spec.name, "family": "port", "batch": batch,
+           "q_len": spec.tokens, "kv_len": spec.tokens, "input_len": spec.input_len, "dtype": "bfloat16",
+           "causal": False, "layers": layers, "repeats": options.repeats, "note": ""}
+    if describe is not None:
+        row.update(zip(("q_heads", "kv_heads", "head_dim_qk", "head_dim_v"), describe, strict=True))
+    return row
+
+
+def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, options: ModelOptions
+               ) -> Iterator[dict]:
+    """Rows for every (model, batch, variant); a port that cannot be imported gets ``unsupported`` rows."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for spec in specs:
+        batches = options.batches or spec.batches
+        try:
+            importlib.import_module(spec.package)
+        except ImportError as err:
+            for batch in batches:
+                for variant in VARIANTS:
+                    yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "unsupported",
+                           "reason": f"{spec.package} is not installed ({spec.distribution}; "
+                                     f"benchmarks/wheels.sh): {err}"}
+            continue
+        try:
+            torch.manual_seed(options.seed)
+            model = spec.build().to(device)
+        except Exception as err:  # noqa: BLE001 - recorded; the other ports still run
+            for batch in batches:
+                for variant in VARIANTS:
+                    yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "error",
+                           "reason": f"building the model: {_error_reason(err)}"}
+            continue
+        attention_class = spec.attention_class()
+        modules = [m for m in model.modules() if type(m) is attention_class]
+        describe = spec.describe(modules[0]) if modules else None
+        yield from _model_batches(spec, model, modules, describe, batches, device, config, options)
+        del model, modules
+        _release(device)
+
+
+def _model_batches(spec, model, modules, describe, batches, device, config, options) -> Iterator[dict]:
+    calibration_input = spec.make_input(1, options.seed + 2, device)
+
+    def calibrate(m: nn.Module) -> None:
+        _forward(spec, m, calibration_input, device)
+
+    for batch in batches:
+        inputs = spec.make_input(batch, options.seed + 1, device)
+        reference = unpatched_failure = None
+        for variant in VARIANTS:
+            row = {**_base_row(spec, batch, describe, len(modules), options), "provider": variant,
+                   "status": "ok", "reason": "", "note": spec.note if variant == "unpatched" else ""}
+            if variant == "patch-compressed":
+                row.update(config=config_label(config), rank=config.rank, bits=config.bits,
+                           block_size=config.block_size, tau=config.tau, basis="calibrated")
+            try:
+                with _variant(variant, model, config, calibrate, options.backend) as handle:
+                    if handle is not None:
+                        row["layers"] = len(handle.modules)
+                        if handle.skipped:
+                            row["note"] = ("left unpatched: " + "; ".join(
+                                f"{n}: {r}" for n, r in handle.skipped))[:500]
+                        if handle.compress:
+                            row["calibration_ms"] = handle.calibration_seconds * 1e3
+                    if variant == "unpatched":
+                        try:
+                            reference = _forward(spec, model, inputs, device)
+                        except Exception as err:  # noqa: BLE001 - the lean variants may still fit; they run
+                            unpatched_failure = _error_reason(err)
+                            raise
+                        row["ref_max_abs"] = float(reference.abs().max())
+                    elif reference is None:
+                        row["note"] = "; ".join(x for x in (f"no output difference: the unpatched forward failed "
+                                                            f"({unpatched_failure})", row["note"]) if x)[:500]
+                    measured = _measure_variant(spec, model, inputs, reference if variant != "unpatched" else None,
+                                                modules, handle, device, options)
+                    row.update(measured)
+                    if handle is not None and handle.compress:
+                        row["compression_ratio"] = compressed_ratio(handle.modules, spec.describe)
+            except Exception as err:  # noqa: BLE001 - one variant's failure is recorded, the next still runs
+                row.update(status="error", reason=_error_reason(err))
+            yield row
+            _release(device)
+        del inputs, reference

@@ -1,0 +1,195 @@
+"""``kvbound bench --suite models`` on the CPU: the timing hooks, the row formulas, and the tiny ports end to end.
+
+The end-to-end test needs the ports (``pip install -e ".[models]"`` plus borzoi-pytorch and alphagenome-pytorch,
+README "Model ports") and skips with that reason when they are absent.
+"""
+
+import dataclasses
+import importlib.util
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import kvbound
+from kvbound.bench import cli, ports, records, tables
+
+SMOKE = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+OPTIONS = ports.ModelOptions(warmup=0, repeats=1, batches=(1,))
+
+
+class Sleepy(nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x + 1
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Sleepy(0.01), Sleepy(0.02)])
+        self.other = Sleepy(0.05)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.other(x)
+
+
+def test_attention_timer_sums_the_hooked_modules_only():
+    model = Toy()
+    with ports.AttentionTimer(list(model.blocks), torch.device("cpu")) as timer:
+        model(torch.zeros(1))
+        first = timer.total_ms()
+        timer.reset()
+        model(torch.zeros(1))
+        assert len(timer.calls) == 2
+        second = timer.total_ms()
+    print(f"hooked modules: {first:.1f} ms, {second:.1f} ms (sleeps of 30 ms, 50 ms outside)")
+    assert 30.0 <= first < 80.0 and 30.0 <= second < 80.0  # 80 ms or more: the unhooked module was counted
+    assert all(not block._forward_hooks and not block._forward_pre_hooks for block in model.blocks)
+
+
+def test_compressed_ratio_weights_k_and_v_by_their_bytes():
+    class Record:
+        def __init__(self, k, v):
+            self.module, self.last_k_ratio, self.last_v_ratio = None, k, v
+
+    def describe(_):
+        return 8, 1, 128, 192
+
+    # dense 320 units per layer; stored 128 / 4 + 192 / 2 = 128
+    assert ports.compressed_ratio([Record(4.0, 2.0), Record(4.0, 2.0)], describe) == pytest.approx(320 / 128)
+    assert ports.compressed_ratio([Record(None, None)], describe) is None
+
+
+def test_difference_is_max_abs_and_relative_l2():
+    ref = torch.tensor([3.0, 4.0])
+    got = ports._difference(torch.tensor([3.0, 4.5]), ref)
+    assert got == {"diff_max_abs": 0.5, "diff_rel": pytest.approx(0.1)}
+    with pytest.raises(ValueError, match="expected shape"):
+        ports._difference(torch.zeros(3), ref)
+
+
+def _toy_spec(**kw):
+    base = dict(
+        name="toy", package="torch", distribution="torch", input_len=4, tokens=4, batches=(1, 3),
+        build=lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval(),
+        make_input=lambda b, seed, device: ports.Inputs(
+            (torch.randn(b, 4, generator=torch.Generator().manual_seed(seed)),)),
+        output=lambda y: y, attention_class=lambda: nn.Linear, describe=lambda m: (1, 1, 4, 4), note="toy")
+    base.update(kw)
+    return ports.PortModel(**base)
+
+
+def test_rows_for_a_model_without_port_modules(tmp_path):
+    rows = list(ports.model_rows((_toy_spec(),), torch.device("cpu"), SMOKE,
+                                 ports.ModelOptions(warmup=1, repeats=3)))
+    assert [(r["batch"], r["provider"]) for r in rows] == [(b, v) for b in (1, 3) for v in ports.VARIANTS]
+    for r in rows:
+        assert r["status"] == "ok", r["reason"]
+        assert r["mode"] == "model" and r["suite"] == "models" and r["repeats"] == 3 and r["layers"] in (0, 2)
+        assert r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
+        assert r["attention_ms_p20"] <= r["attention_ms_p50"] <= r["attention_ms_p80"]
+        assert r.get("peak_bytes") is None  # CUDA only
+    unpatched = [r for r in rows if r["provider"] == "unpatched"]
+    assert all(r["layers"] == 2 and r["ref_max_abs"] > 0 and r.get("diff_rel") is None for r in unpatched)
+    patched = [r for r in rows if r["provider"] != "unpatched"]
+    # kvbound.patch finds no port module in a plain MLP: same function, so exactly the same output
+    assert all(r["layers"] == 0 and r["diff_max_abs"] == 0.0 and r["diff_rel"] == 0.0 for r in patched)
+    assert all(r["config"] == "r4b4-block16" for r in rows if r["provider"] == "patch-compressed")
+    records.write_rows(tmp_path / "m.csv", rows)
+    headers, body = tables.models_table(records.read_rows(tmp_path / "m.csv"))
+    assert len(body) == 6 and dict(zip(headers, body[0], strict=True))["vs unpatched"] == "1.00x"
+
+
+def test_missing_port_gives_unsupported_rows():
+    spec = _toy_spec(package="kvbound_no_such_port", distribution="no-such-port==1.0")
+    rows = list(ports.model_rows((spec,), torch.device("cpu"), SMOKE, OPTIONS))
+    assert len(rows) == 3 and all(r["status"] == "unsupported" for r in rows)
+    assert "no-such-port==1.0" in rows[0]["reason"] and "wheels.sh" in rows[0]["reason"]
+
+
+def test_a_failing_build_is_recorded():
+    def broken():
+        raise RuntimeError("no weights")
+
+    rows = list(ports.model_rows((_toy_spec(build=broken),), torch.device("cpu"), SMOKE, OPTIONS))
+    assert all(r["status"] == "error" and "no weights" in r["reason"] for r in rows)
+
+
+def test_lean_variants_still_run_when_the_unpatched_forward_fails():
+    calls = []
+
+    def output(y):  # the first forward (the unpatched reference) runs out of memory, the later ones do not
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("the N x N logits do not fit")
+        return y
+
+    rows = list(ports.model_rows((_toy_spec(output=output),), torch.device("cpu"), SMOKE, OPTIONS))
+    assert [r["status"] for r in rows] == ["error", "ok", "ok"]
+    assert "MemoryError: the N x N logits do not fit" in rows[0]["reason"]
+    for r in rows[1:]:
+        assert r["ms_p50"] > 0 and r.get("diff_rel") is None
+        assert r["note"].startswith("no output difference: the unpatched forward failed (MemoryError")
+
+
+_PORTS = ("enformer_pytorch", "borzoi_pytorch", "alphagenome_pytorch")
+_MISSING = [name for name in _PORTS if importlib.util.find_spec(name) is None]
+
+
+@pytest.fixture()
+def one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread avoids thread pools spinning at their barriers
+    (measured: 10 s instead of 50 s for this test with another process busy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(bool(_MISSING), reason=f"ports not installed: {_MISSING} (README, 'Model ports')")
+def test_tiny_ports_end_to_end(one_thread):
+    rows = list(ports.model_rows(ports.SMOKE_PORT_MODELS, torch.device("cpu"), SMOKE, OPTIONS))
+    assert [(r["shape"], r["provider"]) for r in rows] == [
+        (spec.name, variant) for spec in ports.SMOKE_PORT_MODELS for variant in ports.VARIANTS]
+    for r in rows:
+        print(f"{r['shape']:24s} {r['provider']:17s} {r['status']} forward {r.get('ms_p50')} ms, attention "
+              f"{r.get('attention_ms_p50')} ms, diff {r.get('diff_max_abs')} (rel {r.get('diff_rel')}), "
+              f"ratio {r.get('compression_ratio')}")
+        assert r["status"] == "ok", (r["shape"], r["provider"], r["reason"])
+        assert r["layers"] == {"enformer-tiny": 2, "borzoi-tiny": 2, "alphagenome-tower-tiny": 9}[r["shape"]]
+        assert r["attention_ms_p50"] > 0 and r["ms_p50"] > 0
+    by = {(r["shape"], r["provider"]): r for r in rows}
+    for spec in ports.SMOKE_PORT_MODELS:
+        dense, compressed = by[(spec.name, "patch-dense")], by[(spec.name, "patch-compressed")]
+        scale = by[(spec.name, "unpatched")]["ref_max_abs"]
+        assert scale > 0
+        # bf16 autocast: the lean forward rounds differently from the port, not more
+        assert dense["diff_rel"] < 2e-2, dense
+        assert compressed["diff_rel"] < 5e-2 and math.isfinite(compressed["diff_max_abs"])
+        assert compressed["compression_ratio"] > 1 and compressed["calibration_ms"] > 0
+        assert compressed["compress_ms"] > 0 and dense.get("compression_ratio") is None
+    assert by[("alphagenome-tower-tiny", "unpatched")]["kv_heads"] == 1
+
+
+def test_cli_models_rejects_unknown_names(tmp_path):
+    assert cli.main(["--suite", "models", "--cpu-smoke", "--only", "gpt*", "--out", str(tmp_path / "m.csv")]) == 2
+    assert not (tmp_path / "m.csv").exists()
+
+
+def test_port_model_lists():
+    assert [s.name for s in ports.port_models(cpu_smoke=False)] == ["enformer", "borzoi", "alphagenome"]
+    full = {s.name: s for s in ports.PORT_MODELS}
+    assert full["enformer"].input_len // 128 == full["enformer"].tokens == 1536
+    assert full["borzoi"].input_len // 128 == full["borzoi"].tokens == 4096
+    assert full["alphagenome"].input_len // 128 == full["alphagenome"].tokens == 8192
+    assert all(len(s.batches) == 2 and s.batches[0] == 1 for s in ports.PORT_MODELS)
+    assert dataclasses.is_dataclass(ports.SMOKE_PORT_MODELS[0])
