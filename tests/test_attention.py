@@ -86,6 +86,8 @@ DENSE_CASES = [
     (2, 4, 1, 37, 200, 64, 40, torch.float32, False, (200,), 5.0),
     (1, 6, 2, 200, 37, 40, 64, torch.float16, True, (1, 1, 200, 37), None),
     (1, 8, 1, 5, 1000, 64, 64, torch.float16, False, (1, 8, 1, 1000), 3.0),
+    # A soft-cap above kernels._common.FIXED_MAX_LIMIT: the running maximum is tracked.
+    (1, 4, 2, 37, 70, 64, 48, torch.float16, True, (1, 4, 37, 70), 30.0),
 ]
 
 
@@ -123,15 +125,16 @@ def test_bias_of_every_float_dtype_broadcast():
         check_against_reference(out, q, k, v, bias=bias)
 
 
-def test_lse_is_natural_log_sum_exp():
+@pytest.mark.parametrize("softcap", [4.0, 30.0], ids=["fixed-max", "running-max"])
+def test_lse_is_natural_log_sum_exp(softcap):
     g = torch.Generator().manual_seed(11)
     q = torch.randn(1, 4, 37, 40, generator=g)
     k = torch.randn(1, 2, 53, 40, generator=g)
     v = torch.randn(1, 2, 53, 24, generator=g)
     bias = torch.randn(37, 53, generator=g)
-    out, lse = attention(q, k, v, causal=True, bias=bias, softcap=4.0, return_lse=True)
+    out, lse = attention(q, k, v, causal=True, bias=bias, softcap=softcap, return_lse=True)
     logits = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(40) + bias.double()
-    logits = 4.0 * torch.tanh(logits / 4.0)
+    logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~torch.ones(37, 53, dtype=torch.bool).tril(), -math.inf)
     want = torch.logsumexp(logits, dim=-1)
     err = (lse.double() - want).abs().max().item()
@@ -221,6 +224,142 @@ def test_torch_compile_traces_both_ops():
     fn = torch.compile(lambda q, k, v: attention(q, k, v, causal=True), backend="aot_eager", fullgraph=True)
     check_against_reference(fn(q, k, v), q, k, v, causal=True)
     check_against_reference(fn(q, ck, cv), q, ck.decompress(), cv.decompress(), causal=True)
+    tiles = torch.randn(1, 2, 2, 2, generator=g)
+    tiled = torch.compile(
+        lambda q, k, v, b: attention(q, k, v, bias=b, bias_tile=16, softcap=5.0), backend="aot_eager", fullgraph=True
+    )
+    full = expand_tile_bias(tiles, 16, 21, 21)
+    check_against_reference(tiled(q, ck, cv, tiles), q, ck.decompress(), cv.decompress(), bias=full, softcap=5.0)
+
+
+# -------------------------------------------------------------------------------------------- tile bias
+def expand_tile_bias(bias: torch.Tensor, tile: int, n_q: int, n_k: int) -> torch.Tensor:
+    """The full bias of a compact one (``bias_tile``): ``repeat_interleave`` on the last two dimensions, cropped;
+    size-1 dimensions are left to broadcast."""
+    if bias.dim() >= 2 and bias.shape[-2] > 1:
+        bias = bias.repeat_interleave(tile, -2)[..., :n_q, :]
+    if bias.shape[-1] > 1:
+        bias = bias.repeat_interleave(tile, -1)[..., :n_k]
+    return bias
+
+
+TILE_CASES = [
+    # B, Hq, Hkv, Nq, Nk, Dk, Dv, dtype, causal, tile, compact bias shape, softcap, K/V compressed
+    (1, 8, 1, 40, 77, 64, 48, torch.float16, False, 16, (1, 8, 3, 5), 5.0, False),
+    (2, 4, 2, 37, 53, 40, 40, torch.float32, True, 4, (10, 14), None, False),
+    (1, 2, 2, 45, 100, 64, 64, torch.float16, False, 32, (1, 2, 1, 4), 30.0, False),
+    (1, 8, 1, 21, 97, 64, 48, torch.float16, False, 16, (1, 8, 2, 7), 5.0, True),
+    (2, 2, 1, 33, 70, 40, 192, torch.float32, True, 32, (2, 1, 2, 3), 5.0, True),
+]
+
+
+@pytest.mark.parametrize(
+    "case", TILE_CASES, ids=lambda c: f"T{c[9]}-N{c[3]}x{c[4]}-H{c[1]}/{c[2]}-{'compressed' if c[12] else 'dense'}"
+)
+def test_tile_bias_matches_expanded_reference(case):
+    """``bias_tile=T``: the compact bias against the reference given the same bias expanded by repeat_interleave."""
+    b, hq, hkv, nq, nk, dk, dv, dtype, causal, tile, bias_shape, softcap, compressed = case
+    g = torch.Generator().manual_seed(nq + nk + tile)
+    q = torch.randn(b, hq, nq, dk, generator=g).to(dtype)
+    bias = torch.randn(bias_shape, generator=g) * 3
+    if compressed:
+        cfg = CompressionConfig(block_size=16, rank=8)
+        kk = compress_kv(structured(b, hkv, nk, dk, dtype, nk), cfg)
+        vv = compress_kv(structured(b, hkv, nk, dv, dtype, nk + 1), cfg)
+        assert kk.mode_fractions()["lowrank"] < 1.0
+        k_ref, v_ref = kk.decompress(), vv.decompress()
+    else:
+        kk = k_ref = torch.randn(b, hkv, nk, dk, generator=g).to(dtype)
+        vv = v_ref = torch.randn(b, hkv, nk, dv, generator=g).to(dtype)
+    out = attention(q, kk, vv, causal=causal, bias=bias, bias_tile=tile, softcap=softcap)
+    full = expand_tile_bias(bias, tile, nq, nk)
+    check_against_reference(out, q, k_ref, v_ref, causal=causal, bias=full, softcap=softcap)
+
+
+def test_tile_bias_of_one_equals_full_bias():
+    """``bias_tile=1`` is the plain bias; a compact bias and its expansion give the same result to rounding."""
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(1, 4, 29, 32, generator=g)
+    k = torch.randn(1, 2, 50, 32, generator=g)
+    v = torch.randn(1, 2, 50, 16, generator=g)
+    tiles = torch.randn(1, 4, 4, 7, generator=g)
+    full = expand_tile_bias(tiles, 8, 29, 50)
+    compact = attention(q, k, v, bias=tiles, bias_tile=8, softcap=5.0)
+    expanded = attention(q, k, v, bias=full, bias_tile=1, softcap=5.0)
+    err = (compact - expanded).abs().max().item()
+    print(f"compact vs expanded bias: max diff {err:.3e}")
+    assert err < 1e-6
+
+
+# ---------------------------------------------------------------------------------- fixed softmax maximum
+@pytest.mark.parametrize("compressed", [False, True])
+def test_soft_capped_rows_far_below_the_cap(compressed):
+    """With a soft-cap the kernels use a fixed softmax maximum (no running maximum). Rows whose every logit sits
+    near -cap (a bias of -1e4) exercise its smallest probabilities, e**(-2 cap), in float16 operands."""
+    g = torch.Generator().manual_seed(19)
+    q = torch.randn(1, 4, 37, 64, generator=g).to(torch.float16)
+    k = structured(1, 2, 80, 64, torch.float16, 20)
+    v = structured(1, 2, 80, 48, torch.float16, 21)
+    bias = torch.zeros(1, 4, 37, 1)
+    bias[:, :, ::2] = -1.0e4
+    cfg = CompressionConfig(block_size=16)
+    kk, vv = (compress_kv(k, cfg), compress_kv(v, cfg)) if compressed else (k, v)
+    k_ref, v_ref = (kk.decompress(), vv.decompress()) if compressed else (k, v)
+    for softcap in (5.0, 9.5):
+        out = attention(q, kk, vv, bias=bias, softcap=softcap)
+        check_against_reference(out, q, k_ref, v_ref, bias=bias, softcap=softcap)
+
+
+# ------------------------------------------------------------------------------------------ host syncs
+SYNC_METHODS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+def count_host_syncs(monkeypatch) -> list[str]:
+    """Record every call of a torch.Tensor method that reads device values on the host (the ways a call can
+    synchronise with the device)."""
+    calls: list[str] = []
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def recording(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, recording)
+    return calls
+
+
+def _sync_cases():
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 4, 40, 32, generator=g).to(torch.float16)
+    k = torch.randn(1, 2, 40, 32, generator=g).to(torch.float16)
+    v = torch.randn(1, 2, 40, 32, generator=g).to(torch.float16)
+    cfg = CompressionConfig(block_size=16)
+    low_k = structured(1, 2, 40, 32, torch.float16, 24, spikes=False)
+    low_v = structured(1, 2, 40, 32, torch.float16, 25, spikes=False)
+    ck0 = compress_kv(low_k, cfg, calibrate(low_k, cfg))
+    ck1, cv1 = compress_kv(structured(1, 2, 40, 32, torch.float16, 26), cfg), compress_kv(low_v, cfg)
+    assert ck0.mode_fractions()["lowrank"] == 1.0 and ck1.mode_fractions()["lowrank"] < 1.0
+    cv0 = compress_kv(low_v, cfg, calibrate(low_v, cfg))
+    return {
+        "dense": ((q, k, v), {}),
+        "dense-bias-softcap": ((q, k, v), dict(bias=torch.randn(40, generator=g), softcap=5.0)),
+        "dense-tile-bias": ((q, k, v), dict(bias=torch.randn(1, 4, 3, 3, generator=g), bias_tile=16)),
+        "compressed-lowrank": ((q, ck0, cv0), dict(causal=True)),
+        "compressed-residual": ((q, ck1, cv1), dict(bias=torch.randn(1, 4, 3, 3, generator=g), bias_tile=16)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_sync_cases()))
+def test_one_host_sync_per_call(name, monkeypatch):
+    """The finite check and (compressed) the residual flags are read back together, once; nothing else in a call
+    reads device values on the host (block runs are built on the device)."""
+    args, kwargs = _sync_cases()[name]
+    attention(*args, **kwargs)  # first call: autotuning and compilation
+    calls = count_host_syncs(monkeypatch)
+    attention(*args, **kwargs)
+    print(f"{name}: host reads {calls}")
+    assert calls == ["tolist"]
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -263,6 +402,33 @@ def test_non_finite_inputs_raise(name, value):
         attention(tensors["q"], tensors["k"], tensors["v"], bias=tensors["bias"])
 
 
+def test_non_finite_broadcast_bias_is_reported_as_expanded():
+    """The finite check reads a broadcast bias once (not its expansion), yet reports the index and count of the
+    expanded ``[B, Hq, Nq, Nk]`` bias; a compact tile bias is reported as itself."""
+    q, k, v = _tensors()
+    bias = torch.zeros(8)
+    bias[5] = math.nan
+    with pytest.raises(ValueError, match=r"^bias: expected finite values, found nan at index \(0, 0, 0, 5\) \(32 non"):
+        attention(q, k, v, bias=bias)
+    tiles = torch.zeros(1, 4, 2, 2)
+    tiles[0, 3, 1, 0] = math.inf
+    with pytest.raises(ValueError, match=r"^bias: expected finite values, found inf at index \(0, 3, 1, 0\) \(1 non"):
+        attention(q, k, v, bias=tiles, bias_tile=4)
+
+
+def test_large_finite_inputs_pass_the_finite_check():
+    """The finite check sums each tensor in float32: a sum that overflows on finite values falls back to the exact
+    element-wise check, which passes."""
+    g = torch.Generator().manual_seed(29)
+    q = torch.randn(1, 2, 9, 16, generator=g)
+    k = torch.randn(1, 2, 12, 16, generator=g)
+    v = torch.randn(1, 2, 12, 16, generator=g)
+    bias = torch.full((12,), 2.0e38)
+    assert not math.isfinite(bias.sum().item())
+    out = attention(q, k, v, bias=bias)
+    check_against_reference(out, q, k, v, bias=bias)
+
+
 def test_non_finite_compressed_factors_raise():
     q, k, v = _tensors()
     ck = compress_kv(k, CompressionConfig(block_size=16))
@@ -282,6 +448,17 @@ def test_non_finite_compressed_factors_raise():
         (dict(causal=1), TypeError, "causal"),
         (dict(bias=torch.zeros(3, 8)), ValueError, "bias: expected a shape broadcastable to"),
         (dict(bias=torch.zeros(8, dtype=torch.int32)), TypeError, "bias: expected dtype"),
+        (dict(bias=torch.zeros(1), bias_tile=3), ValueError, "bias_tile: expected a power of two >= 1, got 3"),
+        (dict(bias=torch.zeros(1), bias_tile=0), ValueError, "bias_tile: expected a power of two >= 1, got 0"),
+        (dict(bias=torch.zeros(1), bias_tile=True), TypeError, "bias_tile: expected int, got bool"),
+        (dict(bias=torch.zeros(1), bias_tile=4.0), TypeError, "bias_tile: expected int, got float"),
+        (
+            dict(bias=torch.zeros(1, 4, 8, 8), bias_tile=4),
+            ValueError,
+            r"bias: expected a shape broadcastable to \[B, Hq, ceil\(Nq / 4\), ceil\(Nk / 4\)\] = \[1, 4, 2, 2\] "
+            r"for bias_tile=4, got \[1, 4, 8, 8\]",
+        ),
+        (dict(bias=torch.zeros(3), bias_tile=4), ValueError, r"= \[1, 4, 2, 2\] for bias_tile=4, got \[3\]"),
     ],
 )
 def test_invalid_options_raise(kwargs, error, words):
@@ -325,6 +502,22 @@ def test_gpu_dense_bf16_causal_bias_softcap_mqa():
     out = attention(q, k, v, bias=bias, softcap=5.0)
     check_against_reference(
         out[:, :, :64].contiguous(), q[:, :, :64].contiguous(), k, v, bias=bias[:, :, :64], softcap=5.0
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compressed", [False, True])
+def test_gpu_alphagenome_compact_tile_bias_bf16(compressed):
+    q, k, v = _gpu_case(8192, 128, 192, 8, 1, 2)
+    tiles = torch.randn(1, 8, 512, 512, device="cuda")
+    if compressed:
+        cfg = CompressionConfig()
+        k, v = compress_kv(k, cfg), compress_kv(v, cfg)
+    out = attention(q, k, v, bias=tiles, bias_tile=16, softcap=5.0)
+    k_ref, v_ref = (k.decompress(), v.decompress()) if compressed else (k, v)
+    full = expand_tile_bias(tiles[:, :, :4], 16, 64, 8192)
+    check_against_reference(
+        out[:, :, :64].contiguous(), q[:, :, :64].contiguous(), k_ref, v_ref, bias=full, softcap=5.0
     )
 
 

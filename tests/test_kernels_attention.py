@@ -43,21 +43,26 @@ def _fake_operand(mode: torch.Tensor, block_size: int, seq_len: int) -> Compress
     )
 
 
-@pytest.mark.parametrize("k_block, v_block", [(16, 16), (32, 16), (16, 64)])
-def test_block_runs_match_a_python_scan(k_block, v_block):
-    g = torch.Generator().manual_seed(k_block + v_block)
-    n = 300
-    mode_k = (torch.rand(2, 3, -(-n // k_block), generator=g) < 0.3).to(torch.int8) * 3
-    mode_v = (torch.rand(2, 3, -(-n // v_block), generator=g) < 0.2).to(torch.int8)
+@pytest.mark.parametrize(
+    "k_block, v_block, n, share",
+    [(16, 16, 300, 0.3), (32, 16, 300, 0.3), (16, 64, 300, 0.3), (16, 16, 16 * 300, 0.05), (64, 16, 64 * 260, 0.5)],
+)
+def test_block_runs_match_a_python_scan(k_block, v_block, n, share):
+    """Runs as a plain scan finds them; the last two cases have more super-blocks than one chunk (128) of the
+    kernel that builds them, so runs cross chunk borders."""
+    g = torch.Generator().manual_seed(k_block + v_block + n)
+    mode_k = (torch.rand(2, 3, -(-n // k_block), generator=g) < share).to(torch.int8) * 3
+    mode_v = (torch.rand(2, 3, -(-n // v_block), generator=g) < share * 2 / 3).to(torch.int8)
     super_block = max(k_block, v_block)
     runs, counts = block_runs(_fake_operand(mode_k, k_block, n), _fake_operand(mode_v, v_block, n), super_block)
     num_super = -(-n // super_block)
     for row in range(6):
         b, h = divmod(row, 3)
+        k_modes, v_modes = mode_k[b, h].tolist(), mode_v[b, h].tolist()
         flags = []
         for s in range(num_super):
             keys = range(s * super_block, min(n, (s + 1) * super_block))
-            flags.append(int(any(mode_k[b, h, j // k_block] != 0 or mode_v[b, h, j // v_block] != 0 for j in keys)))
+            flags.append(int(any(k_modes[j // k_block] != 0 or v_modes[j // v_block] != 0 for j in keys)))
         for kind in (0, 1):
             want = _python_runs(flags, kind)
             count = int(counts[row, kind])
@@ -157,3 +162,62 @@ def test_dense_explicit_tile_shape():
     ref = reference_attention(q, k, v, scale=0.1)
     check_against_reference(out, q, k, v, scale=0.1)
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_fixed_and_running_maximum_agree(compressed):
+    """Soft-capped attention through the fixed softmax maximum and through the running one: both match the
+    reference, and they agree with each other to float16 rounding."""
+    g = torch.Generator().manual_seed(30)
+    q = (torch.randn(1, 4, 45, 64, generator=g) * 3).to(torch.float16)
+    bias = torch.randn(1, 4, 45, 1, generator=g) * 4
+    if compressed:
+        _, ck, cv = _compressed_case(seed=31)
+        k_ref, v_ref = ck.decompress(), cv.decompress()
+        kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+
+        def run(fixed_max):
+            return attention_compressed_fwd(q, kop, vop, bias, 0.125, True, 5.0, fixed_max=fixed_max)
+    else:
+        k_ref = torch.randn(1, 2, 150, 64, generator=g).to(torch.float16)
+        v_ref = torch.randn(1, 2, 150, 48, generator=g).to(torch.float16)
+
+        def run(fixed_max):
+            return attention_dense_fwd(q, k_ref, v_ref, bias, 0.125, True, 5.0, fixed_max=fixed_max)
+
+    (fixed, fixed_lse), (running, running_lse) = run(True), run(False)
+    for out in (fixed, running):
+        check_against_reference(out, q, k_ref, v_ref, scale=0.125, causal=True, bias=bias, softcap=5.0)
+    diff = (fixed.double() - running.double()).abs().max().item()
+    lse_diff = (fixed_lse - running_lse).abs().max().item()
+    print(f"fixed vs running maximum: out max diff {diff:.3e}, lse max diff {lse_diff:.3e}")
+    assert diff <= 4 * 2.0**-11 * v_ref.abs().max().item()
+    assert lse_diff < 1e-5
+
+
+@pytest.mark.parametrize(("compressed", "tile"), [(True, 8), (False, 64)])
+def test_tile_bias_smaller_and_larger_than_the_key_tile(compressed, tile):
+    """A compact bias with tiles narrower and wider than the kernel's key tile (BLOCK_N 32), GQA rows."""
+    g = torch.Generator().manual_seed(tile + 32)
+    q, ck, cv = _compressed_case(n=150, seed=33)
+    tiles = torch.randn(1, 4, -(-45 // tile), -(-150 // tile), generator=g) * 2
+    full = tiles.repeat_interleave(tile, 2).repeat_interleave(tile, 3)[:, :, :45, :150]
+    config = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if compressed:
+        k_ref, v_ref = ck.decompress(), cv.decompress()
+        out, _ = attention_compressed_fwd(
+            q,
+            CompressedOperand.from_compressed(ck),
+            CompressedOperand.from_compressed(cv),
+            tiles,
+            0.125,
+            False,
+            None,
+            config=config,
+            bias_tile=tile,
+        )
+    else:
+        k_ref = torch.randn(1, 2, 150, 64, generator=g).to(torch.float16)
+        v_ref = torch.randn(1, 2, 150, 48, generator=g).to(torch.float16)
+        out, _ = attention_dense_fwd(q, k_ref, v_ref, tiles, 0.125, False, None, config=config, bias_tile=tile)
+    check_against_reference(out, q, k_ref, v_ref, scale=0.125, bias=full)

@@ -98,6 +98,47 @@ def test_lean_cores_through_fused_kvbound_attention():
     assert err < 2e-6
 
 
+def _spy_on_fused_attention(monkeypatch) -> list[dict]:
+    """Record the bias shape, ``bias_tile`` and query count of every ``kvbound.attention`` call the lean paths make."""
+    from kvbound.attention import attention
+    from kvbound.models import _backend
+
+    calls = []
+
+    def spy(q, k, v, **kwargs):
+        bias = kwargs.get("bias")
+        calls.append(
+            dict(n_q=q.shape[2], bias=None if bias is None else tuple(bias.shape), bias_tile=kwargs.get("bias_tile", 1))
+        )
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    return calls
+
+
+@pytest.mark.parametrize(("tile", "n"), [(16, 50), (8, 40), (12, 40)])
+def test_tile_bias_fused_backend_reads_the_compact_bias_in_one_call(tile, n, monkeypatch):
+    """On the fused backend a power-of-two TileBias goes to kvbound.attention once, compact (bias_tile), over all
+    queries, whatever query_chunk says; another tile size is expanded chunk by chunk (the kernels index tiles
+    by powers of two)."""
+    g = torch.Generator().manual_seed(tile)
+    q, k, v = torch.randn(1, 8, n, 32, generator=g), torch.randn(1, 1, n, 32, generator=g), torch.randn(1, 1, n, 24)
+    tiles = -(-n // tile)
+    values = torch.randn(1, 8, tiles, tiles, generator=g) * 2
+    calls = _spy_on_fused_attention(monkeypatch)
+    out = tile_bias_attention(
+        q, k, v, TileBias(values, tile, n, n), scale=0.2, softcap=5.0, query_chunk=16, backend="kvbound"
+    )
+    expected = tile_bias_attention_reference(q, k, v, values, tile_size=tile, scale=0.2, softcap=5.0)
+    err = (out.double() - expected).abs().max().item()
+    print(f"tile {tile}, N={n}: {len(calls)} call(s) {calls}, max err {err:.2e}")
+    assert err < 2e-6
+    if tile & (tile - 1) == 0:
+        assert calls == [dict(n_q=n, bias=tuple(values.shape), bias_tile=tile)]
+    else:
+        assert [c["n_q"] for c in calls] == [16, 16, n - 32] and all(c["bias_tile"] == 1 for c in calls)
+
+
 def test_relative_position_attention_never_builds_n_by_n():
     b, h, n, chunk = 1, 2, 96, 16
     q, k, v, rk, u, pos = _relative_inputs(b, h, n, 16, 16)

@@ -44,13 +44,3 @@ def check_finite_values(x: torch.Tensor, name: str) -> None:
     count = int((~finite).sum().item())
     raise ValueError(f"{name}: expected finite values, found {value} at index {index} ({count} non-finite in all)")
 
-
-def check_finite_many(tensors: dict[str, torch.Tensor | None]) -> None:
-    """``check_finite_values`` for several tensors of one device with a single host synchronisation."""
-    present = [(n, t) for n, t in tensors.items() if t is not None and t.is_floating_point() and t.numel()]
-    if not present:
-        return
-    if bool(torch.stack([torch.isfinite(t).all() for _, t in present]).all()):
-        return
-    for name, t in present:
-        check_finite_values(t, name)

@@ -10,10 +10,11 @@ imported). There is no silent fallback to another implementation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from kvbound._validate import check_finite_many, check_tensor
+from kvbound._validate import check_finite_values, check_tensor
 from kvbound.codec.format import CompressedKV
 
 __all__ = ["attention"]
@@ -30,6 +31,7 @@ def attention(
     scale: float | None = None,
     causal: bool = False,
     bias: torch.Tensor | None = None,
+    bias_tile: int = 1,
     softcap: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +49,10 @@ def attention(
             ``is_causal``).
         bias: additive logit bias of any float dtype, broadcastable to ``[B, Hq, Nq, Nk]`` (size-1 dimensions
             are read with stride 0, never materialised), added after scaling.
+        bias_tile: ``T``, a power of two. With ``T > 1``, ``bias`` is a pair bias constant over ``T x T`` tiles of
+            (query, key) positions in its compact form, broadcastable to ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]``:
+            logit ``(i, j)`` gets ``bias[..., i // T, j // T]`` (AlphaGenome: ``T = 16``). The kernels read the
+            compact tensor; it is never expanded.
         softcap: if given (> 0), logits become ``softcap * tanh(logits / softcap)`` after the bias and before
             the causal mask.
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
@@ -106,9 +112,13 @@ def attention(
         raise ValueError(f"softcap: expected a finite value > 0 or None, got {softcap!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    if isinstance(bias_tile, bool) or not isinstance(bias_tile, int):
+        raise TypeError(f"bias_tile: expected int, got {type(bias_tile).__name__}")
+    if bias_tile < 1 or bias_tile & (bias_tile - 1):
+        raise ValueError(f"bias_tile: expected a power of two >= 1, got {bias_tile}")
     bias4 = None
     if bias is not None:
-        bias4 = _broadcast_bias(bias, (batch, q_heads, n_q, n_k), q)
+        bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
 
     softcap = None if softcap is None else float(softcap)
     if compressed:
@@ -131,6 +141,7 @@ def attention(
             v.codes,
             v.raw,
             bias4,
+            bias_tile,
             float(scale),
             causal,
             softcap,
@@ -140,7 +151,7 @@ def attention(
             v.shared_basis,
         )
     else:
-        out, lse = torch.ops.kvbound.attention_dense(q, k, v, bias4, float(scale), causal, softcap)
+        out, lse = torch.ops.kvbound.attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap)
     return (out, lse) if return_lse else out
 
 
@@ -175,18 +186,64 @@ def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}.basis: expected float16, got {ckv.basis.dtype}")
 
 
-def _broadcast_bias(bias: object, shape: tuple[int, int, int, int], q: torch.Tensor) -> torch.Tensor:
-    """A stride-0 view of ``bias`` with ``shape`` (no copy)."""
+def _bias_4d(bias: object, shape: tuple[int, int, int, int], bias_tile: int, q: torch.Tensor) -> torch.Tensor:
+    """``bias`` as a 4-d view (leading size-1 dimensions added, no copy) after checking that it broadcasts to
+    ``shape`` (or to the tile grid ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]`` for ``bias_tile = T > 1``). The
+    kernels read size-1 dimensions with stride 0, so the view is never expanded (nor is any finite check)."""
     check_tensor(bias, "bias", dtypes=_BIAS_DTYPES, check_finite=False)
     _check_device(bias.device, q, "bias")
+    if bias_tile > 1:
+        b, h, n_q, n_k = shape
+        shape = (b, h, -(-n_q // bias_tile), -(-n_k // bias_tile))
     if bias.dim() > 4 or any(size not in (1, want) for size, want in zip(bias.shape[::-1], shape[::-1], strict=False)):
+        if bias_tile > 1:
+            raise ValueError(
+                f"bias: expected a shape broadcastable to [B, Hq, ceil(Nq / {bias_tile}), ceil(Nk / {bias_tile})] = "
+                f"{list(shape)} for bias_tile={bias_tile}, got {list(bias.shape)}"
+            )
         raise ValueError(f"bias: expected a shape broadcastable to {list(shape)}, got {list(bias.shape)}")
-    return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(shape)
+    return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
 
 
 # -------------------------------------------------------------------------------------------- custom ops
-def _check_values(**tensors: torch.Tensor | None) -> None:
-    check_finite_many(tensors)
+def _queue_checks(
+    tensors: dict[str, torch.Tensor | None],
+    flags: tuple[torch.Tensor, ...] = (),
+    full_bias_shape: tuple[int, ...] | None = None,
+) -> Callable[[], list[bool]]:
+    """Queue the call's checks on the device and return the function that reads them: the call's only host
+    synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
+    and returns, for each nonnegative integer tensor in ``flags`` (modes), whether it has a nonzero element.
+
+    One float32 sum per tensor (NaN and Inf propagate through a sum; 16-bit inputs are summed in one pass with
+    float32 accumulation), all stacked into one tensor and read back at once. A finite tensor whose sum
+    overflows only takes the exact per-tensor check, which then passes. The launchers read the result after
+    their host-side preparation, so that the preparation overlaps the device work queued before it.
+    ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
+    for the expanded bias."""
+    present = [(name, t) for name, t in tensors.items() if t is not None and t.is_floating_point() and t.numel()]
+    sums = [torch.sum(t, dtype=torch.float32) for _, t in present]
+    sums += [torch.sum(f, dtype=torch.float32) for f in flags]
+    stacked = torch.stack(sums) if sums else None
+
+    def read() -> list[bool]:
+        if stacked is None:
+            return []
+        values = stacked.tolist()
+        if not all(math.isfinite(x) for x in values[: len(present)]):
+            for name, t in present:
+                if name == "bias" and full_bias_shape is not None:
+                    t = t.expand(full_bias_shape)
+                check_finite_values(t, name)
+        return [x != 0 for x in values[len(present) :]]
+
+    return read
+
+
+def _full_bias_shape(bias: torch.Tensor | None, bias_tile: int, q: torch.Tensor, n_k: int) -> tuple | None:
+    if bias is None or bias_tile > 1:
+        return None
+    return (q.shape[0], q.shape[1], q.shape[2], n_k)
 
 
 @torch.library.custom_op("kvbound::attention_dense", mutates_args=())
@@ -195,18 +252,21 @@ def _attention_dense_op(
     k: torch.Tensor,
     v: torch.Tensor,
     bias: torch.Tensor | None,
+    bias_tile: int,
     scale: float,
     causal: bool,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kvbound.kernels.attention_dense import attention_dense_fwd
 
-    _check_values(q=q, k=k, v=v, bias=bias)
-    return attention_dense_fwd(q, k, v, bias, scale, causal, softcap)
+    checks = _queue_checks(
+        {"q": q, "k": k, "v": v, "bias": bias}, full_bias_shape=_full_bias_shape(bias, bias_tile, q, k.shape[2])
+    )
+    return attention_dense_fwd(q, k, v, bias, scale, causal, softcap, bias_tile=bias_tile, before_launch=checks)
 
 
 @_attention_dense_op.register_fake
-def _attention_dense_fake(q, k, v, bias, scale, causal, softcap):
+def _attention_dense_fake(q, k, v, bias, bias_tile, scale, causal, softcap):
     b, hq, nq, _ = q.shape
     return q.new_empty(b, hq, nq, v.shape[3]), q.new_empty(b, hq, nq, dtype=torch.float32)
 
@@ -231,6 +291,7 @@ def _attention_compressed_op(
     v_codes: torch.Tensor,
     v_raw: torch.Tensor,
     bias: torch.Tensor | None,
+    bias_tile: int,
     scale: float,
     causal: bool,
     softcap: float | None,
@@ -241,10 +302,12 @@ def _attention_compressed_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
-    _check_values(
-        q=q,
-        bias=bias,
-        **{
+    n_k = k_coeffs.shape[2]
+    # Finite check and "does K / V have a block with a residual" (which kernel variant to compile) in one sync.
+    checks = _queue_checks(
+        {
+            "q": q,
+            "bias": bias,
             "k.coeffs": k_coeffs,
             "k.basis": k_basis,
             "k.scale": k_scale,
@@ -254,9 +317,10 @@ def _attention_compressed_op(
             "v.scale": v_scale,
             "v.raw": v_raw,
         },
+        flags=(k_mode, v_mode),
+        full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k),
     )
-    n_k = k_coeffs.shape[2]
-    # The kernel indexes the small per-block tensors and the flat buffers as contiguous (no-op copies).
+    # The kernel indexes the small per-block tensors and the flat buffers as contiguous (no-op when they are).
     k_op = CompressedOperand(
         k_coeffs,
         k_basis.contiguous(),
@@ -285,7 +349,7 @@ def _attention_compressed_op(
         block_size=v_block_size,
         shared_basis=v_shared_basis,
     )
-    return attention_compressed_fwd(q, k_op, v_op, bias, scale, causal, softcap)
+    return attention_compressed_fwd(q, k_op, v_op, bias, scale, causal, softcap, residual=checks, bias_tile=bias_tile)
 
 
 @_attention_compressed_op.register_fake

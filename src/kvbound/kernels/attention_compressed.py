@@ -19,6 +19,9 @@ tile follows what the tile holds:
   is projected by its block's ``P_v`` at once.
 * GQA/MQA: the G query heads of one K/V head are stacked into the rows of one program (see ``_common``), so
   each tile is decoded once for all of them.
+* Bias, soft-cap and masks as in the dense kernel (``_common``): a full or broadcast bias, or a compact tile bias
+  read at ``(query // T, key // T)``; under a small soft-cap a fixed softmax maximum, so neither the rank-space
+  nor the Dv-wide accumulator is ever rescaled.
 
 Precision: for 16-bit inputs every product with the factors and codes runs on float16 operands with float32
 accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too);
@@ -29,6 +32,9 @@ rank-space logits keep about 22 bits even when logits are in the thousands. floa
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -36,8 +42,11 @@ import triton.language as tl
 from kvbound.codec.format import CompressedKV
 from kvbound.kernels._common import (
     LN2,
+    broadcast_strides,
+    fixed_softmax_max,
     interpreting,
     key_loop_bounds,
+    launch_tuned,
     logit_multipliers,
     next_power_of_2,
     row_normaliser,
@@ -336,6 +345,8 @@ def _compressed_tile(
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     PREDICATED: tl.constexpr,
+    BIAS_TILE: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
 ):
     """One key tile: logits through the basis (+ residual), online softmax, values in rank space (+ residual).
     ``K_RESIDUAL``/``V_RESIDUAL`` False compile the tile without any residual code."""
@@ -450,12 +461,15 @@ def _compressed_tile(
         SOFTCAP,
         CAUSAL,
         MASK,
+        BIAS_TILE,
+        FIXED_MAX,
     )
     # ---- values: O += P (C_v P_v + R_v) ----
     v_meta = v_meta_base + start_n // BLOCK_SIZE_V
     p_op = _to_operand(p, FP32)
     if V_PER_BLOCK:
-        accumulator = accumulator * alpha[:, None]
+        if not FIXED_MAX:
+            accumulator = accumulator * alpha[:, None]
         if RANK_V > 0:
             coeffs_v = _load_coeff_tile(
                 V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
@@ -496,14 +510,16 @@ def _compressed_tile(
             coeffs_v = _load_coeff_tile(
                 V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
             )
-            rank_accumulator = rank_accumulator * alpha[:, None]
+            if not FIXED_MAX:
+                rank_accumulator = rank_accumulator * alpha[:, None]
             rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION)
         if V_RESIDUAL:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
             if PREDICATED:
-                safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
-                accumulator_max = safe_max
+                if not FIXED_MAX:
+                    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+                    accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+                    accumulator_max = safe_max
                 codes_v, v_step = _packed_residual_tile(
                     V_scale,
                     V_bits,
@@ -539,10 +555,11 @@ def _compressed_tile(
                     )
             else:
                 if v_mode != 0:
-                    # Bring the Dv-wide accumulator up to the current maximum only now (deferred rescaling).
-                    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                    accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
-                    accumulator_max = safe_max
+                    if not FIXED_MAX:
+                        # Bring the Dv-wide accumulator up to the current maximum only now (deferred rescaling).
+                        safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+                        accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+                        accumulator_max = safe_max
                     accumulator = _value_residual(
                         accumulator,
                         p,
@@ -634,6 +651,8 @@ def _attention_compressed_inner(
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     PREDICATED: tl.constexpr,
+    BIAS_TILE: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
 ):
     """Key tiles at offsets ``lo, lo + BLOCK_N, ... < hi`` (a plain range: the software pipeliner prefetches
     the next tiles' coefficients while this one computes)."""
@@ -707,6 +726,8 @@ def _attention_compressed_inner(
             PRECISION,
             USE_TMA,
             PREDICATED,
+            BIAS_TILE,
+            FIXED_MAX,
         )
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
@@ -746,28 +767,34 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
     return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=3)]
 
 
+# The autotuner's key; the launcher keeps its own cache of the winners under the same values (plus the dtypes).
+COMPRESSED_TUNE_KEY = [
+    "TUNE_N_Q",
+    "TUNE_N_K",
+    "HEAD_DIM_K",
+    "HEAD_DIM_V",
+    "GROUP",
+    "RANK_K",
+    "RANK_V",
+    "BLOCK_SIZE_K",
+    "BLOCK_SIZE_V",
+    "K_PER_BLOCK",
+    "V_PER_BLOCK",
+    "K_RESIDUAL",
+    "V_RESIDUAL",
+    "SPLIT_RANK",
+    "PREDICATED_RESIDUAL",
+    "HAS_BIAS",
+    "BIAS_TILE",
+    "SOFTCAP",
+    "FIXED_MAX",
+    "CAUSAL",
+]
+
+
 @triton.autotune(
     configs=compressed_configs(interpreting()),
-    key=[
-        "TUNE_N_Q",
-        "TUNE_N_K",
-        "HEAD_DIM_K",
-        "HEAD_DIM_V",
-        "GROUP",
-        "RANK_K",
-        "RANK_V",
-        "BLOCK_SIZE_K",
-        "BLOCK_SIZE_V",
-        "K_PER_BLOCK",
-        "V_PER_BLOCK",
-        "K_RESIDUAL",
-        "V_RESIDUAL",
-        "SPLIT_RANK",
-        "PREDICATED_RESIDUAL",
-        "HAS_BIAS",
-        "SOFTCAP",
-        "CAUSAL",
-    ],
+    key=COMPRESSED_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_compressed_configs},
 )
 @triton.jit
@@ -823,6 +850,7 @@ def _attention_compressed_fwd(
     logit_mult,
     bias_mult,
     softcap_log2,
+    fixed_max,
     TUNE_N_Q,
     TUNE_N_K,
     HEAD_DIM_K: tl.constexpr,
@@ -844,7 +872,9 @@ def _attention_compressed_fwd(
     PREDICATED_RESIDUAL: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    BIAS_TILE: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
     CAUSAL: tl.constexpr,
     FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -910,16 +940,22 @@ def _attention_compressed_fwd(
         query_rank_lo = query_rank
 
     if HAS_BIAS:
-        bias_rows = Bias + batch * stride_bb + row_head * stride_bh + row_query.to(tl.int64) * stride_bq
+        bias_row = (row_query // BIAS_TILE).to(tl.int64)
+        bias_rows = Bias + batch * stride_bb + row_head * stride_bh + bias_row * stride_bq
     else:
         bias_rows = q_rows
 
-    running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    if FIXED_MAX:
+        # The soft-cap bounds every logit: a constant maximum, nothing is ever rescaled.
+        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
+        accumulator_max = running_max
+    else:
+        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        # Reference maximum of the deferred-rescaled accumulator: -inf until a residual V tile arrives, so that
+        # the catch-up factor exp2(accumulator_max - max) is 0 (never inf) for an accumulator that is still zero.
+        accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
-    # Reference maximum of the deferred-rescaled accumulator: -inf until a residual V tile arrives, so that the
-    # catch-up factor exp2(accumulator_max - max) is 0 (never inf) for an accumulator that is still zero.
-    accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
 
     # ---- key loops. Each head's super-blocks (SUPER_BLOCK keys, the larger codec block) form runs of
@@ -1005,6 +1041,8 @@ def _attention_compressed_fwd(
                 PRECISION,
                 USE_TMA,
                 False,
+                BIAS_TILE,
+                FIXED_MAX,
             )
     else:
         # Nothing to skip: one plain loop over every full super-block.
@@ -1077,6 +1115,8 @@ def _attention_compressed_fwd(
             PRECISION,
             USE_TMA,
             False,
+            BIAS_TILE,
+            FIXED_MAX,
         )
     if K_RESIDUAL or V_RESIDUAL:
         if K_RESIDUAL and not K_PER_BLOCK:
@@ -1156,6 +1196,8 @@ def _attention_compressed_fwd(
                 PRECISION,
                 USE_TMA,
                 PREDICATED_RESIDUAL,
+                BIAS_TILE,
+                FIXED_MAX,
             )
     accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
         accumulator,
@@ -1226,12 +1268,15 @@ def _attention_compressed_fwd(
         PRECISION,
         USE_TMA,
         False,
+        BIAS_TILE,
+        FIXED_MAX,
     )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
-    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
     if not V_PER_BLOCK:
-        accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+        if not FIXED_MAX:
+            safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+            accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
         if RANK_V > 0:
             basis_v = _load_basis(
                 V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
@@ -1242,6 +1287,8 @@ def _attention_compressed_fwd(
                 rank_mult, rank_inv = row_normaliser(rank_accumulator)
                 rank16 = (rank_accumulator * rank_inv[:, None]).to(tl.float16)
                 accumulator += tl.dot(rank16, basis_v) * rank_mult[:, None]
+    if FIXED_MAX:
+        running_max = tl.where(running_sum > 0.0, running_max, float("-inf"))
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
     out = accumulator / running_sum[:, None]
     out_rows = Out + batch * stride_ob + row_head * stride_oh + row_query.to(tl.int64) * stride_on
@@ -1252,6 +1299,69 @@ def _attention_compressed_fwd(
     )
     lse = (running_max + tl.math.log2(running_sum)) * LN2
     tl.store(Lse + (batch * (H_KV * GROUP) + row_head) * N_Q + row_query, lse, mask=row_valid)
+
+
+# --------------------------------------------------------------------------------------------- block runs
+@triton.jit
+def _super_block_flags(k_modes, v_modes, s, NB_K, NB_V, NUM_SUPER, PER_K: tl.constexpr, PER_V: tl.constexpr):
+    """For super-blocks ``s`` [CHUNK]: 1 if a K or V block inside has a residual (mode != 0), else 0; -1 for
+    ``s`` outside ``[0, NUM_SUPER)``."""
+    inside = (s >= 0) & (s < NUM_SUPER)
+    k_blocks = s[:, None] * PER_K + tl.arange(0, PER_K)[None, :]
+    v_blocks = s[:, None] * PER_V + tl.arange(0, PER_V)[None, :]
+    k_mode = tl.load(k_modes + k_blocks, mask=inside[:, None] & (k_blocks < NB_K), other=0)
+    v_mode = tl.load(v_modes + v_blocks, mask=inside[:, None] & (v_blocks < NB_V), other=0)
+    flag = tl.maximum(tl.max((k_mode != 0).to(tl.int32), 1), tl.max((v_mode != 0).to(tl.int32), 1))
+    return tl.where(inside, flag, -1)
+
+
+@triton.jit
+def _block_runs_kernel(
+    K_mode,
+    V_mode,
+    Runs,
+    Counts,
+    NB_K,
+    NB_V,
+    NUM_SUPER,
+    PER_K: tl.constexpr,
+    PER_V: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program per (batch, K/V head): the runs ``block_runs`` describes, CHUNK super-blocks at a time. A run
+    of kind ``f`` starts at ``s`` where flag[s] == f != flag[s - 1] and ends after ``s`` where
+    flag[s] == f != flag[s + 1]; each edge is stored at its rank among the edges of its kind (a prefix sum)."""
+    row = tl.program_id(0).to(tl.int64)
+    k_modes = K_mode + row * NB_K
+    v_modes = V_mode + row * NB_V
+    runs_row = Runs + row * (4 * NUM_SUPER)
+    offs = tl.arange(0, CHUNK)
+    low_starts = 0
+    low_ends = 0
+    residual_starts = 0
+    residual_ends = 0
+    for chunk_start in range(0, NUM_SUPER, CHUNK):
+        s = chunk_start + offs
+        before = _super_block_flags(k_modes, v_modes, s - 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V)
+        flag = _super_block_flags(k_modes, v_modes, s, NB_K, NB_V, NUM_SUPER, PER_K, PER_V)
+        after = _super_block_flags(k_modes, v_modes, s + 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V)
+        for kind in tl.static_range(2):
+            starts = (flag == kind) & (before != kind)
+            ends = (flag == kind) & (after != kind)
+            start_rank = tl.cumsum(starts.to(tl.int32), 0) - 1
+            end_rank = tl.cumsum(ends.to(tl.int32), 0) - 1
+            if kind == 0:
+                tl.store(runs_row + low_starts + start_rank, s, mask=starts)
+                tl.store(runs_row + NUM_SUPER + low_ends + end_rank, s + 1, mask=ends)
+                low_starts += tl.sum(starts.to(tl.int32), 0)
+                low_ends += tl.sum(ends.to(tl.int32), 0)
+            else:
+                tl.store(runs_row + 2 * NUM_SUPER + residual_starts + start_rank, s, mask=starts)
+                tl.store(runs_row + 3 * NUM_SUPER + residual_ends + end_rank, s + 1, mask=ends)
+                residual_starts += tl.sum(starts.to(tl.int32), 0)
+                residual_ends += tl.sum(ends.to(tl.int32), 0)
+    tl.store(Counts + row * 2, low_starts)
+    tl.store(Counts + row * 2 + 1, residual_starts)
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -1304,40 +1414,46 @@ class CompressedOperand:
         return self.coeffs.shape[-1]
 
 
+@functools.cache
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One element kept per device and dtype (made once, never read)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def _nonempty(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Kernels take a pointer even to a buffer they never read; give empty buffers one element."""
-    return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=like.device)
+    return t if t.numel() > 0 else _placeholder(like.device, t.dtype)
 
 
 def block_runs(k: CompressedOperand, v: CompressedOperand, super_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs of consecutive super-blocks (``super_block`` keys) per (batch, K/V head): ``runs``
     ``[B * Hkv, 4, NS]`` int32 holds the starts and (exclusive) ends of the low-rank-only runs, then those of
     the runs with a residual (a super-block has one when any K or V block inside it is not ``MODE_LOWRANK``),
-    each list ascending and padded; ``counts`` ``[B * Hkv, 2]`` int32 their numbers. A few small device ops,
-    no host synchronisation."""
+    each list ascending; only the first ``counts`` entries of each list are written. ``counts``
+    ``[B * Hkv, 2]`` int32 holds their numbers. One small kernel launch, no host synchronisation."""
     batch, heads = k.mode.shape[:2]
     num_super = -(-k.seq_len // super_block)
-
-    def has_residual(op: CompressedOperand) -> torch.Tensor:
-        per = super_block // op.block_size
-        flags = (op.mode != 0).to(torch.int8)
-        flags = torch.nn.functional.pad(flags, (0, num_super * per - flags.shape[-1]))
-        return flags.view(batch, heads, num_super, per).amax(-1)
-
-    residual = torch.maximum(has_residual(k), has_residual(v)).reshape(batch * heads, num_super).to(torch.int32)
-    position = torch.arange(num_super, device=residual.device, dtype=torch.int32).expand_as(residual)
-    runs = torch.empty(batch * heads, 4, num_super, dtype=torch.int32, device=residual.device)
-    counts = torch.empty(batch * heads, 2, dtype=torch.int32, device=residual.device)
-    for kind, flag in ((0, 0), (1, 1)):
-        inside = residual == flag
-        before = torch.nn.functional.pad(inside, (1, 0))[:, :-1]
-        after = torch.nn.functional.pad(inside, (0, 1))[:, 1:]
-        for slot, edge, shift in ((0, inside & ~before, 0), (1, inside & ~after, 1)):
-            # Ascending positions of the run edges first, the rest after (sorted on a key pushed past NS).
-            key = torch.where(edge, position, position + num_super)
-            runs[:, 2 * kind + slot] = torch.sort(key, dim=-1).values % num_super + shift
-        counts[:, kind] = (inside & ~before).sum(-1)
+    device = k.mode.device
+    runs = torch.empty(batch * heads, 4, num_super, dtype=torch.int32, device=device)
+    counts = torch.empty(batch * heads, 2, dtype=torch.int32, device=device)
+    _block_runs_kernel[(batch * heads,)](
+        k.mode.contiguous(),
+        v.mode.contiguous(),
+        runs,
+        counts,
+        k.mode.shape[2],
+        v.mode.shape[2],
+        num_super,
+        PER_K=super_block // k.block_size,
+        PER_V=super_block // v.block_size,
+        CHUNK=min(128, next_power_of_2(num_super)),
+    )
     return runs, counts
+
+
+# Winning configurations by tuning key (COMPRESSED_TUNE_KEY's values and the dtypes that vary): after the first
+# call of a key the jit function is launched directly, skipping the autotuner's per-call key building.
+_TUNED: dict[tuple, dict] = {}
 
 
 def attention_compressed_fwd(
@@ -1348,20 +1464,28 @@ def attention_compressed_fwd(
     scale: float,
     causal: bool,
     softcap: float | None,
-    residual: tuple[bool, bool] | None = None,
+    residual: tuple[bool, bool] | Callable[[], Sequence[bool]] | None = None,
     split_rank: bool = True,
     predicated: bool = False,
     config: dict | None = None,
+    *,
+    bias_tile: int = 1,
+    fixed_max: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the compressed kernel (inputs validated by ``kvbound.attention``). Returns ``(out, lse)`` as
-    the dense launcher does.
+    """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
+    in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
 
-    ``residual``: (K has a block with a residual, V has one); None reads it off the modes (one host sync).
-    False compiles the kernel without any residual code. ``split_rank``: form the rank-space logits from a
-    float16 hi/lo split of ``Qp`` (float32-like precision; False: one float16 product, 2**-12 relative error
-    on ``Qp``). ``predicated``: load packed residual tiles of the residual-block loop unconditionally, masked
-    by mode, instead of under a branch (measured slower on H200: see kernels/README.md). ``config``
-    (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the autotuner."""
+    ``residual``: (K has a block with a residual, V has one), or a function returning them that is called once
+    after all host-side preparation (``kvbound.attention`` reads them there, in the same synchronisation as its
+    finite check, so that the preparation overlaps the device work queued before it); None reads them off the
+    modes (one host sync). False compiles the kernel without any residual code.
+
+    ``split_rank``: form the rank-space logits from a float16 hi/lo split of ``Qp`` (float32-like precision;
+    False: one float16 product, 2**-12 relative error on ``Qp``). ``predicated``: load packed residual tiles of
+    the residual-block loop unconditionally, masked by mode, instead of under a branch (measured slower on H200:
+    see kernels/README.md). ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the
+    autotuner. ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
+    """
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
@@ -1369,33 +1493,21 @@ def attention_compressed_fwd(
     out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(scale, softcap)
+    max_value = fixed_softmax_max(softcap) if fixed_max else None
     bias_arg = bias if bias is not None else q
-    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
-    nb_k = -(-n_k // k.block_size)
-    nb_v = -(-n_k // v.block_size)
-    k_coeff = _nonempty(k.coeffs, q)
-    v_coeff = _nonempty(v.coeffs, q)
-    k_coeff_strides = k.coeffs.stride() if k.coeffs.numel() else (0, 0, 0, 0)
-    v_coeff_strides = v.coeffs.stride() if v.coeffs.numel() else (0, 0, 0, 0)
-    if residual is None:
-        residual = tuple(torch.stack([(k.mode != 0).any(), (v.mode != 0).any()]).tolist())
+    k_rank, v_rank = k.rank, v.rank
     fp32 = q.dtype == torch.float32 or k.coeffs.dtype == torch.float32 or v.coeffs.dtype == torch.float32
     super_block = max(k.block_size, v.block_size)
-    if residual[0] or residual[1]:
-        runs, run_counts = block_runs(k, v, super_block)
-    else:
-        runs = run_counts = torch.zeros(1, dtype=torch.int32, device=q.device)
 
     def grid(meta):
         return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
 
-    kernel = _attention_compressed_fwd if config is None else _attention_compressed_fwd.fn
-    kernel[grid](
+    args = (
         q,
         bias_arg,
         out,
         lse,
-        k_coeff,
+        _nonempty(k.coeffs, q),
         _nonempty(k.basis, q),
         k.mode,
         k.scale,
@@ -1403,7 +1515,7 @@ def attention_compressed_fwd(
         k.offset,
         _nonempty(k.codes, q),
         _nonempty(k.raw, q),
-        v_coeff,
+        _nonempty(v.coeffs, q),
         _nonempty(v.basis, q),
         v.mode,
         v.scale,
@@ -1411,48 +1523,72 @@ def attention_compressed_fwd(
         v.offset,
         _nonempty(v.codes, q),
         _nonempty(v.raw, q),
-        runs,
-        run_counts,
+    )
+    sizes = (
         *q.stride(),
-        *bias_strides,
+        *broadcast_strides(bias),
         *out.stride(),
-        *k_coeff_strides,
-        *v_coeff_strides,
+        *(k.coeffs.stride() if k_rank else (0, 0, 0, 0)),
+        *(v.coeffs.stride() if v_rank else (0, 0, 0, 0)),
         n_q,
         n_k,
         kv_heads,
-        nb_k,
-        nb_v,
+        -(-n_k // k.block_size),
+        -(-n_k // v.block_size),
         -(-n_k // super_block),
         logit_mult,
         bias_mult,
         softcap_log2,
+        0.0 if max_value is None else max_value,
         next_power_of_2(n_q * group),
         next_power_of_2(n_k),
+    )
+    constexprs = dict(
         HEAD_DIM_K=head_dim_k,
         HEAD_DIM_V=head_dim_v,
         DK_PAD=max(16, next_power_of_2(head_dim_k)),
         DV_PAD=max(16, next_power_of_2(head_dim_v)),
-        RANK_K=k.rank,
-        RANK_V=v.rank,
-        RK_PAD=max(16, next_power_of_2(k.rank)),
-        RV_PAD=max(16, next_power_of_2(v.rank)),
+        RANK_K=k_rank,
+        RANK_V=v_rank,
+        RK_PAD=max(16, next_power_of_2(k_rank)),
+        RV_PAD=max(16, next_power_of_2(v_rank)),
         BLOCK_SIZE_K=k.block_size,
         BLOCK_SIZE_V=v.block_size,
         SUPER_BLOCK=super_block,
         K_PER_BLOCK=not k.shared_basis,
         V_PER_BLOCK=not v.shared_basis,
-        K_RESIDUAL=residual[0],
-        V_RESIDUAL=residual[1],
         SPLIT_RANK=split_rank,
         PREDICATED_RESIDUAL=predicated,
         GROUP=group,
         HAS_BIAS=bias is not None,
+        BIAS_TILE=bias_tile if bias is not None else 1,
         SOFTCAP=softcap is not None,
+        FIXED_MAX=max_value is not None,
         CAUSAL=causal,
         FP32=fp32,
         PRECISION="ieee" if fp32 else "tf32",
-        USE_TMA=(k.rank == 0 or tma_ready(k.coeffs)) and (v.rank == 0 or tma_ready(v.coeffs)),
-        **(config or {}),
+        USE_TMA=(k_rank == 0 or tma_ready(k.coeffs)) and (v_rank == 0 or tma_ready(v.coeffs)),
     )
+    if residual is None:
+        residual = torch.stack([(k.mode != 0).any(), (v.mode != 0).any()]).tolist()
+    elif callable(residual):
+        residual = residual()
+    constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
+    if residual[0] or residual[1]:
+        runs, run_counts = block_runs(k, v, super_block)
+    else:
+        runs = run_counts = _placeholder(q.device, torch.int32)
+    args = (*args, runs, run_counts, *sizes)
+    tune_key = (
+        sizes[-2],
+        sizes[-1],
+        *[constexprs[name] for name in COMPRESSED_TUNE_KEY[2:]],
+        q.dtype,
+        bias_arg.dtype,
+        k.coeffs.dtype,
+        v.coeffs.dtype,
+        k.raw.dtype,
+        v.raw.dtype,
+    )
+    launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
     return out, lse

@@ -5,11 +5,15 @@ space and its prune function, the kernel, the launcher.
 
 Semantics (same as ``kvbound.reference_attention``): ``logits = scale * q k^T (+ bias)``, then
 ``softcap * tanh(logits / softcap)`` when a soft-cap is given, then the top-left aligned causal mask, softmax
-over keys, times ``v``. Accumulation is float32; the softmax uses ``exp2`` with ``scale * log2(e)`` folded into
-one multiply-add per logit. Work per FLOP: ``4 * B * Hq * Nq * Nk * (Dk + Dv) / 2`` (two matrix products).
+over keys, times ``v``; a compact tile bias (``bias_tile = T``) adds ``bias[..., i // T, j // T]``. Accumulation
+is float32; the softmax uses ``exp2`` with ``scale * log2(e)`` folded into one multiply-add per logit, and under
+a small soft-cap a fixed maximum instead of the running one (``_common.fixed_softmax_max``). Work per FLOP:
+``4 * B * Hq * Nq * Nk * (Dk + Dv) / 2`` (two matrix products).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -17,8 +21,11 @@ import triton.language as tl
 
 from kvbound.kernels._common import (
     LN2,
+    broadcast_strides,
+    fixed_softmax_max,
     interpreting,
     key_loop_bounds,
+    launch_tuned,
     logit_multipliers,
     next_power_of_2,
     softmax_step,
@@ -63,6 +70,8 @@ def _attention_dense_inner(
     MASK: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    BIAS_TILE: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
 ):
     """Key tiles ``[lo, hi)``; ``MASK`` selects the masked variant (ragged last tile, causal diagonal).
     With ``USE_TMA`` the K/V tiles come through tensor descriptors (bulk copies that zero-fill rows past
@@ -106,6 +115,8 @@ def _attention_dense_inner(
             SOFTCAP,
             CAUSAL,
             MASK,
+            BIAS_TILE,
+            FIXED_MAX,
         )
         if USE_TMA:
             v = v_desc.load([start_n, 0])
@@ -117,7 +128,8 @@ def _attention_dense_inner(
                 v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
             else:
                 v = tl.load(v_ptrs)
-        accumulator = accumulator * alpha[:, None]
+        if not FIXED_MAX:
+            accumulator = accumulator * alpha[:, None]
         accumulator = tl.dot(p.to(v.dtype), v, accumulator, input_precision=PRECISION)
     return accumulator, running_sum, running_max
 
@@ -156,9 +168,24 @@ def _prune_dense_configs(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+# The autotuner's key; the launcher keeps its own cache of the winners under the same values (plus the dtypes).
+DENSE_TUNE_KEY = [
+    "TUNE_N_Q",
+    "TUNE_N_K",
+    "HEAD_DIM_K",
+    "HEAD_DIM_V",
+    "GROUP",
+    "HAS_BIAS",
+    "BIAS_TILE",
+    "SOFTCAP",
+    "FIXED_MAX",
+    "CAUSAL",
+]
+
+
 @triton.autotune(
     configs=dense_configs(interpreting()),
-    key=["TUNE_N_Q", "TUNE_N_K", "HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "HAS_BIAS", "SOFTCAP", "CAUSAL"],
+    key=DENSE_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_dense_configs},
 )
 @triton.jit
@@ -195,6 +222,7 @@ def _attention_dense_fwd(
     logit_mult,
     bias_mult,
     softcap_log2,
+    fixed_max,
     TUNE_N_Q,
     TUNE_N_K,
     HEAD_DIM_K: tl.constexpr,
@@ -203,7 +231,9 @@ def _attention_dense_fwd(
     DV_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    BIAS_TILE: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -243,12 +273,16 @@ def _attention_dense_fwd(
         k_desc = k_head  # unused placeholders
         v_desc = v_head
     if HAS_BIAS:
-        bias_rows = Bias + batch * stride_bb + row_head * stride_bh + row_query.to(tl.int64) * stride_bq
+        bias_row = (row_query // BIAS_TILE).to(tl.int64)
+        bias_rows = Bias + batch * stride_bb + row_head * stride_bh + bias_row * stride_bq
     else:
         bias_rows = q_rows  # unused placeholder of the right type
 
     row_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
-    running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    if FIXED_MAX:
+        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
+    else:
+        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
 
@@ -287,6 +321,8 @@ def _attention_dense_fwd(
         False,
         PRECISION,
         USE_TMA,
+        BIAS_TILE,
+        FIXED_MAX,
     )
     accumulator, running_sum, running_max = _attention_dense_inner(
         accumulator,
@@ -322,9 +358,14 @@ def _attention_dense_fwd(
         True,
         PRECISION,
         USE_TMA,
+        BIAS_TILE,
+        FIXED_MAX,
     )
 
-    # Epilogue: every valid row saw key 0, so running_sum >= 1 there; padding rows are never stored.
+    # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with a fixed maximum); padding
+    # rows are never stored.
+    if FIXED_MAX:
+        running_max = tl.where(running_sum > 0.0, running_max, float("-inf"))
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
     out = accumulator / running_sum[:, None]
     out_rows = Out + batch * stride_ob + row_head * stride_oh + row_query.to(tl.int64) * stride_on
@@ -339,6 +380,11 @@ def _attention_dense_fwd(
 
 
 # ----------------------------------------------------------------------------------------------- launcher
+# Winning configurations by tuning key (DENSE_TUNE_KEY's values and the dtypes that vary): after the first call
+# of a key the jit function is launched directly, skipping the autotuner's per-call key building.
+_TUNED: dict[tuple, dict] = {}
+
+
 def attention_dense_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -348,25 +394,32 @@ def attention_dense_fwd(
     causal: bool,
     softcap: float | None,
     config: dict | None = None,
+    *,
+    bias_tile: int = 1,
+    fixed_max: bool = True,
+    before_launch: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is either None or a
-    4-d view broadcast (stride 0) to ``[B, Hq, Nq, Nk]``. Returns ``(out [B, Hq, Nq, Dv] in q's dtype,
-    lse [B, Hq, Nq] float32)``. ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses
-    the autotuner (benchmarks use it to time one tile shape)."""
+    """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
+    whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
+    ``bias_tile = T > 1`` the compact ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]`` (``T`` a power of two). Returns
+    ``(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] float32)``. ``config`` (``BLOCK_M``, ``BLOCK_N``,
+    ``num_warps``, ``num_stages``) bypasses the autotuner (benchmarks use it to time one tile shape).
+    ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
+    ``before_launch``: called once after all host-side preparation, right before the launch (``kvbound.attention``
+    reads its input checks there, so that the preparation overlaps the device work queued before it)."""
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(scale, softcap)
+    max_value = fixed_softmax_max(softcap) if fixed_max else None
     bias_arg = bias if bias is not None else q
-    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
 
     def grid(meta):
         return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
 
-    kernel = _attention_dense_fwd if config is None else _attention_dense_fwd.fn
-    kernel[grid](
+    args = (
         q,
         k,
         v,
@@ -376,7 +429,7 @@ def attention_dense_fwd(
         *q.stride(),
         *k.stride(),
         *v.stride(),
-        *bias_strides,
+        *broadcast_strides(bias),
         *out.stride(),
         n_q,
         n_k,
@@ -384,18 +437,26 @@ def attention_dense_fwd(
         logit_mult,
         bias_mult,
         softcap_log2,
+        0.0 if max_value is None else max_value,
         next_power_of_2(n_q * group),
         next_power_of_2(n_k),
+    )
+    constexprs = dict(
         HEAD_DIM_K=head_dim_k,
         HEAD_DIM_V=head_dim_v,
         DK_PAD=max(16, next_power_of_2(head_dim_k)),
         DV_PAD=max(16, next_power_of_2(head_dim_v)),
         GROUP=group,
         HAS_BIAS=bias is not None,
+        BIAS_TILE=bias_tile if bias is not None else 1,
         SOFTCAP=softcap is not None,
+        FIXED_MAX=max_value is not None,
         CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_TMA=tma_ready(k, v),
-        **(config or {}),
     )
+    tune_key = (args[-2], args[-1], *[constexprs[name] for name in DENSE_TUNE_KEY[2:]], q.dtype, bias_arg.dtype)
+    if before_launch is not None:
+        before_launch()
+    launch_tuned(_attention_dense_fwd, _TUNED, grid, args, constexprs, tune_key, config)
     return out, lse

@@ -2,8 +2,9 @@
 
 Both lean paths (relative positions, tile bias) reduce every query chunk to
 ``softmax(softcap(scale * q k^T + bias)) v`` with a ``[B, Hq, Bq, Nk]`` bias, which is exactly what
-``kvbound.attention`` takes. The eager form below is the same formula in the caller's dtype with float32
-logits, chunk by chunk; it is what runs on the CPU and whenever ``kvbound.attention`` is not importable.
+``kvbound.attention`` takes (the tile bias also in its compact form, ``bias_tile``, over all queries at once).
+The eager form below is the same formula in the caller's dtype with float32 logits, chunk by chunk; it is what
+runs on the CPU and whenever ``kvbound.attention`` is not importable.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def attend_chunk(
     scale: float,
     softcap: float | None,
     backend: str,
+    bias_tile: int = 1,
 ) -> torch.Tensor:
     """``softmax(softcap(scale * q k^T + bias)) v`` for one query chunk.
 
@@ -74,7 +76,8 @@ def attend_chunk(
         q: ``[B, Hq, Bq, Dk]``.
         k: ``[B, Hkv, Nk, Dk]``, v: ``[B, Hkv, Nk, Dv]`` (tensors, or ``CompressedKV`` for ``kvbound``);
             query head ``h`` reads K/V head ``h // (Hq // Hkv)``.
-        bias: ``[B, Hq, Bq, Nk]`` (or broadcastable) float32, or None.
+        bias: ``[B, Hq, Bq, Nk]`` (or broadcastable) float32, or None. With ``bias_tile = T > 1`` (``kvbound``
+            only) the compact tile bias ``[B, Hq, ceil(Bq / T), ceil(Nk / T)]`` of ``kvbound.attention``.
         scale, softcap: as in ``kvbound.reference_attention``.
         backend: ``eager`` or ``kvbound`` (already resolved).
 
@@ -84,7 +87,9 @@ def attend_chunk(
     """
     if backend == "kvbound":
         attention = _kvbound_attention()
-        return attention(q, k, v, scale=scale, bias=bias, softcap=softcap)
+        return attention(q, k, v, scale=scale, bias=bias, bias_tile=bias_tile, softcap=softcap)
+    if bias_tile != 1:
+        raise ValueError(f"bias_tile: the eager backend takes an expanded bias (bias_tile=1), got {bias_tile}")
     b, hq, bq, dk = q.shape
     hkv = k.shape[1]
     group = hq // hkv

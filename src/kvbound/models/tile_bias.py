@@ -2,10 +2,13 @@
 
 AlphaGenome's bias is constant over 16 x 16 blocks of (query, key) positions: the port expands
 ``[B, 8, S/16, S/16]`` to ``[B, 8, S, S]`` (a 2.1 GB float32 tensor per layer at S = 8192) before adding it to
-float32 logits of the same size. Here the compact bias travels as a :class:`TileBias`, and only the rows of one
-query chunk are expanded, ``[B, 8, Bq, S]``, for one attention call with the soft-cap::
+float32 logits of the same size. Here the compact bias travels as a :class:`TileBias`::
 
     logits[h, i, j] = c * tanh((scale q_hi . k_j + tile_bias[h, i // T, j // T]) / c)
+
+The fused backend (``kvbound.attention``) reads the compact ``[B, 8, S/16, S/16]`` tensor itself
+(``bias_tile=16``) in one call over the whole sequence; nothing is expanded. The eager backend expands only the
+rows of one query chunk, ``[B, 8, Bq, S]``, per call.
 """
 
 from __future__ import annotations
@@ -81,7 +84,10 @@ def tile_bias_attention(
         bias: a :class:`TileBias` of shape ``[B, Hq, N, N]``, or a full tensor broadcastable to it (its rows
             are sliced per chunk), or None.
         scale: logit scale (AlphaGenome: ``1 / sqrt(128)``); softcap: ``c`` (AlphaGenome: 5.0) or None.
-        query_chunk: rows per chunk (a multiple of the tile size is cheapest); default from a memory budget.
+        query_chunk: rows per chunk for the eager backend (a multiple of the tile size is cheapest); default
+            from a memory budget. The fused backend needs no chunks (its memory is O(N)) and makes one call
+            over all queries, reading a ``TileBias`` in its compact form; only a tile size that is not a power
+            of two (which the kernels cannot index) is expanded chunk by chunk there too.
         backend: ``auto``, ``eager`` or ``kvbound``.
 
     Returns:
@@ -113,6 +119,14 @@ def tile_bias_attention(
             raise ValueError(
                 f"bias: expected a TileBias or a tensor broadcastable to {(b, hq, n, n)}, got {tuple(bias.shape)}"
             ) from err
+    if backend == "kvbound":
+        if isinstance(bias, TileBias) and _power_of_two(bias.tile_size):
+            return attend_chunk(
+                q, k, v, bias=bias.values, bias_tile=bias.tile_size, scale=scale, softcap=softcap, backend=backend
+            )
+        if not isinstance(bias, TileBias):
+            # A full (or broadcast) bias goes as it is: the kernels read its broadcast dimensions with stride 0.
+            return attend_chunk(q, k, v, bias=bias, scale=scale, softcap=softcap, backend=backend)
     outputs = []
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
@@ -126,3 +140,7 @@ def tile_bias_attention(
             attend_chunk(q[:, :, start:stop], k, v, bias=rows, scale=scale, softcap=softcap, backend=backend)
         )
     return torch.cat(outputs, dim=2)
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
