@@ -297,9 +297,19 @@ def _kvbound_attention():
     return attention
 
 
+def _kvbound_bias(case: Case) -> tuple[torch.Tensor | None, int, str]:
+    """The bias as kvbound.attention reads it: AlphaGenome's tile bias in its compact form, others dense."""
+    if case.shape.bias == "tile":
+        return case.bias_compact, case.shape.bias_tile, f"bias read in compact {case.shape.bias_tile}x tile form"
+    if case.bias_dense is not None:
+        return case.bias_dense, 1, "bias read as a dense [B, Hq, Nq, Nk] tensor"
+    return None, 1, ""
+
+
 def _run_kvbound(attention, q, k, v, case: Case) -> torch.Tensor:
+    bias, bias_tile, _ = _kvbound_bias(case)
     try:
-        return attention(q, k, v, scale=case.scale, causal=case.shape.causal, bias=case.bias_dense,
+        return attention(q, k, v, scale=case.scale, causal=case.shape.causal, bias=bias, bias_tile=bias_tile,
                          softcap=case.softcap)
     except NotImplementedError as err:
         raise Unsupported(f"kvbound.attention: {err}") from err
@@ -317,14 +327,15 @@ class KvboundDense(Provider):
 
     def prepare(self, case: Case, config: CompressedConfigSpec | None) -> Prepared:
         attention = _kvbound_attention()
-        bias_bytes = _tensor_bytes(case.bias_dense)
+        bias, _, note = _kvbound_bias(case)
+        bias_bytes = _tensor_bytes(bias)
         return Prepared(
             call=lambda i: _run_kvbound(attention, case.q[i], case.k[i], case.v[i], case),
             reference=lambda: case.dense_reference(),
             bytes_moved=_dense_moved(case.shape, bias_bytes=bias_bytes),
             kv_bytes=_dense_kv_bytes(case.shape),
             kv_dense_bytes=_dense_kv_bytes(case.shape),
-            note="bias read as a dense [B, Hq, Nq, Nk] tensor" if bias_bytes else "",
+            note=note,
         )
 
 
@@ -390,7 +401,8 @@ class KvboundCompressed(Provider):
         k_ref, v_ref = ck.decompress(), cv.decompress()
         k_shares, v_shares = _mode_shares(ck), _mode_shares(cv)
         blocks_k, blocks_v = ck.mode.numel(), cv.mode.numel()
-        bias_bytes = _tensor_bytes(case.bias_dense)
+        bias, _, note = _kvbound_bias(case)
+        bias_bytes = _tensor_bytes(bias)
         basis_label = config.basis if config.rank > 0 else "none"
         return Prepared(
             call=lambda i: _run_kvbound(attention, case.q[i], pairs[i][0], pairs[i][1], case),
@@ -399,7 +411,7 @@ class KvboundCompressed(Provider):
                                                ck.nbytes, cv.nbytes, bias_bytes=bias_bytes),
             kv_bytes=ck.nbytes + cv.nbytes,
             kv_dense_bytes=ck.dense_nbytes + cv.dense_nbytes,
-            note="bias read as a dense [B, Hq, Nq, Nk] tensor" if bias_bytes else "",
+            note=note,
             config={"config": config.label, "rank": config.rank, "bits": config.bits,
                     "block_size": config.block_size, "tau": cfg.tau, "basis": basis_label},
             extras={
