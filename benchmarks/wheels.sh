@@ -6,11 +6,11 @@
 # packaging) lacks the three ports and what they import beyond that: enformer_pytorch's package __init__ imports
 # polars and pyfaidx (for its dataset helpers), borzoi_pytorch imports intervaltree. Everything here is pure Python
 # except polars (one abi3 wheel, ~33 MB; 1.20.0 rather than 2.x, whose separate runtime wheel alone is 54 MB and
-# would not fit the 64 MiB a device call may carry together with the working tree). Installed with --no-deps: the
+# would make the copy to the GPU machine much larger). Installed with --no-deps: the
 # ports' pins (enformer-pytorch: transformers==4.56.2; borzoi-pytorch: transformers<5) are not honoured, and the
 # image's transformers 5.17 is used (all three import and run with it: checked on the CPU with transformers 5.17.0).
 #
-# On the device (the run tool with carry=[".whl"]), start the command with:
+# On the GPU machine, with .whl/ copied next to the sources, start the command with:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit; export HF_HUB_OFFLINE=1;
 # (the full command is in the docstring of src/kvbound/bench/ports.py).

@@ -10,12 +10,12 @@ __all__ = ["CompressionConfig", "DEFAULT_TAU", "SUPPORTED_BITS"]
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 # Default absolute bound. Attention inputs in these models come out of a LayerNorm-ed residual stream
-# through a projection, so K and V entries are O(1) (std 0.3-3 in the layers we measured). bf16 already
-# rounds such values by up to 2^-8 relative (0.004-0.016 absolute at |x| = 1-4). 2^-5 = 0.03125 is a few
-# bf16 ulps at unit scale: large enough that smooth K/V blocks are covered by the low-rank part alone
-# (their residual tiles are skipped by the kernel), small enough that the logit perturbation
-# |q . (k - k_hat)| * scale <= ||q||_1 * tau / sqrt(d) stays well under one unit for unit-variance q.
-# It is a power of two so that the quantisation step 2 * tau is exact in every float format.
+# through a projection, so K and V entries are O(1) (std 0.6 for the demo's conv + projection layer; 0.3-3 is
+# typical of LayerNorm-ed projections). bf16 already rounds such values by up to 2^-8 relative (0.004-0.016
+# absolute at |x| = 1-4). 2^-5 = 0.03125 is a few bf16 ulps at unit scale: large enough that smooth K/V blocks
+# are covered by the low-rank part alone (their residual tiles are skipped by the kernel), small enough that the
+# logit perturbation |q . (k - k_hat)| * scale <= ||q||_1 * tau / sqrt(d) stays well under one unit for
+# unit-variance q. It is a power of two so that the quantisation step 2 * tau is exact in every float format.
 DEFAULT_TAU = 2.0**-5
 
 
@@ -27,7 +27,8 @@ class CompressionConfig:
         block_size: tokens per block along the sequence; a power of two >= 16.
         rank: rank of the low-rank part (0 = residual quantisation only); must be < head dim.
         bits: bits per residual code, one of 2, 3, 4, 8. Blocks whose residual does not fit are
-            promoted to 8-bit codes, and to exact storage when even that fails (see ``CompressedKV``).
+            promoted to wider codes (4, 5, 6 or 8 bits), and to exact storage when even that fails (see
+            ``CompressedKV``).
         tau: the certified absolute bound: every reconstructed element is within ``tau`` of the input.
     """
 

@@ -92,7 +92,7 @@ def context_parallel_attention(
     basis_k: Basis | None = None,
     basis_v: Basis | None = None,
     compress: bool = True,
-    encoder: str = "eager",
+    impl: str = "eager",
     scale: float | None = None,
     causal: bool = False,
     softcap: float | None = None,
@@ -105,7 +105,8 @@ def context_parallel_attention(
         q: ``[B, Hq, n_r, Dk]``, k: ``[B, Hkv, n_r, Dk]``, v: ``[B, Hkv, n_r, Dv]``: this rank's shard (rank ``i``
             holds the ``i``-th contiguous piece; pieces may differ in length). RoPE, if any, is applied before.
         group: the process group (default: the world).
-        config, basis_k, basis_v: compression settings and calibrated bases (``encoder="triton"`` needs bases).
+        config, basis_k, basis_v: compression settings and calibrated bases.
+        impl: the encoder, as in :func:`kvbound.compress_kv` (``"triton"`` needs the bases).
         compress: send compressed K/V (default) or dense K/V around the same ring.
         scale, causal, softcap: as in :func:`kvbound.attention`; ``causal`` uses global positions.
         bias: optional ``bias(q_start, q_len, k_start, k_len)`` giving the additive bias for a block of global
@@ -135,8 +136,8 @@ def context_parallel_attention(
     if compress:
         config = CompressionConfig() if config is None else config
         t0 = time.perf_counter()
-        ck = compress_kv(k, config, basis_k, impl=encoder)
-        cv = compress_kv(v, config, basis_v, impl=encoder)
+        ck = compress_kv(k, config, basis_k, impl=impl)
+        cv = compress_kv(v, config, basis_v, impl=impl)
         if k.is_cuda:
             torch.cuda.synchronize(k.device)
         stats.compress_seconds = time.perf_counter() - t0

@@ -20,9 +20,9 @@ of the shape's size.
     python -m kvbound.bench --suite encoder --out benchmarks/results/encoder_h200_<date>_<commit>.csv
     python -m kvbound.bench --suite encoder --cpu-smoke --out /tmp/encoder.csv
 
-On one H200 through the ``run`` tool (``kind="nvidia-h200"``; nothing to install)::
+On one H200 from a source checkout (nothing to install beyond the GPU image's torch and Triton)::
 
-    PYTHONPATH=$PWD/src python3 -m kvbound.bench --suite encoder --commit <sha> --out $OUT/encoder_h200.csv
+    PYTHONPATH=$PWD/src python3 -m kvbound.bench --suite encoder --commit <sha> --out results/encoder_h200.csv
 
 Times come from ``kvbound.bench.runner.measure`` (``triton.testing.do_bench`` quantiles on CUDA).
 """

@@ -26,14 +26,14 @@ gets an ``unsupported`` row saying so.
 
 The GPU machine has no network and none of the ports: ``benchmarks/wheels.sh`` (run where pip can reach PyPI)
 puts their wheels, and the few modules they import that the GPU image lacks, into ``.whl/``. Then, on one H200
-(the ``run`` tool, ``kind="nvidia-h200"``, ``carry=[".whl"]``)::
+with ``.whl/`` copied next to the sources::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit; export HF_HUB_OFFLINE=1; \\
-    python3 -m kvbound.bench --suite models --only enformer borzoi --commit <sha> --out $OUT/models_h200_a.csv
+    python3 -m kvbound.bench --suite models --only enformer borzoi --commit <sha> --out results/models_h200_a.csv
 
-and the same with ``--only alphagenome --out $OUT/models_h200_b.csv`` (two calls keep each under the run tool's
-10 minutes; ``--batches 1`` keeps batch 1 only). On the CPU::
+and the same with ``--only alphagenome --out results/models_h200_b.csv`` (two runs of under 10 minutes each;
+``--batches 1`` keeps batch 1 only). On the CPU::
 
     python -m kvbound.bench --suite models --cpu-smoke --out /tmp/models.csv
 """

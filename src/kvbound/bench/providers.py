@@ -129,9 +129,6 @@ class Case:
                                                      self.shape.kv_len, self.shape.bias_tile)
         return self._bias_dense
 
-    def release_dense_bias(self) -> None:
-        self._bias_dense = None
-
     def _bias_rows(self, index: torch.Tensor) -> torch.Tensor | None:
         s = self.shape
         if self.bias_compact is None:

@@ -36,7 +36,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-__all__ = ["COLUMNS", "MODES", "STATUSES", "read_rows", "write_rows", "append_row", "environment", "row_key"]
+__all__ = ["COLUMNS", "MODES", "STATUSES", "read_rows", "write_rows", "append_row", "environment"]
 
 # name -> type; the order is the CSV column order.
 COLUMNS: dict[str, type] = {
@@ -213,11 +213,6 @@ def read_rows(path: str | Path) -> list[dict]:
             _check_row(row, f"{path}:{line}")
             rows.append(row)
     return rows
-
-
-def row_key(row: dict) -> tuple[str, str, str]:
-    """What a ``time`` row and an ``ncu`` row of the same measurement share."""
-    return (row["provider"], row.get("config") or "", row["shape"])
 
 
 def _git_commit() -> str:

@@ -268,7 +268,8 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "## (rank, bits) sweep\n",
         tables.to_markdown(*tables.sweep_table(rows)),
         "Every config keeps the certified bound tau: blocks whose residual does not fit the bits are promoted "
-        "to 8-bit codes or stored exactly, which shows up as a lower K/V ratio, never as a larger error.\n",
+        "to wider codes (4 to 8 bits) or stored exactly, which shows up as a lower K/V ratio, never as a larger "
+        "error.\n",
         "## Reconstruction overhead (counted from the format)\n",
         tables.to_markdown(*tables.overhead_table(rows)),
         "Rebuild: FLOP to rebuild each K/V tile once per query tile (`2 n r D` for `C @ P`, `2 n D` for "

@@ -5,7 +5,7 @@ sequence (``kvbound.bench.data``: structured K/V with ``--zero-tile-share`` resi
 in the attention suite; queries in K's subspace), keeps its contiguous shard and, per sequence length N, times
 one attention layer (non-causal, B = 1, bf16) three ways:
 
-``ring-compressed``  ``context_parallel_attention(compress=True, encoder="triton")`` (the eager encoder on the
+``ring-compressed``  ``context_parallel_attention(compress=True, impl="triton")`` (the eager encoder on the
                      CPU): K/V shards compressed once (timed inside the layer) and passed around the ring;
 ``ring-dense``       the same ring passing dense K/V (``compress=False``);
 ``allgather-dense``  ``allgather_attention``: all-gather the dense shards, then local attention.
@@ -19,10 +19,10 @@ ring compresses them, decompressed and concatenated (``err_max``, ``err_rel``), 
 (``err_vs_dense_rel``: what compression costs the output). The basis of each K/V comes from
 ``kvbound.calibrate`` on another draw of the same layer (8192 tokens at most).
 
-On the two-GPU kind (the ``run`` tool, ``kind="nvidia-h200-x2"``; NCCL's NVLink multicast stays off)::
+On a machine with two H200s (NCCL's NVLink multicast kept off)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; \\
-    PYTHONPATH=$PWD/src python3 -m kvbound.bench --suite ring --commit <sha> --out $OUT/ring_h200x2.csv
+    PYTHONPATH=$PWD/src python3 -m kvbound.bench --suite ring --commit <sha> --out results/ring_h200x2.csv
 
 (defaults: ``--lengths 65536 131072 262144 524288 --world-sizes 1 2``; a world size above the GPUs present gets
 ``unsupported`` rows). On the CPU::
@@ -211,7 +211,7 @@ def _layer_rows(n: int, world: int, rank: int, device: torch.device, options: Ri
     shares.update({f"v_share_{m}": c / v_blocks for m, c in zip(_MODE_NAMES, v_counts, strict=True)})
     calls = {
         "ring-compressed": partial(context_parallel_attention, q, k, v, config=config, basis_k=basis_k,
-                                   basis_v=basis_v, encoder=encoder, return_stats=True),
+                                   basis_v=basis_v, impl=encoder, return_stats=True),
         "ring-dense": partial(context_parallel_attention, q, k, v, compress=False, return_stats=True),
         "allgather-dense": lambda: (allgather_attention(q, k, v), None),
     }

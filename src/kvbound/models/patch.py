@@ -256,7 +256,8 @@ def patch(
         filter_fn: ``filter_fn(name, module) -> bool`` selects which recognised attention modules to patch.
         backend: ``"auto"`` (``kvbound.attention`` on CUDA when available, else eager chunks), ``"eager"`` or
             ``"kvbound"`` (raises when unavailable, never falls back).
-        query_chunk: query rows per attention call (default: float32 logits of a chunk under 128 MiB).
+        query_chunk: query rows per attention call where calls are chunked (the eager backend, and the relative-
+            position layers on either backend); default: float32 logits of a chunk under 128 MiB.
 
     Returns:
         a :class:`PatchHandle`; ``handle.undo()`` (or leaving ``with patch(...)``) restores the model exactly.

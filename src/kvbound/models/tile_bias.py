@@ -81,8 +81,8 @@ def tile_bias_attention(
         q: ``[B, Hq, N, Dk]`` (AlphaGenome: 8 heads, after LayerNorm and RoPE).
         k: ``[B, Hkv, N, Dk]``, v: ``[B, Hkv, N, Dv]`` (AlphaGenome: one shared head), tensors or
             ``CompressedKV``; ``Hq`` a multiple of ``Hkv``.
-        bias: a :class:`TileBias` of shape ``[B, Hq, N, N]``, or a full tensor broadcastable to it (its rows
-            are sliced per chunk), or None.
+        bias: a :class:`TileBias` of shape ``[B, Hq, N, N]``, or a full tensor broadcastable to it (the eager
+            backend slices its rows per chunk), or None.
         scale: logit scale (AlphaGenome: ``1 / sqrt(128)``); softcap: ``c`` (AlphaGenome: 5.0) or None.
         query_chunk: rows per chunk for the eager backend (a multiple of the tile size is cheapest); default
             from a memory budget. The fused backend needs no chunks (its memory is O(N)) and makes one call
