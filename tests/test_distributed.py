@@ -27,6 +27,14 @@ def _config():
     return kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=0.05)
 
 
+TILE = 8  # the dense-ring case reads a compact tile bias (SHARD is a multiple of it)
+
+
+def _tile_bias(world: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(world)
+    return torch.randn(1, HQ, SHARD * world // TILE, SHARD * world // TILE, generator=gen)
+
+
 def _worker(rank: int, world: int, init: str, out_dir: str, causal: bool, compress: bool):
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -35,9 +43,15 @@ def _worker(rank: int, world: int, init: str, out_dir: str, causal: bool, compre
 
         q, k, v, bias = _inputs(world, causal)
         shard = slice(rank * SHARD, (rank + 1) * SHARD)
+        if compress:
+            bias_fn, tile = (lambda qs, ql, ks, kl: bias[:, :, qs : qs + ql, ks : ks + kl]), 1
+        else:
+            tiles = _tile_bias(world)
+            bias_fn, tile = (lambda qs, ql, ks, kl: tiles[:, :, qs // TILE :, ks // TILE :][
+                :, :, : -(-ql // TILE), : -(-kl // TILE)]), TILE
         out, stats = context_parallel_attention(
             q[:, :, shard], k[:, :, shard], v[:, :, shard], config=_config(), compress=compress, causal=causal,
-            bias=lambda qs, ql, ks, kl: bias[:, :, qs : qs + ql, ks : ks + kl], softcap=4.0, return_stats=True,
+            bias=bias_fn, bias_tile=tile, softcap=4.0, return_stats=True,
         )
         torch.save({"out": out, "sent": stats.bytes_sent, "dense": stats.dense_bytes}, f"{out_dir}/{rank}.pt")
     finally:
@@ -52,6 +66,8 @@ def test_ring_equals_single_device(tmp_path, world, causal, compress):
     out = torch.cat([r["out"] for r in results], dim=2)
 
     q, k, v, bias = _inputs(world, causal)
+    if not compress:  # this case used the compact tile bias: expand it for the single-device references
+        bias = _tile_bias(world).repeat_interleave(TILE, 2).repeat_interleave(TILE, 3)
     if compress:  # the same per-shard compression, decompressed and concatenated
         parts = [slice(r * SHARD, (r + 1) * SHARD) for r in range(world)]
         k = torch.cat([kvbound.compress_kv(k[:, :, s], _config()).decompress() for s in parts], dim=2)

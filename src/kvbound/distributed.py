@@ -97,6 +97,7 @@ def context_parallel_attention(
     causal: bool = False,
     softcap: float | None = None,
     bias: BiasFn | None = None,
+    bias_tile: int = 1,
     return_stats: bool = False,
 ):
     """Attention of this rank's queries over the whole sequence, sharded contiguously across ``group``.
@@ -110,7 +111,9 @@ def context_parallel_attention(
         compress: send compressed K/V (default) or dense K/V around the same ring.
         scale, causal, softcap: as in :func:`kvbound.attention`; ``causal`` uses global positions.
         bias: optional ``bias(q_start, q_len, k_start, k_len)`` giving the additive bias for a block of global
-            positions (e.g. a slice of AlphaGenome's 16x16-tile pair bias).
+            positions. With ``bias_tile=T > 1`` it returns the compact form, ``[B, Hq, ceil(q_len/T),
+            ceil(k_len/T)]`` (e.g. a slice of AlphaGenome's 16x16-tile pair bias); shard starts must then be
+            multiples of ``T``.
         return_stats: also return :class:`RingStats`.
 
     Returns:
@@ -130,6 +133,8 @@ def context_parallel_attention(
     starts = [0]
     for qn, _ in lengths[:-1]:
         starts.append(starts[-1] + qn)
+    if bias is not None and bias_tile > 1 and any(s % bias_tile for s in starts):
+        raise ValueError(f"bias_tile: shard starts {starts} must be multiples of bias_tile={bias_tile}")
 
     stats = RingStats()
     stats.dense_bytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) * (world - 1)
@@ -177,8 +182,8 @@ def context_parallel_attention(
             k_len = lengths[src][1]
             block_bias = bias(starts[rank], q.shape[2], starts[src], k_len) if bias is not None else None
             part, part_lse = attention(
-                q, k_s, v_s, scale=scale, causal=causal and src == rank, bias=block_bias, softcap=softcap,
-                return_lse=True,
+                q, k_s, v_s, scale=scale, causal=causal and src == rank, bias=block_bias, bias_tile=bias_tile,
+                softcap=softcap, return_lse=True,
             )
             out, lse = _merge(out, lse, part, part_lse)
         for work in pending:
