@@ -3,7 +3,7 @@
 #
 # The machine needs the prepared data cache (no network there): on a machine with network run
 #   KVBOUND_CACHE=eval/.cache python -m kvbound.eval.data fetch
-# and ship eval/.cache/{genome,motifs,tss,manifest.json} (17.7 MB) with the working tree. The simulator runs
+# and copy eval/.cache/{genome,motifs,tss,manifest.json} (17.7 MB) to the GPU machine. The simulator runs
 # on the CPU on first use (about 1-4 minutes for 70 Mbp) and caches its tracks in eval/.cache/sim/.
 #
 # Environment: STEPS (default 3000), BATCH (default 8), MODELS (default "enformer alphagenome").
