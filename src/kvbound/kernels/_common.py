@@ -148,26 +148,6 @@ def softmax_step(
     """
     if FIXED_MAX:
         tl.static_assert(SOFTCAP, "a fixed maximum needs the soft-cap's bound on the logits")
-        x = finish_logits(
-            x,
-            row_mult,
-            bias_rows,
-            start_n,
-            offs_n,
-            stride_bias_key,
-            row_query,
-            row_valid,
-            N_K,
-            bias_mult,
-            softcap_log2,
-            HAS_BIAS,
-            SOFTCAP,
-            CAUSAL,
-            MASK,
-            BIAS_TILE,
-        )
-        p = tl.math.exp2(x - running_max[:, None])
-        return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
     if HAS_BIAS or SOFTCAP or MASK:
         x = finish_logits(
             x,
@@ -187,6 +167,9 @@ def softmax_step(
             MASK,
             BIAS_TILE,
         )
+        if FIXED_MAX:
+            p = tl.math.exp2(x - running_max[:, None])
+            return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
         new_max = tl.maximum(running_max, tl.max(x, 1))
         # A row that has seen only masked keys keeps -inf; subtract 0 instead so that no inf - inf appears.
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
