@@ -188,7 +188,8 @@ def test_ablation_sweep_and_overhead_tables():
     row = dict(zip(headers, body[0], strict=True))
     # (8 * 128 + 64 * 0.5 + 64 * 0.5) / (128 * 128) = 6.64%
     assert row["rebuild per head (BM=128)"] == "6.64%" and row["K coded tiles"] == "50%"
-    assert tables.calibration_table(fixture_rows())[1] == [["enformer", "0.812", "11 layers x (K, V)", "NVIDIA H200"]]
+    assert tables.calibration_table(fixture_rows())[1] == [["enformer", "0.812", "11 layers x (K, V)", "NVIDIA H200",
+                                                            "0.8 s"]]
     assert "| a |" in tables.to_markdown(["x"], [["a"]]) and "no rows" in tables.to_markdown(["x"], [])
 
 

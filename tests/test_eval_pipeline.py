@@ -67,6 +67,50 @@ def test_train_toy_model_is_seeded_and_logged(fixture_dir, tmp_path):
     assert -1.0 <= float(runs[0][-1]["valid_pearson_mean"]) <= 1.0
 
 
+def test_train_stops_cleanly_at_its_time_budget(fixture_dir, tmp_path):
+    from kvbound.eval.models import load_model
+
+    budget = 8.0
+    argv = [
+        "--model",
+        "alphagenome",
+        "--size",
+        "toy",
+        "--steps",
+        "100000",
+        "--time-budget-s",
+        str(budget),
+        "--batch-size",
+        "1",
+        "--fixture",
+        str(fixture_dir),
+        "--weights-dir",
+        str(tmp_path),
+        "--log-dir",
+        str(tmp_path),
+        "--log-every",
+        "3",
+        "--eval-every",
+        "1000",
+        "--eval-windows",
+        "1",
+        "--device",
+        "cpu",
+    ]
+    assert train.main(argv) == 0
+    summary = json.loads((tmp_path / "train_alphagenome_toy.json").read_text())
+    assert summary["stopped_by"] == "time_budget" and 1 <= summary["steps_reached"] < 100000
+    # the budget counts data loading; the loop stops with room for the closing validation and the save
+    assert summary["total_seconds"] <= budget + 3.0 or summary["steps_reached"] == 1
+    rows = _rows(tmp_path / "train_alphagenome_toy.csv")
+    assert int(rows[-1]["step"]) == summary["steps_reached"] and rows[-1]["valid_pearson_mean"] != ""
+    assert [int(row["step"]) for row in rows[:-1]] == list(range(3, 3 * len(rows) - 2, 3))
+    _, metadata = load_model(str(tmp_path / "alphagenome_toy.safetensors"))
+    assert metadata["steps_reached"] == summary["steps_reached"] and metadata["stopped_by"] == "time_budget"
+    assert metadata["seed"] == 0 and metadata["time_budget_s"] == budget
+    assert metadata["best_step"] == summary["best"]["step"]
+
+
 def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
     weights = tmp_path / "weights"
     for kind in ("enformer", "alphagenome"):

@@ -184,3 +184,20 @@ def test_calibration_roundtrip_and_summary(fixture_sim, tmp_path):
     assert summary["promoter_median_all"] < summary["promoter_median_at_tss"]
     shares = summary["distal_variance_share"]
     assert shares[">2kb"]["all_bins"] > shares[">10kb"]["all_bins"] > shares[">50kb"]["all_bins"] >= 0
+
+
+def test_scan_cache_rebuilds_the_simulation_bit_for_bit(fixture_sim, tmp_path):
+    from kvbound.eval.simulate import load_or_run
+
+    simulator, simulation = fixture_sim
+    fresh = load_or_run(simulator, tmp_path)  # runs and writes the cache
+    (stored,) = (tmp_path / "sim").glob("*.scan.npz")
+    with np.load(stored) as contents:
+        assert set(contents.files) == {"occupancy", "cpg", "n_count", "enhancer_input", "mu"}
+    cached = load_or_run(simulator, tmp_path)  # rebuilt from the cache
+    for name in ("tracks", "occupancy", "cpg", "enhancer", "promoter", "enhancer_input", "n_fraction", "mu"):
+        np.testing.assert_array_equal(getattr(cached, name), getattr(simulation, name), err_msg=name)
+        np.testing.assert_array_equal(getattr(fresh, name), getattr(simulation, name), err_msg=name)
+    other = Simulator(simulator.data, simulator.config, calibration={**simulator.calibration(), "mu": simulator.mu + 1})
+    with pytest.raises(ValueError, match="chemical potentials"):
+        load_or_run(other, tmp_path)

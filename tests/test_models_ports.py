@@ -221,6 +221,40 @@ def test_enformer_patched_with_fused_backend(enformer):
     assert (fused - eager).abs().max().item() <= 1e-5 * port.abs().max().item()
 
 
+def _count_relative_calls(monkeypatch) -> list[tuple[int, bool]]:
+    """``(query rows, relative_keys given)`` of every ``kvbound.attention`` call the patched forwards make."""
+    from kvbound.attention import attention as fused
+    from kvbound.models import _backend
+
+    calls = []
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape[2], kwargs.get("relative_keys") is not None))
+        return fused(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    return calls
+
+
+@pytest.mark.parametrize("port_name", ["enformer", "borzoi"])
+def test_relative_ports_take_one_fused_call_per_layer(port_name, request, monkeypatch):
+    """compress=False on the kvbound backend: one relative-position kvbound.attention call per layer over all
+    queries (the kernel forms the relative term on chip), matching the unpatched port."""
+    model, attention_cls = request.getfixturevalue(port_name)[:2]
+    module = _attention_modules(model, attention_cls)[0]
+    n = 40 if port_name == "enformer" else 32  # Borzoi's port caches its features at its first length (32)
+    x = torch.randn(1, n, 96 if port_name == "enformer" else 64, generator=torch.Generator().manual_seed(6))
+    calls = _count_relative_calls(monkeypatch)
+    with torch.no_grad():
+        port = module(x)
+        with patch(model, compress=False, backend="kvbound", query_chunk=16):
+            fused = module(x)
+    err = (fused - port).abs().max().item()
+    print(f"{port_name} fused relative positions: calls {calls}, max err vs port {err:.2e}")
+    assert calls == [(n, True)]
+    assert err <= 1e-5 * port.abs().max().item()
+
+
 def test_enformer_undo_restores_exactly(enformer):
     model, attention = enformer
     x = _enformer_input(40)

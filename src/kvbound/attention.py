@@ -33,9 +33,13 @@ def attention(
     bias: torch.Tensor | None = None,
     bias_tile: int = 1,
     softcap: float | None = None,
+    relative_keys: torch.Tensor | None = None,
+    relative_content_bias: torch.Tensor | None = None,
+    relative_position_bias: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention ``softmax(scale * q k^T + bias) v`` in one fused kernel.
+    """Softmax attention ``softmax(scale * q k^T + bias) v`` in one fused kernel, optionally with
+    Transformer-XL relative positions (Enformer, Borzoi).
 
     Args:
         q: ``[B, Hq, Nq, Dk]`` float16, bfloat16 or float32 (float32 for CPU tests), any strides.
@@ -55,6 +59,17 @@ def attention(
             compact tensor; it is never expanded.
         softcap: if given (> 0), logits become ``softcap * tanh(logits / softcap)`` after the bias and before
             the causal mask.
+        relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
+            ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense K/V with
+            ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
+
+                logit[i, j] = (scale q_i + u) . k_j + (scale q_i + w) . R[Nq - 1 + j - i]  (+ bias[i, j])
+
+            The kernel forms each tile's relative term on chip from the ``BM + BN - 1`` rows of ``R`` it needs; no
+            ``[Nq, Nk]`` or ``[Nq, Nq + Nk - 1]`` tensor exists.
+        relative_content_bias: ``u``, ``[Hq, Dk]``, ``[Dk]`` or broadcastable to ``[1, Hq, 1, Dk]`` (the ports
+            store ``[1, H, 1, Dk]``), any float dtype; default zero. Only with ``relative_keys``.
+        relative_position_bias: ``w`` (Transformer-XL's ``v``), same shapes; default zero.
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
 
     Returns:
@@ -119,9 +134,13 @@ def attention(
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
+    relative = _relative_operands(
+        relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads, compressed
+    )
 
     softcap = None if softcap is None else float(softcap)
     if compressed:
+        # _relative_operands refused relative positions with compressed K/V above.
         out, lse = torch.ops.kvbound.attention_compressed(
             q,
             k.coeffs,
@@ -151,7 +170,9 @@ def attention(
             v.shared_basis,
         )
     else:
-        out, lse = torch.ops.kvbound.attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap)
+        out, lse = torch.ops.kvbound.attention_dense(
+            q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative
+        )
     return (out, lse) if return_lse else out
 
 
@@ -184,6 +205,66 @@ def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}.coeffs: expected float16 or float32, got {ckv.coeffs.dtype}")
     if ckv.basis.dtype != torch.float16:
         raise TypeError(f"{name}.basis: expected float16, got {ckv.basis.dtype}")
+
+
+def _relative_bias(t: object, name: str, heads: int, head_dim: int, q: torch.Tensor) -> torch.Tensor:
+    """A Transformer-XL query bias as float32 ``[heads, head_dim]`` contiguous (a small copy)."""
+    check_tensor(t, name, dtypes=_BIAS_DTYPES, check_finite=False)
+    _check_device(t.device, q, name)
+    shape = tuple(t.shape)
+    if t.dim() == 1 and shape == (head_dim,):
+        t = t[None, :]
+    elif t.dim() == 2 and shape in ((heads, head_dim), (1, head_dim)):
+        pass
+    elif t.dim() == 4 and all(size in (1, want) for size, want in zip(shape, (1, heads, 1, head_dim), strict=True)):
+        t = t.reshape(t.shape[1], head_dim) if shape[3] == head_dim else None
+    else:
+        t = None
+    if t is None:
+        raise ValueError(
+            f"{name}: expected shape [{heads}, {head_dim}], [{head_dim}] or one broadcastable to "
+            f"[1, {heads}, 1, {head_dim}] (Hq, Dk from q), got {list(shape)}"
+        )
+    return t.to(torch.float32).expand(heads, head_dim).contiguous()
+
+
+def _relative_operands(
+    relative_keys: object,
+    content_bias: object,
+    position_bias: object,
+    q: torch.Tensor,
+    n_k: int,
+    kv_heads: int,
+    compressed: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Validated ``(relative_keys, content_bias [Hq, Dk] float32, position_bias [Hq, Dk] float32)``, or three
+    Nones without relative positions."""
+    if relative_keys is None:
+        for name, t in (("relative_content_bias", content_bias), ("relative_position_bias", position_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: given without relative_keys (it only applies to relative positions)")
+        return None, None, None
+    batch, heads, n_q, head_dim = q.shape
+    if compressed:
+        raise NotImplementedError(
+            "relative_keys: relative positions over compressed K/V are not fused yet; pass dense k and v "
+            "(kvbound.models.relative_position_attention handles compressed K/V chunk by chunk)"
+        )
+    if heads != kv_heads:
+        raise ValueError(
+            f"relative_keys: relative positions need one query head per K/V head, got Hq={heads}, Hkv={kv_heads}"
+        )
+    check_tensor(relative_keys, "relative_keys", ndim=3, dtypes=(q.dtype,), check_finite=False)
+    _check_device(relative_keys.device, q, "relative_keys")
+    expected = (heads, n_q + n_k - 1, head_dim)
+    if tuple(relative_keys.shape) != expected:
+        raise ValueError(
+            f"relative_keys: expected shape [Hq, Nq + Nk - 1, Dk] = {list(expected)}, got {list(relative_keys.shape)}"
+        )
+    zeros = torch.zeros(heads, head_dim, dtype=torch.float32, device=q.device)
+    u = zeros if content_bias is None else _relative_bias(content_bias, "relative_content_bias", heads, head_dim, q)
+    w = zeros if position_bias is None else _relative_bias(position_bias, "relative_position_bias", heads, head_dim, q)
+    return relative_keys, u, w
 
 
 def _bias_4d(bias: object, shape: tuple[int, int, int, int], bias_tile: int, q: torch.Tensor) -> torch.Tensor:
@@ -256,17 +337,34 @@ def _attention_dense_op(
     scale: float,
     causal: bool,
     softcap: float | None,
+    relative_keys: torch.Tensor | None = None,
+    relative_content_bias: torch.Tensor | None = None,
+    relative_position_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kvbound.kernels.attention_dense import attention_dense_fwd
 
     checks = _queue_checks(
-        {"q": q, "k": k, "v": v, "bias": bias}, full_bias_shape=_full_bias_shape(bias, bias_tile, q, k.shape[2])
+        {
+            "q": q,
+            "k": k,
+            "v": v,
+            "bias": bias,
+            "relative_keys": relative_keys,
+            "relative_content_bias": relative_content_bias,
+            "relative_position_bias": relative_position_bias,
+        },
+        full_bias_shape=_full_bias_shape(bias, bias_tile, q, k.shape[2]),
     )
-    return attention_dense_fwd(q, k, v, bias, scale, causal, softcap, bias_tile=bias_tile, before_launch=checks)
+    relative = None
+    if relative_keys is not None:
+        relative = (relative_keys, relative_content_bias, relative_position_bias)
+    return attention_dense_fwd(
+        q, k, v, bias, scale, causal, softcap, bias_tile=bias_tile, relative=relative, before_launch=checks
+    )
 
 
 @_attention_dense_op.register_fake
-def _attention_dense_fake(q, k, v, bias, bias_tile, scale, causal, softcap):
+def _attention_dense_fake(q, k, v, bias, bias_tile, scale, causal, softcap, *relative):
     b, hq, nq, _ = q.shape
     return q.new_empty(b, hq, nq, v.shape[3]), q.new_empty(b, hq, nq, dtype=torch.float32)
 

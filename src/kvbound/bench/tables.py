@@ -22,6 +22,11 @@ from kvbound.bench.summary import format_bytes
 
 __all__ = [
     "index_rows",
+    "cudnn_ratios",
+    "target_for",
+    "targets_table",
+    "targets_summary",
+    "traffic_table",
     "data_movement_table",
     "ablation_table",
     "sweep_table",
@@ -38,6 +43,10 @@ __all__ = [
     "DEFAULT_CONFIG",
     "ABLATION_CONFIGS",
     "SWEEP_ORDER",
+    "SEED_TRAFFIC_CLAIMS",
+    "SEED_CONFIG_CLAIMS",
+    "SEED_OVERHEAD",
+    "SEED_CALIBRATION_S",
 ]
 
 DEFAULT_CONFIG = "r8b4"
@@ -52,6 +61,163 @@ def index_rows(rows: list[dict], mode: str) -> dict[tuple[str, str, str], dict]:
     for r in sorted((r for r in rows if r["mode"] == mode), key=lambda r: r.get("date") or ""):
         out[(r["provider"], r.get("config") or "", r["shape"])] = r
     return out
+
+
+# The seed's claims (attention data movement reduction; overhead; calibration), shown beside the measurements.
+SEED_TRAFFIC_CLAIMS = {4096: 2.6, 65536: 4.1}
+SEED_CONFIG_CLAIMS = {"lowrank-r8": 3.6, "quant-r0b4": 2.4, "r8b4": 4.1, "r16b8": 2.1, "r16b4": 3.0, "r8b2": 5.2,
+                      "r4b2": 6.0}
+SEED_OVERHEAD = 0.062
+SEED_CALIBRATION_S = 0.8
+
+
+def _run_key(r: dict) -> tuple:
+    """Rows of one process share these provenance columns (``records.environment`` is read once per run)."""
+    return (r.get("commit"), r.get("date"), r.get("gpu"))
+
+
+def cudnn_ratios(rows: list[dict]) -> dict[int, tuple[float, dict, bool]]:
+    """``id(row) -> (cuDNN p50 / row p50, the cuDNN row, same run)`` for timed rows with an ok cuDNN row.
+
+    The cuDNN row of the same run (same commit, date and device: measured in the same process, side by side) is
+    preferred; failing that, the latest cuDNN row of the shape, and ``same run`` is False."""
+    cudnn_rows = [r for r in rows if r["mode"] == "time" and r["provider"] == "sdpa-cudnn" and r["status"] == "ok"
+                  and r.get("ms_p50")]
+    same: dict[tuple, dict] = {}
+    latest: dict[str, dict] = {}
+    for r in sorted(cudnn_rows, key=lambda r: r.get("date") or ""):
+        same[(r["shape"], *_run_key(r))] = r
+        latest[r["shape"]] = r
+    out = {}
+    for r in rows:
+        if r["mode"] != "time" or not r.get("ms_p50"):
+            continue
+        ref = same.get((r["shape"], *_run_key(r)))
+        if ref is not None:
+            out[id(r)] = (ref["ms_p50"] / r["ms_p50"], ref, True)
+        elif r["shape"] in latest:
+            ref = latest[r["shape"]]
+            out[id(r)] = (ref["ms_p50"] / r["ms_p50"], ref, False)
+    return out
+
+
+def target_for(row: dict) -> tuple[float, str] | None:
+    """The speed target vs cuDNN SDPA that applies to a timed seed-shape row: ``(minimum ratio, why)``.
+
+    * kvbound compressed, default config (r8b4), N = 65536: >= 1.3x;
+    * residual-free low rank (lowrank-r8), N = 65536: >= 1.5x at d = 64, >= 2.0x at d = 128;
+    * kvbound dense, and both of the above, N >= 16384: >= 1.0x (no regression against cuDNN).
+
+    Other rows (N = 4096, the quantisation-only ablation, sweep configs, model shapes) have none."""
+    if row.get("family") != "seed" or row["mode"] != "time":
+        return None
+    n, d = row.get("q_len") or 0, row.get("head_dim_qk") or 0
+    provider, config = row["provider"], row.get("config") or ""
+    if provider == COMPRESSED and config == DEFAULT_CONFIG and n == 65536:
+        return 1.3, "compressed default >= 1.3x at N = 65536"
+    if provider == COMPRESSED and config == "lowrank-r8" and n == 65536:
+        need = 1.5 if d <= 64 else 2.0
+        return need, f"residual-free low rank >= {need:.1f}x at N = 65536, d = {d}"
+    if n >= 16384 and (provider == "kvbound-dense" or (provider == COMPRESSED and config in (DEFAULT_CONFIG,
+                                                                                                "lowrank-r8"))):
+        return 1.0, "no regression: >= 1.0x at N >= 16384"
+    return None
+
+
+TARGET_PROVIDERS = ((COMPRESSED, "r8b4"), (COMPRESSED, "lowrank-r8"), (COMPRESSED, "quant-r0b4"),
+                    ("kvbound-dense", ""))
+
+
+def _verdict(r: dict, ratio: float | None, target: tuple[float, str] | None) -> str:
+    if r["status"] != "ok":
+        return f"{r['status']}" + (" (target not shown to be met)" if target else "")
+    if target is None:
+        return "-"
+    if ratio is None:
+        return "no cuDNN row"
+    return "met" if ratio >= target[0] else f"MISSED ({ratio / target[0]:.0%} of the target)"
+
+
+def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Every kvbound row on the seed shapes (default configs and dense) against cuDNN SDPA of the same run, with
+    its error next to its speed and the target that applies."""
+    headers = ["shape", "provider", "config", "status", "p50 ms", "cuDNN p50 ms", "vs cuDNN", "vs cuDNN (p80..p20)",
+               "rel err", "err vs dense ref", "zero tiles", "target", "verdict"]
+    timed = list(index_rows(rows, "time").values())
+    ratios = cudnn_ratios(timed)
+    table = []
+    order = {key: i for i, key in enumerate(TARGET_PROVIDERS)}
+    mine = [r for r in timed if r.get("family") == "seed" and (r["provider"], r.get("config") or "") in order]
+    mine.sort(key=lambda r: (r.get("head_dim_qk") or 0, r.get("q_len") or 0,
+                             order[(r["provider"], r.get("config") or "")]))
+    for r in mine:
+        found = ratios.get(id(r))
+        ratio = found[0] if found else None
+        cudnn_ms = found[1]["ms_p50"] if found else None
+        spread = "-"
+        if found and r.get("ms_p20") and r.get("ms_p80"):
+            spread = f"{cudnn_ms / r['ms_p80']:.2f}..{cudnn_ms / r['ms_p20']:.2f}"
+        target = target_for(r)
+        table.append([
+            r["shape"], r["provider"], r.get("config") or "", r["status"], _f(r.get("ms_p50"), ".4g"),
+            _f(cudnn_ms, ".4g") + ("" if not found or found[2] else " (other run)"),
+            "-" if ratio is None else f"{ratio:.2f}x", spread, _f(r.get("err_rel"), ".2e"),
+            _f(r.get("err_vs_dense_rel"), ".2e"), _f(r.get("zero_residual_share"), ".0%"),
+            "-" if target is None else f">= {target[0]:.1f}x ({target[1]})", _verdict(r, ratio, target)])
+    return headers, table
+
+
+def targets_summary(rows: list[dict]) -> str:
+    """One sentence: how many targets were met, and which were missed or not measured."""
+    timed = list(index_rows(rows, "time").values())
+    ratios = cudnn_ratios(timed)
+    met, missed = [], []
+    for r in timed:
+        target = target_for(r)
+        if target is None:
+            continue
+        found = ratios.get(id(r))
+        label = f"{r['shape']} {r['provider']}{'[' + r['config'] + ']' if r.get('config') else ''}"
+        if r["status"] == "ok" and found and found[0] >= target[0]:
+            met.append(label)
+        else:
+            have = f"{found[0]:.2f}x" if found else "no ratio"
+            missed.append(f"{label}: {have} < {target[0]:.1f}x" if r["status"] == "ok"
+                          else f"{label}: {r['status']}")
+    present = {(r["shape"], r["provider"], r.get("config") or "") for r in timed}
+    absent = []
+    for r in _shapes(timed, "seed"):
+        if (r.get("q_len") or 0) < 16384:
+            continue
+        for provider, config in ((COMPRESSED, DEFAULT_CONFIG), (COMPRESSED, "lowrank-r8"), ("kvbound-dense", "")):
+            if (r["shape"], provider, config) not in present:
+                absent.append(f"{r['shape']} {provider}{'[' + config + ']' if config else ''}")
+    if not met and not missed and not absent:
+        return "No timed seed-shape rows: no target can be judged.\n"
+    text = f"**{len(met)} of {len(met) + len(missed) + len(absent)} speed targets met.**"
+    if missed:
+        text += " Missed: " + "; ".join(missed) + "."
+    if absent:
+        text += " Not measured (counted as not met): " + "; ".join(absent) + "."
+    return text + "\n"
+
+
+def traffic_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Nsight Compute bytes of every profiled provider call (``mode = ncu``), beside the formula's bytes."""
+    headers = ["shape", "provider", "config", "status", "DRAM read", "DRAM write", "DRAM total", "L2->SM read",
+               "SM->L2 write", "formula bytes", "DRAM / formula", "kernels"]
+    latest = latest_rows(rows, "ncu", ("provider", "config", "shape"))
+    latest.sort(key=lambda r: (r.get("family") or "", r.get("head_dim_qk") or 0, r.get("q_len") or 0))
+    table = []
+    for r in latest:
+        dram = _dram(r)
+        formula = r.get("bytes_moved")
+        table.append([
+            r["shape"], r["provider"], r.get("config") or "", r["status"], format_bytes(r.get("dram_read_bytes")),
+            format_bytes(r.get("dram_write_bytes")), format_bytes(dram), format_bytes(r.get("l2_read_bytes")),
+            format_bytes(r.get("l2_write_bytes")), format_bytes(formula),
+            "-" if not dram or not formula else f"{dram / formula:.2f}", _f(r.get("ncu_kernels"), ".0f")])
+    return headers, table
 
 
 def _shapes(rows: list[dict], family: str | None = None) -> list[dict]:
@@ -81,7 +247,7 @@ def data_movement_table(rows: list[dict], config: str = DEFAULT_CONFIG) -> tuple
     """Attention data movement, dense vs compressed, per seed shape (N = 4096, 16384, 65536 and both d)."""
     timed, profiled = index_rows(rows, "time"), index_rows(rows, "ncu")
     headers = ["N", "d", "K+V dense", "K+V kvbound", "K+V ratio", "Q+K+V+O cuDNN", "Q+K+V+O kvbound",
-               "formula ratio", "DRAM cuDNN (ncu)", "DRAM kvbound (ncu)", "measured ratio"]
+               "formula ratio", "DRAM cuDNN (ncu)", "DRAM kvbound (ncu)", "measured ratio", "seed claim"]
     table = []
     for shape in _shapes(rows, "seed"):
         name = shape["shape"]
@@ -98,6 +264,7 @@ def data_movement_table(rows: list[dict], config: str = DEFAULT_CONFIG) -> tuple
             format_bytes(comp["bytes_moved"] if comp else None),
             _ratio(cudnn["bytes_moved"] if cudnn else None, comp["bytes_moved"] if comp else None),
             format_bytes(_dram(cudnn_ncu)), format_bytes(_dram(comp_ncu)), _ratio(_dram(cudnn_ncu), _dram(comp_ncu)),
+            f"{SEED_TRAFFIC_CLAIMS[shape['q_len']]:.1f}x" if shape["q_len"] in SEED_TRAFFIC_CLAIMS else "-",
         ])
     return headers, table
 
@@ -105,8 +272,10 @@ def data_movement_table(rows: list[dict], config: str = DEFAULT_CONFIG) -> tuple
 def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[str], list[list[str]]]:
     timed, profiled = index_rows(rows, "time"), index_rows(rows, "ncu")
     headers = ["shape", "config", "rank", "bits", "tau", "K/V ratio", "zero tiles", "err vs dense ref",
-               "p50 ms", "vs kvbound-dense", "vs cuDNN", "DRAM (ncu)"]
+               "p50 ms", "vs kvbound-dense", "vs cuDNN", "DRAM (ncu)", "traffic ratio (formula)",
+               "seed claim"]
     table = []
+    same_run = cudnn_ratios(list(timed.values()))
     for shape in _shapes(rows, family):
         name = shape["shape"]
         dense = _ok(timed.get(("kvbound-dense", "", name)))
@@ -117,7 +286,7 @@ def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[
                 continue
             if r["status"] not in ("ok", "check_failed"):
                 table.append([name, title, str(r.get("rank") or "-"), str(r.get("bits") or "-"), "-", "-", "-", "-",
-                              r["status"], (r.get("reason") or "")[:60], "-", "-"])
+                              r["status"], (r.get("reason") or "")[:60], "-", "-", "-", _claim(label)])
                 continue
             ms = r.get("ms_p50")
             table.append([
@@ -126,10 +295,16 @@ def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[
                 "-" if r.get("zero_residual_share") is None else f"{r['zero_residual_share']:.0%}",
                 "-" if r.get("err_vs_dense_rel") is None else f"{r['err_vs_dense_rel']:.2e}",
                 "-" if ms is None else f"{ms:.4g}" + ("" if r["status"] == "ok" else " (check failed)"),
-                _ratio(dense["ms_p50"] if dense else None, ms), _ratio(cudnn["ms_p50"] if cudnn else None, ms),
+                _ratio(dense["ms_p50"] if dense else None, ms),
+                "-" if id(r) not in same_run else f"{same_run[id(r)][0]:.2f}x",
                 format_bytes(_dram(profiled.get((COMPRESSED, label, name)))),
+                _ratio(cudnn["bytes_moved"] if cudnn else None, r.get("bytes_moved")), _claim(label),
             ])
     return headers, table
+
+
+def _claim(label: str) -> str:
+    return f"{SEED_CONFIG_CLAIMS[label]:.1f}x" if label in SEED_CONFIG_CLAIMS else "-"
 
 
 def ablation_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -172,8 +347,9 @@ def overhead_table(rows: list[dict], config: str = DEFAULT_CONFIG, block_m: int 
 
 def calibration_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """``kvbound.calibrate`` over all layers of one model (the attention suite's ``calibrate`` rows)."""
-    headers = ["model", "seconds per model load", "what was calibrated", "device"]
-    table = [[r["shape"], f"{r['ms_p50'] / 1e3:.3f}", r.get("note") or "", r.get("gpu") or ""]
+    headers = ["model", "seconds per model load", "what was calibrated", "device", "seed claim"]
+    table = [[r["shape"], f"{r['ms_p50'] / 1e3:.3f}", r.get("note") or "", r.get("gpu") or "",
+              f"{SEED_CALIBRATION_S:g} s"]
              for r in rows if r["mode"] == "calibrate" and r["status"] == "ok" and r.get("suite") != "encoder"]
     return headers, table
 
@@ -349,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for path in args.csv for r in read_rows(path)]
     console = Console(width=None if sys.stdout.isatty() else 200)
     for title, (headers, body) in (
+        ("speed targets vs cuDNN SDPA", targets_table(rows)),
+        ("measured traffic (Nsight Compute)", traffic_table(rows)),
         ("attention data movement", data_movement_table(rows)),
         ("ablation", ablation_table(rows)),
         ("(rank, bits) sweep", sweep_table(rows)),

@@ -312,17 +312,337 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--calibration-windows", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--codec-impl", default="eager", help="encoder passed to kvbound.compress_kv(impl=...)")
+    parser.add_argument(
+        "--codec-impl",
+        default="auto",
+        help="encoder: eager, triton, or auto (triton on CUDA with a calibrated basis and rank >= 1, else eager)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget: work runs in order of importance (exact, default, floor, ablations, layers, "
+        "sweeps, scaling) and what would not fit is skipped and listed in eval_run.json",
+    )
+    parser.add_argument("--layer-windows", type=int, default=4, help="windows for the per-layer logit table")
+    parser.add_argument(
+        "--scaling",
+        type=lambda text: tuple(int(x) for x in text.split(",") if x),
+        default=(1, 2, 4),
+        help="window multiples of the training window for the context-length table (empty: none)",
+    )
+    parser.add_argument("--scaling-windows", type=int, default=8)
+    parser.add_argument("--scaling-variants", type=int, default=120)
     return parser
+
+
+@dataclass
+class _ModelContext:
+    """Everything one model's settings share: windows, targets, variants, calibration inputs, bases."""
+
+    loaded: LoadedModel
+    starts: np.ndarray
+    targets: np.ndarray
+    tss_index: np.ndarray
+    variants: list[Variant]
+    strata: list[str]
+    calibration_inputs: list[torch.Tensor]
+    bases_by_rank: dict
+    done: dict
+    exact: dict | None = None
+    exact_seconds: float = float("nan")
+    codec_seconds: float = float("nan")
+
+
+def _prepare(loaded: LoadedModel, benchmark: Benchmark, args, device) -> _ModelContext:
+    config = loaded.model.config
+    size = benchmark.config.bin_size
+    test = split_intervals(benchmark.config, benchmark.data.length, "test")
+    train = split_intervals(benchmark.config, benchmark.data.length, "train")
+    starts = window_starts(benchmark.simulation, test, config.window_bins, stride_bins=config.target_bins)
+    if len(starts) > args.windows:
+        starts = starts[np.linspace(0, len(starts) - 1, args.windows).astype(np.int64)]
+    normalized = loaded.normalizer.normalize(benchmark.simulation.tracks)
+    crop = (config.window_bins - config.target_bins) // 2
+    targets = np.stack([normalized[:, s + crop : s + crop + config.target_bins].T for s in starts])
+    flat_bins = (starts[:, None] + crop + np.arange(config.target_bins)[None]).reshape(-1)
+    tss_bins = np.unique([g.tss // size for g in benchmark.data.genes])
+    tss_index = np.flatnonzero(np.isin(flat_bins, tss_bins))
+    variants = _variants(args, benchmark, config.window_bins)
+    # strata as generated: the last one is cut at the reach of this model's window (e.g. "50-98kb")
+    strata = list(dict.fromkeys(v.stratum for v in sorted(variants, key=lambda v: v.distance)))
+    calibration_starts = window_starts(benchmark.simulation, train, config.window_bins, stride_bins=config.window_bins)
+    pick = np.linspace(0, len(calibration_starts) - 1, min(args.calibration_windows, len(calibration_starts)))
+    calibration_inputs = [
+        make_batch(
+            benchmark.data.codes,
+            None,
+            calibration_starts[[i]],
+            config.window_bins,
+            config.target_bins,
+            size,
+            device=device,
+        )[0]
+        for i in pick.astype(np.int64)
+    ]
+    return _ModelContext(loaded, starts, targets, tss_index, variants, strata, calibration_inputs, {}, {})
+
+
+def _bases(context: _ModelContext, rank: int, block_size: int, args) -> dict:
+    from kvbound.config import CompressionConfig
+
+    if args.basis != "calibrated" or rank == 0:
+        return {}
+    if rank not in context.bases_by_rank:
+        calibration = CompressionConfig(block_size=block_size, rank=rank)
+        context.bases_by_rank[rank] = kv_hooks.calibrate_bases(
+            context.loaded.model, context.calibration_inputs, calibration
+        )
+    return context.bases_by_rank[rank]
+
+
+def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, device, autocast) -> tuple[dict, list]:
+    """Run one setting on one model; the quality row and its per-stratum rows."""
+    loaded, model = context.loaded, context.loaded.model
+    variants, strata = context.variants, context.strata
+    key = (setting.method, setting.rank, setting.bits, setting.tau, setting.block_size)
+    if key in context.done:  # e.g. "r8 b4" and "tau 2^-5" are the default config again
+        metrics, stats, seconds = context.done[key]
+    else:
+        bases = {setting.rank: _bases(context, setting.rank, setting.block_size, args)}
+        hook = _hook_for(setting, bases, args.codec_impl)
+        tic = time.perf_counter()
+        if hook is None:
+            run = _run(model, benchmark, context.starts, variants, args, device, autocast)
+        else:
+            with kv_hooks.install(model, hook):
+                run = _run(model, benchmark, context.starts, variants, args, device, autocast)
+        seconds = time.perf_counter() - tic
+        metrics = _metrics(run, context.targets, context.tss_index, variants, strata)
+        stats = hook.stats if hook is not None else None
+        context.done[key] = (metrics, stats, seconds)
+        if setting.method == "codec":
+            context.codec_seconds = max(seconds, 0.0 if math.isnan(context.codec_seconds) else context.codec_seconds)
+    if setting.method == "exact":
+        context.exact, context.exact_seconds = metrics, seconds
+    exact = context.exact
+    row = {
+        "model": loaded.name,
+        "weights": loaded.weights,
+        "data": benchmark.data.source,
+        "group": setting.group,
+        "setting": setting.name,
+        "method": setting.method,
+        "rank": setting.rank,
+        "bits": setting.bits,
+        "tau": setting.tau,
+        "block_size": setting.block_size,
+        "basis": args.basis if setting.rank > 0 else "",
+        "ratio": stats.ratio() if stats else 1.0,
+        "ratio_k": stats.ratio("k") if stats else 1.0,
+        "ratio_v": stats.ratio("v") if stats else 1.0,
+        "max_abs_error_k": stats.max_abs_error["k"] if stats else 0.0,
+        "max_abs_error_v": stats.max_abs_error["v"] if stats else 0.0,
+        "bound_violations": stats.bound_violations if stats else 0,
+        **{
+            f"blocks_{mode}": (stats.mode_shares()[mode] if stats else float("nan"))
+            for mode in ("lowrank", "packed", "promoted", "raw")
+        },
+        "pearson_mean": metrics["pearson_mean"],
+        "pearson_expression": metrics["pearson_expression"],
+        "pearson_expression_tss": metrics["pearson_expression_tss"],
+        "pearson_mean_drop_pct": 100 * (exact["pearson_mean"] - metrics["pearson_mean"]) / abs(exact["pearson_mean"]),
+        "pearson_expression_drop_pct": 100
+        * (exact["pearson_expression"] - metrics["pearson_expression"])
+        / abs(exact["pearson_expression"]),
+        "auroc_all": metrics["auroc_all"],
+        "auroc_drop": exact["auroc_all"] - metrics["auroc_all"],
+        **{f"auroc_{name}": metrics[f"auroc_{name}"] for name in strata},
+        "auroc_vs_random": metrics["auroc_vs_random"],
+        "auroc_vs_motif": metrics["auroc_vs_motif"],
+        "effect_pearson_positives": metrics["effect_pearson_positives"],
+        "windows": len(context.starts),
+        "variants": len(variants),
+        "seconds": round(seconds, 3),
+    }
+    labels = np.array([v.label for v in variants])
+    stratum = np.array([v.stratum for v in variants])
+    stratum_rows = []
+    for name in ["all", *strata]:
+        mask = np.ones(len(variants), bool) if name == "all" else stratum == name
+        value = metrics["auroc_all"] if name == "all" else metrics[f"auroc_{name}"]
+        reference = exact["auroc_all"] if name == "all" else exact[f"auroc_{name}"]
+        stratum_rows.append(
+            {
+                "model": loaded.name,
+                "weights": loaded.weights,
+                "setting": setting.name,
+                "stratum": name,
+                "positives": int(labels[mask].sum()),
+                "negatives": int((1 - labels[mask]).sum()),
+                "auroc": value,
+                "auroc_drop": reference - value,
+            }
+        )
+    return row, stratum_rows
+
+
+def _default_config(block_size: int):
+    from kvbound.config import CompressionConfig
+
+    return CompressionConfig(block_size=block_size)
+
+
+def _layer_rows(context: _ModelContext, benchmark, args, device, autocast) -> list[dict]:
+    """Item (b): per attention layer, max ||q||_1, the Hoelder bound ||q||_1 * tau on the logit change from
+    compressed K, and the measured maximum logit change (default config, held-out windows)."""
+    model, config = context.loaded.model, context.loaded.model.config
+    default = _default_config(args.block_size)
+    hook = kv_hooks.CompressedKVHook(
+        default, _bases(context, default.rank, default.block_size, args), strict=False, impl=args.codec_impl
+    )
+    probe = kv_hooks.LogitProbe(hook, config.kind)
+    starts = context.starts[: args.layer_windows]
+    size = benchmark.config.bin_size
+    with kv_hooks.install(model, probe.kv_hook, probe.attention_fn(model)):
+        for start in starts:
+            inputs, _ = make_batch(
+                benchmark.data.codes,
+                None,
+                np.array([start]),
+                config.window_bins,
+                config.target_bins,
+                size,
+                device=device,
+            )
+            with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                model(inputs)
+    rows = []
+    for layer, record in sorted(probe.records.items()):
+        rows.append(
+            {
+                "model": context.loaded.name,
+                "weights": context.loaded.weights,
+                "layer": layer,
+                "rank": default.rank,
+                "bits": default.bits,
+                "tau": default.tau,
+                "softmax_scale": record["softmax_scale"],
+                "max_q_l1": record["max_q_l1"],
+                "max_abs_error_k": record["max_abs_error_k"],
+                "logit_bound_tau": record["max_q_l1"] * default.tau,
+                "logit_bound_measured_k": record["max_q_l1"] * record["max_abs_error_k"],
+                "max_logit_error": record["max_logit_error"],
+                "bound_used_pct": 100 * record["max_logit_error"] / (record["max_q_l1"] * default.tau),
+                "bound_violations": record["violations"],
+                "windows": len(starts),
+            }
+        )
+    return rows
+
+
+def _scaling_rows(context: _ModelContext, benchmark, args, device, autocast, budget_left) -> tuple[list, list]:
+    """Item (a): exact vs the default config as the input window grows (the trained weights at 1x, 2x, 4x
+    the training window; predictions on all but the same edge margin)."""
+    from dataclasses import replace
+
+    loaded = context.loaded
+    base = loaded.model.config
+    margin = base.window_bins - base.target_bins
+    default = _default_config(args.block_size)
+    test = split_intervals(benchmark.config, benchmark.data.length, "test")
+    size = benchmark.config.bin_size
+    rows, skipped = [], []
+    variants = context.variants
+    if args.scaling_variants and len(variants) > args.scaling_variants:
+        genes = list(dict.fromkeys(v.gene for v in variants))
+        kept = set(genes[:: math.ceil(len(variants) / args.scaling_variants)])
+        variants = [v for v in variants if v.gene in kept]
+    for factor in args.scaling:
+        window = base.window_bins * factor
+        config = replace(base, window_bins=window, target_bins=window - margin)
+        starts = window_starts(benchmark.simulation, test, window, stride_bins=config.target_bins)
+        if len(starts) == 0:
+            skipped.append(f"{loaded.name} scaling x{factor}: no {window}-bin window fits the test split")
+            continue
+        estimate = 2.5 * context.exact_seconds * factor**1.5 * len(variants) / max(1, len(context.variants))
+        if budget_left() < estimate:
+            skipped.append(f"{loaded.name} scaling x{factor}: time budget (needs about {estimate:.0f} s)")
+            continue
+        starts = starts[np.linspace(0, len(starts) - 1, min(args.scaling_windows, len(starts))).astype(np.int64)]
+        model = build_model(config).to(device).eval()
+        model.load_state_dict(loaded.model.state_dict())
+        normalized = loaded.normalizer.normalize(benchmark.simulation.tracks)
+        crop = margin // 2
+        targets = np.stack([normalized[:, s + crop : s + crop + config.target_bins].T for s in starts])
+        tss_bins = np.unique([g.tss // size for g in benchmark.data.genes])
+        flat_bins = (starts[:, None] + crop + np.arange(config.target_bins)[None]).reshape(-1)
+        tss_index = np.flatnonzero(np.isin(flat_bins, tss_bins))
+        bases = {}
+        if args.basis == "calibrated":
+            calibration = [
+                make_batch(benchmark.data.codes, None, starts[[0]], window, config.target_bins, size, device=device)[0]
+            ]
+            bases = kv_hooks.calibrate_bases(model, calibration, default)
+        results = {}
+        for name in ("exact", "default"):
+            hook = (
+                None
+                if name == "exact"
+                else kv_hooks.CompressedKVHook(default, bases, strict=False, impl=args.codec_impl)
+            )
+            tic = time.perf_counter()
+            if hook is None:
+                run = _run(model, benchmark, starts, variants, args, device, autocast)
+            else:
+                with kv_hooks.install(model, hook):
+                    run = _run(model, benchmark, starts, variants, args, device, autocast)
+            results[name] = (
+                run,
+                _metrics(run, targets, tss_index, variants, context.strata),
+                hook,
+                time.perf_counter() - tic,
+            )
+        (run_e, exact, _, _), (run_c, compressed, hook, seconds) = results["exact"], results["default"]
+        rows.append(
+            {
+                "model": loaded.name,
+                "weights": loaded.weights,
+                "scale": factor,
+                "window_bins": window,
+                "window_bp": window * size,
+                "target_bins": config.target_bins,
+                "tau": default.tau,
+                "ratio": hook.stats.ratio(),
+                "bound_violations": hook.stats.bound_violations,
+                "pearson_mean_exact": exact["pearson_mean"],
+                "pearson_mean_default": compressed["pearson_mean"],
+                "pearson_mean_drop_pct": 100
+                * (exact["pearson_mean"] - compressed["pearson_mean"])
+                / abs(exact["pearson_mean"]),
+                "pearson_expression_drop_pct": 100
+                * (exact["pearson_expression"] - compressed["pearson_expression"])
+                / abs(exact["pearson_expression"]),
+                "auroc_exact": exact["auroc_all"],
+                "auroc_default": compressed["auroc_all"],
+                "auroc_drop": exact["auroc_all"] - compressed["auroc_all"],
+                "max_abs_prediction_change": float(np.abs(run_c["predictions"] - run_e["predictions"]).max()),
+                "windows": len(starts),
+                "variants": len(variants),
+                "seconds": round(seconds, 3),
+            }
+        )
+        del model
+    return rows, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rich.console import Console
-    from rich.progress import Progress
 
+    started = time.perf_counter()
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
     device = torch.device(args.device)
     autocast = device.type == "cuda"
@@ -340,149 +660,65 @@ def main(argv: list[str] | None = None) -> int:
     if args.settings != "all":
         groups = {group.strip() for group in args.settings.split(",")}
         settings = [s for s in settings if s.group in groups or s.method == "exact"]
+    budget = args.time_budget_s
 
-    size = benchmark.config.bin_size
-    test = split_intervals(benchmark.config, benchmark.data.length, "test")
-    train = split_intervals(benchmark.config, benchmark.data.length, "train")
+    def budget_left() -> float:
+        return math.inf if budget is None else budget - (time.perf_counter() - started)
+
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, stratum_rows, runs_meta = [], [], {}
-    started = time.perf_counter()
-    for loaded in models:
-        model, config = loaded.model, loaded.model.config
-        starts = window_starts(benchmark.simulation, test, config.window_bins, stride_bins=config.target_bins)
-        if len(starts) > args.windows:
-            starts = starts[np.linspace(0, len(starts) - 1, args.windows).astype(np.int64)]
-        normalized = loaded.normalizer.normalize(benchmark.simulation.tracks)
-        crop = (config.window_bins - config.target_bins) // 2
-        targets = np.stack([normalized[:, s + crop : s + crop + config.target_bins].T for s in starts])
-        flat_bins = (starts[:, None] + crop + np.arange(config.target_bins)[None]).reshape(-1)
-        tss_bins = np.unique([g.tss // size for g in benchmark.data.genes])
-        tss_index = np.flatnonzero(np.isin(flat_bins, tss_bins))
-        variants = _variants(args, benchmark, config.window_bins)
-        # strata as generated: the last one is cut at the reach of this model's window (e.g. "50-98kb")
-        strata = list(dict.fromkeys(v.stratum for v in sorted(variants, key=lambda v: v.distance)))
-        if loaded.name == models[0].name:
-            write_variants(variants, args.out / "variants.csv")
-        calibration_starts = window_starts(
-            benchmark.simulation, train, config.window_bins, stride_bins=config.window_bins
-        )
-        pick = np.linspace(0, len(calibration_starts) - 1, min(args.calibration_windows, len(calibration_starts)))
-        calibration_inputs = [
-            make_batch(
-                benchmark.data.codes,
-                None,
-                calibration_starts[[i]],
-                config.window_bins,
-                config.target_bins,
-                size,
-                device=device,
-            )[0]
-            for i in pick.astype(np.int64)
-        ]
-        model_settings = settings if config.attention else [s for s in settings if s.method == "exact"]
-        head_dims = (config.key_dim, config.value_dim)
-        exact = None
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task(f"{loaded.name}", total=len(model_settings))
-            bases_by_rank: dict[int, dict] = {}
-            done: dict[tuple, tuple] = {}
-            for setting in model_settings:
+    contexts = [_prepare(loaded, benchmark, args, device) for loaded in models]
+    if contexts:
+        write_variants(contexts[0].variants, args.out / "variants.csv")
+    # Work in order of importance, so that a time budget cuts the sweeps, not the headline numbers.
+    stages: list[tuple[str, list]] = [("exact", [s for s in settings if s.method == "exact"])]
+    for group in ("default", "floor", "ablation", "layers", "sweep_rank_bits", "sweep_tau", "scaling"):
+        stages.append((group, [s for s in settings if s.group == group]))
+    rows_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
+    stratum_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
+    layer_rows, scaling_rows, skipped = [], [], []
+    for group, chosen in stages:
+        for context in contexts:
+            config = context.loaded.model.config
+            if group != "exact" and not config.attention:
+                continue
+            name = context.loaded.name
+            if group == "layers":
+                if args.layer_windows > 0 and "default" in {s.group for s in settings}:
+                    if budget_left() < 2 * context.codec_seconds:
+                        skipped.append(f"{name} layers: time budget")
+                        continue
+                    layer_rows += _layer_rows(context, benchmark, args, device, autocast)
+                continue
+            if group == "scaling":
+                if args.scaling and "default" in {s.group for s in settings}:
+                    new_rows, new_skipped = _scaling_rows(context, benchmark, args, device, autocast, budget_left)
+                    scaling_rows += new_rows
+                    skipped += new_skipped
+                continue
+            for setting in chosen:
+                head_dims = (config.key_dim, config.value_dim)
                 if setting.method in ("codec", "lowrank_only") and setting.rank >= min(head_dims):
-                    console.print(f"{loaded.name}: skipping {setting.name} (rank >= head dim {min(head_dims)})")
-                    bar.advance(task)
+                    console.print(f"{name}: skipping {setting.name} (rank >= head dim {min(head_dims)})")
                     continue
-                if args.basis == "calibrated" and setting.rank > 0 and setting.rank not in bases_by_rank:
-                    from kvbound.config import CompressionConfig
-
-                    calibration = CompressionConfig(block_size=setting.block_size, rank=setting.rank)
-                    bases_by_rank[setting.rank] = kv_hooks.calibrate_bases(model, calibration_inputs, calibration)
                 key = (setting.method, setting.rank, setting.bits, setting.tau, setting.block_size)
-                if key in done:  # e.g. "r8 b4" and "tau 2^-5" are the default config again
-                    metrics, stats, seconds = done[key]
-                else:
-                    hook = _hook_for(setting, bases_by_rank, args.codec_impl)
-                    tic = time.perf_counter()
-                    if hook is None:
-                        run = _run(model, benchmark, starts, variants, args, device, autocast)
-                    else:
-                        with kv_hooks.install(model, hook):
-                            run = _run(model, benchmark, starts, variants, args, device, autocast)
-                    seconds = time.perf_counter() - tic
-                    metrics = _metrics(run, targets, tss_index, variants, strata)
-                    stats = hook.stats if hook is not None else None
-                    done[key] = (metrics, stats, seconds)
-                if setting.method == "exact":
-                    exact = metrics
-                row = {
-                    "model": loaded.name,
-                    "weights": loaded.weights,
-                    "data": benchmark.data.source,
-                    "group": setting.group,
-                    "setting": setting.name,
-                    "method": setting.method,
-                    "rank": setting.rank,
-                    "bits": setting.bits,
-                    "tau": setting.tau,
-                    "block_size": setting.block_size,
-                    "basis": args.basis if setting.rank > 0 else "",
-                    "ratio": stats.ratio() if stats else 1.0,
-                    "ratio_k": stats.ratio("k") if stats else 1.0,
-                    "ratio_v": stats.ratio("v") if stats else 1.0,
-                    "max_abs_error_k": stats.max_abs_error["k"] if stats else 0.0,
-                    "max_abs_error_v": stats.max_abs_error["v"] if stats else 0.0,
-                    "bound_violations": stats.bound_violations if stats else 0,
-                    **{
-                        f"blocks_{mode}": (stats.mode_shares()[mode] if stats else float("nan"))
-                        for mode in ("lowrank", "packed", "promoted", "raw")
-                    },
-                    "pearson_mean": metrics["pearson_mean"],
-                    "pearson_expression": metrics["pearson_expression"],
-                    "pearson_expression_tss": metrics["pearson_expression_tss"],
-                    "pearson_mean_drop_pct": 100
-                    * (exact["pearson_mean"] - metrics["pearson_mean"])
-                    / abs(exact["pearson_mean"]),
-                    "pearson_expression_drop_pct": 100
-                    * (exact["pearson_expression"] - metrics["pearson_expression"])
-                    / abs(exact["pearson_expression"]),
-                    "auroc_all": metrics["auroc_all"],
-                    "auroc_drop": exact["auroc_all"] - metrics["auroc_all"],
-                    **{f"auroc_{name}": metrics[f"auroc_{name}"] for name in strata},
-                    "auroc_vs_random": metrics["auroc_vs_random"],
-                    "auroc_vs_motif": metrics["auroc_vs_motif"],
-                    "effect_pearson_positives": metrics["effect_pearson_positives"],
-                    "windows": len(starts),
-                    "variants": len(variants),
-                    "seconds": round(seconds, 3),
-                }
-                rows.append(row)
-                labels = np.array([v.label for v in variants])
-                stratum = np.array([v.stratum for v in variants])
-                for name in ["all", *strata]:
-                    mask = np.ones(len(variants), bool) if name == "all" else stratum == name
-                    value = metrics["auroc_all"] if name == "all" else metrics[f"auroc_{name}"]
-                    reference = exact["auroc_all"] if name == "all" else exact[f"auroc_{name}"]
-                    stratum_rows.append(
-                        {
-                            "model": loaded.name,
-                            "weights": loaded.weights,
-                            "setting": setting.name,
-                            "stratum": name,
-                            "positives": int(labels[mask].sum()),
-                            "negatives": int((1 - labels[mask]).sum()),
-                            "auroc": value,
-                            "auroc_drop": reference - value,
-                        }
-                    )
-                bar.advance(task)
-        runs_meta[loaded.name] = {
-            "weights": loaded.weights,
-            "model_config": config.as_dict(),
-            "windows": len(starts),
-            "variants": len(variants),
-            "tss_bins_in_windows": int(tss_index.size),
-        }
+                if setting.method != "exact" and key not in context.done:
+                    cost = context.codec_seconds if not math.isnan(context.codec_seconds) else 3 * context.exact_seconds
+                    if budget_left() < 1.2 * cost:
+                        skipped.append(f"{name} {setting.name}: time budget")
+                        continue
+                row, stratum_rows = _setting_rows(context, setting, benchmark, args, device, autocast)
+                rows_by_model[name].append(row)
+                stratum_by_model[name] += stratum_rows
+                console.print(
+                    f"{name}: {setting.name}: ratio {row['ratio']:.2f}, dPearson {row['pearson_mean_drop_pct']:+.3f}%, "
+                    f"dAUROC {row['auroc_drop']:+.4f} ({row['seconds']:.1f} s; {budget_left():.0f} s left)"
+                )
+    rows = [row for context in contexts for row in rows_by_model[context.loaded.name]]
+    stratum_rows = [row for context in contexts for row in stratum_by_model[context.loaded.name]]
     _write_csv(args.out / "quality.csv", rows)
     _write_csv(args.out / "quality_by_stratum.csv", stratum_rows)
+    _write_csv(args.out / "layers.csv", layer_rows)
+    _write_csv(args.out / "scaling.csv", scaling_rows)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _git_commit(),
@@ -491,12 +727,27 @@ def main(argv: list[str] | None = None) -> int:
         "data": benchmark.data.source,
         "simulator_fingerprint": benchmark.simulator.fingerprint(),
         "basis": args.basis,
+        "codec_impl": args.codec_impl,
         "seconds": round(time.perf_counter() - started, 2),
-        "models": runs_meta,
+        "time_budget_s": budget,
+        "skipped": skipped,
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "models": {
+            c.loaded.name: {
+                "weights": c.loaded.weights,
+                "model_config": c.loaded.model.config.as_dict(),
+                "windows": len(c.starts),
+                "variants": len(c.variants),
+                "tss_bins_in_windows": int(c.tss_index.size),
+            }
+            for c in contexts
+        },
     }
     (args.out / "eval_run.json").write_text(json.dumps(meta, indent=2) + "\n")
     _pareto_plot(rows, args.out / "pareto.png")
     _print_summary(console, rows)
+    for line in skipped:
+        console.print(f"[yellow]skipped[/]: {line}")
     return 0
 
 

@@ -7,6 +7,9 @@
   calibrated per-head basis ``P`` (or a per-block truncated SVD without one). No bound.
 * :class:`RoundingHook`: K and V rounded to bfloat16 only (ratio 1): the floor every setting shares.
 * :class:`RecordingHook`: keeps K and V per layer (for :func:`calibrate_bases`).
+* :class:`LogitProbe`: wraps a :class:`CompressedKVHook` and the attention function to measure, per layer,
+  the largest query 1-norm and the largest change of a logit caused by the compressed K, next to the Hoelder
+  bound ``|q . (k - k_hat)| <= ||q||_1 * max |k - k_hat| <= ||q||_1 * tau``.
 
 ``install(model, hook, attention_fn=None)`` sets the hook (and optionally a replacement attention function,
 e.g. a fused kernel with the same signature as the model's eager one) on every attention layer and returns a
@@ -26,6 +29,7 @@ __all__ = [
     "CompressedKVHook",
     "HookHandle",
     "KVStats",
+    "LogitProbe",
     "LowRankOnlyHook",
     "RecordingHook",
     "RoundingHook",
@@ -123,7 +127,11 @@ class CompressedKVHook:
         import kvbound
 
         stored = x.detach().to(STORAGE_DTYPE)
-        compressed = kvbound.compress_kv(stored, self.config, basis=self.bases.get((layer, name)), impl=self.impl)
+        basis = self.bases.get((layer, name))
+        impl = self.impl
+        if impl == "auto":  # the fused encoder where it applies, as kvbound.patch chooses
+            impl = "triton" if stored.is_cuda and basis is not None and self.config.rank > 0 else "eager"
+        compressed = kvbound.compress_kv(stored, self.config, basis=basis, impl=impl)
         restored = compressed.decompress().to(x.device)
         error = float((restored.double() - stored.double()).abs().max().item())
         if not error <= self.config.tau:  # also catches NaN
@@ -226,3 +234,81 @@ def calibrate_bases(model: TrackModel, inputs: list[torch.Tensor], config) -> di
         for batch in inputs:
             model(batch)
     return {key: kvbound.calibrate(samples, config) for key, samples in recorder.samples.items()}
+
+
+class LogitProbe:
+    """Measure what compressed K does to the logits, layer by layer, under ``hook`` (a :class:`CompressedKVHook`).
+
+    Install ``probe.kv_hook`` as the K/V hook and ``probe.attention_fn(model)`` as the attention function. For
+    each call the effective query ``q_eff`` (the vector that multiplies K inside the logits, softmax scale
+    included) is compared, in float64, against the bf16 K the codec stored and the K it returned:
+
+    * Enformer: ``q_eff = q * dk**-0.5 + u`` (the content term; the position term does not involve K);
+    * AlphaGenome: ``q_eff = q * dk**-0.5``; the logit error is measured before the soft-cap, which is
+      1-Lipschitz, so the capped logits move by no more.
+
+    ``records[layer]`` keeps the maxima over all calls: ``max_q_l1`` (``max ||q_eff||_1`` over rows),
+    ``max_abs_error_k``, ``max_logit_error`` and ``violations`` (calls whose logit error exceeds
+    ``||q_eff||_1 * tau`` row by row). The model then runs on the compressed K and V, as with ``hook`` alone.
+    """
+
+    def __init__(self, hook: CompressedKVHook, kind: str):
+        if kind not in ("enformer", "alphagenome"):
+            raise ValueError(f"kind: expected 'enformer' or 'alphagenome', got {kind!r}")
+        self.hook = hook
+        self.kind = kind
+        self.records: dict[int, dict] = {}
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    def kv_hook(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_hat, v_hat = self.hook(layer, k, v)
+        self._pending = (layer, k.detach().to(STORAGE_DTYPE))
+        return k_hat, v_hat
+
+    def attention_fn(self, model: TrackModel) -> Callable:
+        layers = [module for module in model.modules() if isinstance(module, _HookedAttention)]
+        if not layers:
+            raise ValueError("model: expected attention layers to probe, found none")
+        original = layers[0].attention_fn
+
+        def probed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest):
+            if self._pending is None:
+                raise RuntimeError("LogitProbe: attention ran without its K/V hook; install probe.kv_hook too")
+            layer, k_stored = self._pending
+            self._pending = None
+            self._measure(layer, q, k_stored, k, rest)
+            return original(q, k, v, *rest)
+
+        return probed
+
+    @torch.no_grad()
+    def _measure(self, layer: int, q: torch.Tensor, k_stored: torch.Tensor, k_hat: torch.Tensor, rest) -> None:
+        dk = q.shape[-1]
+        if self.kind == "enformer":
+            query = q.double() + rest[1].double()[:, None]  # + content bias u  [B, H, N, dk]
+            delta = k_stored.double() - k_hat.double()  # [B, H, N, dk]
+            error = torch.einsum("bhid,bhjd->bhij", query, delta)
+        else:
+            query = q.double() * dk**-0.5
+            delta = (k_stored.double() - k_hat.double())[:, 0]  # one K head: [B, N, dk]
+            error = torch.einsum("bhid,bjd->bhij", query, delta)
+        q_l1 = query.abs().sum(-1)  # [B, H, N]
+        row_error = error.abs().amax(-1)  # [B, H, N]
+        tau = self.hook.config.tau
+        if not bool(torch.isfinite(row_error).all()):
+            raise FloatingPointError(f"layer {layer}: logit error has NaN or Inf")
+        record = self.records.setdefault(
+            layer,
+            {
+                "max_q_l1": 0.0,
+                "max_abs_error_k": 0.0,
+                "max_logit_error": 0.0,
+                "violations": 0,
+                "softmax_scale": dk**-0.5,
+            },
+        )
+        record["max_q_l1"] = max(record["max_q_l1"], float(q_l1.max()))
+        record["max_abs_error_k"] = max(record["max_abs_error_k"], float(delta.abs().max()))
+        record["max_logit_error"] = max(record["max_logit_error"], float(row_error.max()))
+        # the bound holds row by row: |q_i . (k_j - k_hat_j)| <= ||q_i||_1 * tau (tiny slack for float64 sums)
+        record["violations"] += int((row_error > q_l1 * tau * (1 + 1e-12) + 1e-12).any())

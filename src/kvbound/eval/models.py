@@ -412,14 +412,25 @@ def count_parameters(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- files
-def save_model(model: TrackModel, path: str, metadata: dict) -> None:
-    """Write the weights as safetensors; ``metadata`` (JSON-serialisable) travels in the header."""
+def save_model(model: TrackModel, path: str, metadata: dict, *, dtype: torch.dtype | None = None) -> None:
+    """Write the weights as safetensors; ``metadata`` (JSON-serialisable) travels in the header.
+
+    ``dtype``: store floating-point tensors in this dtype (e.g. bfloat16, half the bytes; :func:`load_model`
+    reads them back into the model's float32 parameters).
+    """
     import json
 
     from safetensors.torch import save_file
 
     header = {"model_config": json.dumps(model.config.as_dict()), "kvbound_eval": json.dumps(metadata)}
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
+    header["stored_dtype"] = str(dtype or "as trained").removeprefix("torch.")
+    tensors = {
+        name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
+        .detach()
+        .cpu()
+        .contiguous()
+        for name, tensor in model.state_dict().items()
+    }
     save_file(tensors, path, metadata=header)
 
 

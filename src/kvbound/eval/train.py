@@ -1,11 +1,19 @@
 """Train a compact model on the simulated tracks.
 
     python -m kvbound.eval.train --model enformer|alphagenome [--no-attention] [--size full|toy]
-        [--steps N] [--batch-size B] [--fixture DIR | --cache DIR] [--device cuda] [--seed S]
+        [--steps N] [--time-budget-s S] [--batch-size B] [--fixture DIR | --cache DIR] [--device cuda] [--seed S]
 
-Writes ``eval/weights/<name>.safetensors`` (weights + model config, track names, normalisation and the data
-fingerprint in the header) and ``eval/results/train_<name>.csv`` (one row per logged step) plus
-``train_<name>.json`` (the run's summary). Seeded: the same arguments on the same device give the same run.
+Writes ``eval/weights/<name>.safetensors`` (the weights of the best validation step, stored in bfloat16, the
+dtype the models run in on the GPU; model config, track names, normalisation, data fingerprint, seed, steps
+reached and seconds in the header) and ``eval/results/train_<name>.csv`` (one row per logged step) plus
+``train_<name>.json`` (the run's summary).
+
+``--time-budget-s`` bounds the wall clock of the whole run (data loading included; ``--deadline-unix`` sets
+an absolute end instead, e.g. one deadline shared by several runs): training stops cleanly before it,
+keeping room for the last validation pass and the save, and the summary records the steps reached and ``stopped_by`` ("steps" or "time_budget"). The learning-rate schedule follows whichever
+of step count and elapsed time is further along, so a budgeted run still anneals to its final rate.
+Seeded: the same arguments on the same device give the same run (with a time budget, the same run up to
+the step at which it stops).
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ def evaluate_pearson(model, benchmark, normalized, starts, *, device, autocast) 
 
 
 def train(args: argparse.Namespace) -> dict:
+    clock_started = time.perf_counter()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     device = torch.device(args.device)
@@ -100,10 +109,23 @@ def train(args: argparse.Namespace) -> dict:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
+    budget = args.time_budget_s
+    if args.deadline_unix is not None:  # an absolute deadline (e.g. shared by several runs of one script)
+        left = args.deadline_unix - time.time() + (time.perf_counter() - clock_started)
+        budget = left if budget is None else min(budget, left)
+    loop_started = time.perf_counter()
+    setup_seconds = loop_started - clock_started
+
+    def time_progress() -> float:
+        """Share of the time left after setup that has been used (0 without a budget)."""
+        if budget is None:
+            return 0.0
+        return (time.perf_counter() - loop_started) / max(1e-3, budget - setup_seconds)
+
     def learning_rate(step: int) -> float:
         if step < args.warmup:
             return (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        progress = max((step - args.warmup) / max(1, args.steps - args.warmup), time_progress())
         return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate)
@@ -123,11 +145,34 @@ def train(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "steps": args.steps,
         "batch_size": args.batch_size,
+        "time_budget_s": budget,
         "trained": True,
     }
     best = {"valid_pearson_mean": -math.inf}
+    best_state: dict[str, torch.Tensor] | None = None
     started = time.perf_counter()
+    eval_seconds = 0.0  # the longest validation pass so far: room kept at the end of a budget
+    stopped_by = "steps"
+    steps_done = logged_step = 0
     from rich.progress import Progress
+
+    def log_row(step: int, loss: float) -> list:
+        return [step, loss, scheduler.get_last_lr()[0], round(time.perf_counter() - started, 3), "", ""]
+
+    def validate(row: list) -> None:
+        nonlocal best, best_state, eval_seconds
+        tic = time.perf_counter()
+        model.eval()
+        scores = evaluate_pearson(model, benchmark, normalized, valid_starts, device=device, autocast=autocast)
+        row[4], row[5] = float(np.nanmean(scores)), float(scores[expression])
+        if not row[4] > best["valid_pearson_mean"] and best_state is not None:
+            eval_seconds = max(eval_seconds, time.perf_counter() - tic)
+            return
+        best = {"step": row[0], "valid_pearson_mean": row[4], "valid_pearson_expression": row[5]}
+        best_state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        # saved at once too, so that an interrupted run still leaves its best weights
+        save_model(model, str(weights_path), {**metadata, "best_step": row[0]}, dtype=torch.bfloat16)
+        eval_seconds = max(eval_seconds, time.perf_counter() - tic)
 
     with open(log_path, "w", newline="") as handle, Progress(transient=True) as bar:
         writer = csv.writer(handle)
@@ -151,37 +196,51 @@ def train(args: argparse.Namespace) -> dict:
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
                 prediction = model(inputs)
             loss = torch.nn.functional.mse_loss(prediction.float(), targets)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss: expected a finite value, got {loss.item()} at step {step}")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
-            running += loss.item()
+            running = running + loss.detach()  # read back at log steps only: no host sync per step
             bar.update(task, advance=1)
-            last = step == args.steps - 1
-            if (step + 1) % args.log_every == 0 or last:
-                row = [
-                    step + 1,
-                    running / ((step % args.log_every) + 1),
-                    scheduler.get_last_lr()[0],
-                    round(time.perf_counter() - started, 3),
-                    "",
-                    "",
-                ]
-                running = 0.0
-                if (step + 1) % args.eval_every == 0 or last:
-                    model.eval()
-                    scores = evaluate_pearson(
-                        model, benchmark, normalized, valid_starts, device=device, autocast=autocast
+            steps_done = step + 1
+            if budget is not None and stopped_by == "steps":
+                step_seconds = (time.perf_counter() - started) / steps_done
+                # room for one more step, the closing validation pass and the save
+                if time.perf_counter() - clock_started + step_seconds + 1.5 * eval_seconds + 2.0 > budget:
+                    stopped_by = "time_budget"
+            last = step == args.steps - 1 or stopped_by == "time_budget"
+            if steps_done % args.log_every == 0 or steps_done % args.eval_every == 0 or last:
+                mean_loss = float(running) / (steps_done - logged_step)
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(
+                        f"loss: expected finite values, got a mean of {mean_loss} "
+                        f"over steps {logged_step + 1}..{steps_done}"
                     )
-                    row[4], row[5] = float(np.nanmean(scores)), float(scores[expression])
-                    if row[4] > best["valid_pearson_mean"]:
-                        best = {"step": step + 1, "valid_pearson_mean": row[4], "valid_pearson_expression": row[5]}
-                        save_model(model, str(weights_path), {**metadata, "best_step": step + 1})
+                row = log_row(steps_done, mean_loss)
+                running, logged_step = 0.0, steps_done
+                if steps_done % args.eval_every == 0 or last:
+                    validate(row)
                 writer.writerow(row)
                 handle.flush()
+            if last:
+                break
+    if best_state is None:
+        raise RuntimeError(
+            f"train {name}: the time budget of {budget} s ended before the first training step "
+            f"(setup took {setup_seconds:.1f} s)"
+        )
+    seconds = round(time.perf_counter() - started, 2)
+    final = {
+        **metadata,
+        "best_step": best["step"],
+        "steps_reached": steps_done,
+        "stopped_by": stopped_by,
+        "train_seconds": seconds,
+        "setup_seconds": round(setup_seconds, 2),
+    }
+    model.load_state_dict(best_state)
+    save_model(model, str(weights_path), final, dtype=torch.bfloat16)
     summary = {
         "name": name,
         "weights": str(weights_path),
@@ -189,7 +248,12 @@ def train(args: argparse.Namespace) -> dict:
         "parameters": count_parameters(model),
         "model_config": config.as_dict(),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
-        "seconds": round(time.perf_counter() - started, 2),
+        "seconds": seconds,
+        "setup_seconds": round(setup_seconds, 2),
+        "total_seconds": round(time.perf_counter() - clock_started, 2),
+        "steps_reached": steps_done,
+        "stopped_by": stopped_by,
+        "time_budget_s": budget,
         "train_windows": int(len(train_starts)),
         "valid_windows": int(len(valid_starts)),
         "best": best,
@@ -206,7 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", choices=("full", "toy"), default="full", help="toy: a CPU-sized model")
     parser.add_argument("--window-bins", type=int, default=None, help="input bins (x128 bp); default 1536 (toy 64)")
     parser.add_argument("--target-bins", type=int, default=None, help="central output bins; default 896 (toy 32)")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=3000, help="the most steps (with a budget: a cap)")
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget of the whole run in seconds (data loading included); stops cleanly before it",
+    )
+    parser.add_argument(
+        "--deadline-unix",
+        type=float,
+        default=None,
+        help="stop cleanly before this wall-clock time (seconds since the epoch); combines with --time-budget-s",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
@@ -234,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.warmup >= args.steps:
         args.warmup = max(1, args.steps // 10)
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        raise SystemExit(f"--time-budget-s: expected a positive number of seconds, got {args.time_budget_s}")
     summary = train(args)
-    print(json.dumps({key: summary[key] for key in ("name", "weights", "parameters", "seconds", "best")}, indent=2))
+    keys = ("name", "weights", "parameters", "seconds", "total_seconds", "steps_reached", "stopped_by", "best")
+    print(json.dumps({key: summary[key] for key in keys}, indent=2))
     return 0
 
 

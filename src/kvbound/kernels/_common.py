@@ -185,6 +185,49 @@ def softmax_step(
 
 
 @triton.jit
+def relative_logits_tile(
+    q_position,
+    relative_head,
+    stride_rel_row,
+    stride_rel_d,
+    start_m,
+    start_n,
+    N_Q,
+    N_REL,
+    HEAD_DIM_K: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Relative-position logits ``[BLOCK_M, BLOCK_N]`` (float32) of query rows ``start_m + a`` against keys
+    ``start_n + c``: ``q_position[a] . relative_keys[N_Q - 1 + (start_n + c) - (start_m + a)]`` (Transformer-XL).
+
+    The tile reads only the ``BLOCK_M + BLOCK_N - 1`` relative rows ``m0 .. m0 + BLOCK_M + BLOCK_N - 2``,
+    ``m0 = N_Q - 1 + start_n - start_m - (BLOCK_M - 1)``, as one ``[DK_PAD, WINDOW]`` operand (``WINDOW`` the next
+    power of two; the padding columns and rows outside ``[0, N_REL)`` load as zeros and are only read by padding
+    queries or keys, which the caller never keeps). One product ``table = q_position @ window`` then gives every
+    distance the tile needs, and ``table[a, c - a + BLOCK_M - 1]`` skews it into the tile on chip (``tl.gather``
+    along the window axis). Rows are the query index: one query head per row (no GQA interleave).
+
+    ``q_position``: ``[BLOCK_M, DK_PAD]`` in the operand dtype (``scale q + position_bias``); ``relative_head``:
+    pointer to ``relative_keys[head, 0, 0]``. Used by the dense and the compressed kernels alike."""
+    BLOCK_M: tl.constexpr = q_position.shape[0]
+    WINDOW: tl.constexpr = 2 * BLOCK_M if BLOCK_M >= BLOCK_N else 2 * BLOCK_N  # next power of two >= BM + BN - 1
+    offs_w = tl.arange(0, WINDOW)
+    offs_d = tl.arange(0, DK_PAD)
+    first_row = (N_Q - 1) + start_n - start_m - (BLOCK_M - 1)
+    rel_row = first_row + offs_w
+    row_ok = (offs_w < BLOCK_M + BLOCK_N - 1) & (rel_row >= 0) & (rel_row < N_REL)
+    ptrs = relative_head + (rel_row.to(tl.int64) * stride_rel_row)[None, :] + (offs_d * stride_rel_d)[:, None]
+    window = tl.load(ptrs, mask=row_ok[None, :] & (offs_d < HEAD_DIM_K)[:, None], other=0.0)
+    table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
+    offs_a = tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, BLOCK_N)
+    skew = (BLOCK_M - 1) + offs_c[None, :] - offs_a[:, None]  # in [0, BLOCK_M + BLOCK_N - 2]
+    return tl.gather(table, skew, axis=1)
+
+
+@triton.jit
 def key_loop_bounds(
     row_start, N_Q, N_K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
 ):

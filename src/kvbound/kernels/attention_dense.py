@@ -28,6 +28,7 @@ from kvbound.kernels._common import (
     launch_tuned,
     logit_multipliers,
     next_power_of_2,
+    relative_logits_tile,
     softmax_step,
     tma_ready,
 )
@@ -72,10 +73,19 @@ def _attention_dense_inner(
     USE_TMA: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    q_position,
+    relative_head,
+    stride_rel_row,
+    stride_rel_d,
+    row_start,
+    N_Q,
+    N_REL,
+    RELATIVE: tl.constexpr,
 ):
     """Key tiles ``[lo, hi)``; ``MASK`` selects the masked variant (ragged last tile, causal diagonal).
     With ``USE_TMA`` the K/V tiles come through tensor descriptors (bulk copies that zero-fill rows past
-    ``N_K`` and columns past the head dim, and need no per-element addresses in registers)."""
+    ``N_K`` and columns past the head dim, and need no per-element addresses in registers). With ``RELATIVE``
+    each tile's raw logits start from its relative-position term (``_common.relative_logits_tile``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -96,7 +106,24 @@ def _attention_dense_inner(
                 k = tl.load(k_ptrs, mask=dk_ok[:, None], other=0.0)
             else:
                 k = tl.load(k_ptrs)
-        x = tl.dot(q, k, input_precision=PRECISION)
+        if RELATIVE:
+            relative = relative_logits_tile(
+                q_position,
+                relative_head,
+                stride_rel_row,
+                stride_rel_d,
+                row_start,
+                start_n,
+                N_Q,
+                N_REL,
+                HEAD_DIM_K,
+                DK_PAD,
+                BLOCK_N,
+                PRECISION,
+            )
+            x = tl.dot(q, k, relative, input_precision=PRECISION)
+        else:
+            x = tl.dot(q, k, input_precision=PRECISION)
         p, alpha, running_max, running_sum = softmax_step(
             x,
             row_mult,
@@ -135,6 +162,10 @@ def _attention_dense_inner(
 
 
 # ----------------------------------------------------------------------------------------------- autotune
+# Tile shapes of the relative-position variant only, (BLOCK_M, BLOCK_N, warps, stages): see dense_configs.
+_RELATIVE_SHAPES = frozenset({(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3)})
+
+
 def dense_configs(interpret: bool) -> list[triton.Config]:
     """Tile shapes to search. The interpreter gets one small tile (tests stay fast, several tiles per axis)."""
     if interpret:
@@ -149,7 +180,16 @@ def dense_configs(interpret: bool) -> list[triton.Config]:
         (128, 128, 8, 2),
         (64, 64, 4, 3),
     ]
+    # Relative positions (Enformer, Borzoi) only: the [BLOCK_M, 2 max(BLOCK_M, BLOCK_N)] float32 relative table
+    # next to the [BLOCK_M, 256] accumulator (Dv 192 padded) fits 8 warps at BLOCK_M 64 and spills at every
+    # shape above (sm_90, Triton 3.6, d 64 / dv 192: 64x64 and 64x32 need 244 / 252 registers, no spill; 128x64
+    # spills 1.7 KB at 8 warps; 64x64 at 4 warps 464 B). The prune function keeps each list to its variant.
+    shapes += sorted(_RELATIVE_SHAPES, reverse=True)
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _shape_of(config: triton.Config) -> tuple[int, int, int, int]:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
 def _prune_dense_configs(configs, named_args, **kwargs):
@@ -157,6 +197,9 @@ def _prune_dense_configs(configs, named_args, **kwargs):
     dv_pad = args["DV_PAD"]
     keep = []
     for config in configs:
+        # Each variant gets its own tile list (see dense_configs).
+        if (_shape_of(config) in _RELATIVE_SHAPES) != bool(args["RELATIVE"]):
+            continue
         block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
         # A float32 accumulator of BLOCK_M x DV_PAD over 4 warps spills from 128 x 128 on (Triton 3.6, sm_90).
         if block_m * dv_pad >= 128 * 128 and config.num_warps < 8:
@@ -180,6 +223,7 @@ DENSE_TUNE_KEY = [
     "SOFTCAP",
     "FIXED_MAX",
     "CAUSAL",
+    "RELATIVE",
 ]
 
 
@@ -196,6 +240,9 @@ def _attention_dense_fwd(
     Bias,
     Out,
     Lse,
+    RelKeys,
+    RelContentBias,
+    RelPositionBias,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -216,9 +263,13 @@ def _attention_dense_fwd(
     stride_oh,
     stride_on,
     stride_od,
+    stride_rh,
+    stride_rh_row,
+    stride_rh_d,
     N_Q,
     N_K,
     H_KV,
+    query_scale,
     logit_mult,
     bias_mult,
     softcap_log2,
@@ -235,12 +286,15 @@ def _attention_dense_fwd(
     SOFTCAP: tl.constexpr,
     FIXED_MAX: tl.constexpr,
     CAUSAL: tl.constexpr,
+    RELATIVE: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(DK_PAD >= 16 and DV_PAD >= 16, "tl.dot needs head dims padded to >= 16")
+    if RELATIVE:
+        tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles >= 16")
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -260,6 +314,20 @@ def _attention_dense_fwd(
         mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
         other=0.0,
     )
+    if RELATIVE:
+        # Transformer-XL's two query forms, rounded once to the operand dtype: q_content = scale q + u reads the
+        # keys, q_position = scale q + v the relative keys; the logit scale is already in them (logit_mult).
+        head_bias = kv_head * HEAD_DIM_K + offs_dk
+        bias_ok = offs_dk < HEAD_DIM_K
+        content_bias = tl.load(RelContentBias + head_bias, mask=bias_ok, other=0.0)
+        position_bias = tl.load(RelPositionBias + head_bias, mask=bias_ok, other=0.0)
+        q_scaled = q.to(tl.float32) * query_scale
+        q_position = (q_scaled + position_bias[None, :]).to(q.dtype)
+        q = (q_scaled + content_bias[None, :]).to(q.dtype)
+        relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
+    else:
+        q_position = q  # unused placeholders
+        relative_head = RelKeys
     k_head = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     if USE_TMA:
@@ -323,6 +391,14 @@ def _attention_dense_fwd(
         USE_TMA,
         BIAS_TILE,
         FIXED_MAX,
+        q_position,
+        relative_head,
+        stride_rh_row,
+        stride_rh_d,
+        row_start,
+        N_Q,
+        N_Q + N_K - 1,
+        RELATIVE,
     )
     accumulator, running_sum, running_max = _attention_dense_inner(
         accumulator,
@@ -360,6 +436,14 @@ def _attention_dense_fwd(
         USE_TMA,
         BIAS_TILE,
         FIXED_MAX,
+        q_position,
+        relative_head,
+        stride_rh_row,
+        stride_rh_d,
+        row_start,
+        N_Q,
+        N_Q + N_K - 1,
+        RELATIVE,
     )
 
     # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with a fixed maximum); padding
@@ -397,6 +481,7 @@ def attention_dense_fwd(
     *,
     bias_tile: int = 1,
     fixed_max: bool = True,
+    relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     before_launch: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
@@ -405,6 +490,9 @@ def attention_dense_fwd(
     ``(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] float32)``. ``config`` (``BLOCK_M``, ``BLOCK_N``,
     ``num_warps``, ``num_stages``) bypasses the autotuner (benchmarks use it to time one tile shape).
     ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
+    ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
+    float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``): the logit of ``(i, j)`` becomes
+    ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 + j - i]`` (+ bias).
     ``before_launch``: called once after all host-side preparation, right before the launch (``kvbound.attention``
     reads its input checks there, so that the preparation overlaps the device work queued before it)."""
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -412,9 +500,18 @@ def attention_dense_fwd(
     group = q_heads // kv_heads
     out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
-    logit_mult, bias_mult, softcap_log2 = logit_multipliers(scale, softcap)
+    # With relative positions the scale is applied to q in the kernel, before the two biases.
+    logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
     bias_arg = bias if bias is not None else q
+    if relative is not None:
+        relative_keys, content_bias, position_bias = relative
+        relative_strides = relative_keys.stride()
+    else:
+        # None arguments become constexpr: without relative positions the kernel's signature and code are the
+        # same as a kernel that never had them.
+        relative_keys = content_bias = position_bias = None
+        relative_strides = (None, None, None)
 
     def grid(meta):
         return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
@@ -426,14 +523,19 @@ def attention_dense_fwd(
         bias_arg,
         out,
         lse,
+        relative_keys,
+        content_bias,
+        position_bias,
         *q.stride(),
         *k.stride(),
         *v.stride(),
         *broadcast_strides(bias),
         *out.stride(),
+        *relative_strides,
         n_q,
         n_k,
         kv_heads,
+        float(scale) if relative is not None else None,
         logit_mult,
         bias_mult,
         softcap_log2,
@@ -452,6 +554,7 @@ def attention_dense_fwd(
         SOFTCAP=softcap is not None,
         FIXED_MAX=max_value is not None,
         CAUSAL=causal,
+        RELATIVE=relative is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_TMA=tma_ready(k, v),
     )

@@ -3,6 +3,8 @@
 Both lean paths (relative positions, tile bias) reduce every query chunk to
 ``softmax(softcap(scale * q k^T + bias)) v`` with a ``[B, Hq, Bq, Nk]`` bias, which is exactly what
 ``kvbound.attention`` takes (the tile bias also in its compact form, ``bias_tile``, over all queries at once).
+Relative positions over dense K/V go to ``kvbound.attention`` whole (``attend_relative``): the kernel forms
+each tile's relative term on chip, so no query chunking and no bias tensor at all.
 The eager form below is the same formula in the caller's dtype with float32 logits, chunk by chunk; it is what
 runs on the CPU and whenever ``kvbound.attention`` is not importable.
 """
@@ -13,7 +15,15 @@ import torch
 
 from kvbound.codec.format import CompressedKV
 
-__all__ = ["BACKENDS", "resolve_backend", "attend_chunk", "materialize_kv", "default_query_chunk"]
+__all__ = [
+    "BACKENDS",
+    "resolve_backend",
+    "attend_chunk",
+    "attend_relative",
+    "fuses_relative",
+    "materialize_kv",
+    "default_query_chunk",
+]
 
 BACKENDS = ("auto", "eager", "kvbound")
 
@@ -104,3 +114,42 @@ def attend_chunk(
         logits = torch.tanh(logits / softcap) * softcap
     weights = torch.softmax(logits, dim=-1).to(v.dtype)
     return (weights.reshape(b, hkv, group * bq, -1) @ v).reshape(b, hq, bq, -1)
+
+
+def fuses_relative(k: torch.Tensor | CompressedKV, v: torch.Tensor | CompressedKV) -> bool:
+    """Whether ``kvbound.attention`` takes relative positions for these K/V in one fused call: dense tensors.
+    Compressed K/V still go chunk by chunk with a skewed bias (the compressed kernel has no relative tile yet;
+    when it has, this is the one place to widen)."""
+    return not isinstance(k, CompressedKV) and not isinstance(v, CompressedKV)
+
+
+def attend_relative(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    relative_keys: torch.Tensor,
+    content_bias: torch.Tensor,
+    position_bias: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Transformer-XL relative-position attention over all queries in one ``kvbound.attention`` call.
+
+    Args:
+        q: ``[B, H, N, Dk]`` before scaling; k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (dense, q's dtype).
+        relative_keys: ``[H, 2N - 1, Dk]`` (cast to q's dtype, the kernel's operand type).
+        content_bias, position_bias: ``u``, ``v`` broadcastable to ``[1, H, 1, Dk]``.
+
+    Returns:
+        ``[B, H, N, Dv]`` in q's dtype.
+    """
+    attention = _kvbound_attention()
+    return attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        relative_keys=relative_keys.to(q.dtype),
+        relative_content_bias=content_bias,
+        relative_position_bias=position_bias,
+    )

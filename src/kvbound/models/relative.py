@@ -8,6 +8,10 @@ with a strided view, and hands ``scale q + u`` with that bias to one attention c
     logits[i, j] = (scale q_i + u) . k_j  +  (scale q_i + v) . relative_keys[N - 1 + j - i]
 
 The content term is a plain ``q' k^T`` with ``q' = scale q + u`` and scale 1, so K and V may be compressed.
+
+On the ``kvbound`` backend with dense K/V there is no chunking: one ``kvbound.attention(..., relative_keys=...)``
+call per layer, whose kernel forms each tile's relative term on chip from the ``BM + BN - 1`` relative keys the
+tile needs (``kvbound.kernels._common.relative_logits_tile``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from __future__ import annotations
 import torch
 
 from kvbound.codec.format import CompressedKV
-from kvbound.models._backend import attend_chunk, default_query_chunk, materialize_kv, resolve_backend
+from kvbound.models._backend import (
+    attend_chunk,
+    attend_relative,
+    default_query_chunk,
+    fuses_relative,
+    materialize_kv,
+    resolve_backend,
+)
 
 __all__ = ["relative_position_attention", "relative_window"]
 
@@ -63,13 +74,14 @@ def relative_position_attention(
         relative_keys: ``[H, 2N - 1, Dk]``; row ``m`` holds distance ``m - (N - 1)``.
         content_bias, position_bias: ``u`` and ``v`` of Transformer-XL, broadcastable to ``[1, H, 1, Dk]``.
         scale: applied to ``q`` before the biases (``Dk ** -0.5`` in the ports).
-        query_chunk: rows per chunk (default: float32 logits of one chunk stay under 128 MiB).
+        query_chunk: rows per chunk (default: float32 logits of one chunk stay under 128 MiB). Not used on the
+            ``kvbound`` backend with dense K/V: that is one fused call over all queries.
         backend: ``auto``, ``eager`` or ``kvbound`` (see ``kvbound.models._backend``).
 
     Returns:
         ``[B, H, N, Dv]`` in q's dtype (float32 when K/V are decoded by the eager path).
 
-    Peak extra memory is ``O(B H Bq N)`` for one chunk, never ``B H N N``. Formula:
+    Peak extra memory is ``O(B H Bq N)`` for one chunk, never ``B H N N``; ``O(B H N Dk)`` for the fused call. Formula:
     :func:`kvbound.models.reference.relative_position_attention_reference`.
     """
     b, h, n, dk = q.shape
@@ -83,6 +95,8 @@ def relative_position_attention(
     chunk = query_chunk or default_query_chunk(b, h, n)
     if chunk < 1:
         raise ValueError(f"query_chunk: expected >= 1, got {chunk}")
+    if backend == "kvbound" and fuses_relative(k, v):
+        return attend_relative(q, k, v, relative_keys, content_bias, position_bias, scale=scale)
     k = materialize_kv(k, backend)
     v = materialize_kv(v, backend)
     q_scaled = q * scale

@@ -1,0 +1,105 @@
+"""benchmarks/h200.sh, the script of the GPU runs: its parts, the command lines it builds (GPU and CPU smoke), and
+that a failing or skipped step is reported loudly while whatever was measured is still packed."""
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "h200.sh"
+PARTS = ("attention", "traffic", "sweep", "sweep-d128", "models", "models2", "ring")
+
+# Stands in for python3: logs its arguments and writes a one-row CSV to --out, so the script's plumbing runs in
+# a second without torch.
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$ARGS_LOG"
+out="" prev=""
+for a in "$@"; do [[ "$prev" == --out ]] && out="$a"; prev="$a"; done
+[[ -n "$out" ]] && printf 'mode,provider,shape,status\\ntime,x,s,ok\\n' > "$out"
+exit "${FAKE_STATUS:-0}"
+"""
+
+
+def _run(part, tmp_path, *, smoke, python=None, **env):
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    full_env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out), "KVBOUND_COMMIT": "abc1234",
+                "KVBOUND_SMOKE": "1" if smoke else "0", "PYTHON": python or str(fake),
+                "ARGS_LOG": str(tmp_path / "args.log"), "TRITON_CACHE_DIR": str(tmp_path / "triton"), **env}
+    proc = subprocess.run(["bash", str(SCRIPT), part], cwd=tmp_path, env=full_env, capture_output=True, text=True,
+                          timeout=60)
+    args = (tmp_path / "args.log").read_text().splitlines() if (tmp_path / "args.log").exists() else []
+    return proc, out, [a for a in args if "-m kvbound.bench" in a]
+
+
+def _members(out: Path, part: str) -> list[str]:
+    with tarfile.open(out / f"{part}_abc1234.tar.gz") as tar:
+        return tar.getnames()
+
+
+def test_list_and_usage():
+    listed = subprocess.run(["bash", str(SCRIPT), "list"], capture_output=True, text=True, timeout=30)
+    assert listed.returncode == 0
+    for part in PARTS:
+        assert f"\n  {part} " in listed.stdout
+    assert "min" in listed.stdout and "KVBOUND_COMMIT" in listed.stdout
+    wrong = subprocess.run(["bash", str(SCRIPT), "everything"], capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 2 and "usage" in wrong.stderr
+
+
+def test_attention_part_gpu_command_lines(tmp_path):
+    proc, out, calls = _run("attention", tmp_path, smoke=False)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    roofline, seed, encoder = calls
+    assert "kvbound.bench.roofline --commit abc1234" in roofline
+    assert "--shapes benchmarks/shapes/seed.toml --configs r8b4 quant-r0b4 lowrank-r8" in seed
+    assert "--only" not in seed  # no shape filter: the calibration per model load runs too
+    assert "--suite encoder" in encoder and "--commit abc1234" in encoder
+    names = _members(out, "attention")
+    prefix = "benchmarks/results/h200_"
+    assert any(n.startswith(prefix) and n.endswith("_abc1234/attention/attention_seed.csv") for n in names)
+    assert any(n.endswith("/attention/status.txt") for n in names)
+    assert sorted(p.name for p in out.iterdir()) == ["attention.log", "attention_abc1234.tar.gz", "status.txt"]
+    assert "attention-seed 0" in (out / "status.txt").read_text()
+
+
+def test_smoke_substitutions(tmp_path):
+    proc, _, calls = _run("traffic", tmp_path, smoke=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert len(calls) == 2
+    for call in calls:
+        assert call.endswith(".csv") and "--cpu-smoke" in call
+        assert "--ncu" not in call and "--shapes" not in call and "--only" not in call
+        assert "--providers kvbound-compressed kvbound-dense sdpa-cudnn sdpa-flash sdpa-efficient" in call
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_ring_and_models_keep_their_selection(tmp_path, smoke):
+    _, _, calls = _run("ring", tmp_path, smoke=smoke)
+    lengths = "--lengths 256" if smoke else "--lengths 65536 131072 262144 524288"
+    assert [c.count(lengths) for c in calls] == [1, 1]
+    assert "--world-sizes 1" in calls[0] and "--world-sizes 2" in calls[1]
+    (tmp_path / "models").mkdir()
+    _, _, calls = _run("models2", tmp_path / "models", smoke=smoke)
+    assert len(calls) == (2 if smoke else 3)
+    assert all("--only alphagenome*" in c or "--only enformer*" in c or "--only borzoi*" in c for c in calls)
+    assert ("--batches" in " ".join(calls)) is not smoke
+
+
+def test_failing_step_is_loud_and_results_are_still_packed(tmp_path):
+    proc, out, calls = _run("sweep", tmp_path, smoke=True, FAKE_STATUS="3")
+    assert proc.returncode == 1
+    assert "!! FAILED sweep-d64: exit status 3; 1 rows kept" in proc.stdout
+    assert "sweep-d64 3" in (out / "status.txt").read_text()
+    assert any(n.endswith("/sweep/sweep_d64.csv") for n in _members(out, "sweep"))
+
+
+def test_step_skipped_past_the_deadline(tmp_path):
+    proc, out, calls = _run("ring", tmp_path, smoke=True, KVBOUND_DEADLINE_S="20")
+    assert proc.returncode == 1 and calls == []
+    assert "!! SKIPPED ring-1gpu" in proc.stdout and "ring-2gpu skipped" in (out / "status.txt").read_text()
+    assert any(n.endswith("/ring/ring.log") for n in _members(out, "ring"))

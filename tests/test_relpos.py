@@ -1,0 +1,174 @@
+"""Fused Transformer-XL relative-position attention (Enformer, Borzoi): ``kvbound.attention(..., relative_keys=...)``
+against the float64 references, its input checks, ``torch.compile`` tracing, and the model cores' single fused call.
+CPU: the kernel runs in Triton's interpreter (conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvbound
+from kvbound.attention import attention
+from kvbound.models import relative_position_attention
+from kvbound.models.reference import relative_position_attention_reference
+
+
+def _inputs(b, h, n_q, dk, dv, dtype, seed=0, n_k=None):
+    n_k = n_q if n_k is None else n_k
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n_q, dk, generator=g)
+    k = torch.randn(b, h, n_k, dk, generator=g)
+    v = torch.randn(b, h, n_k, dv, generator=g)
+    relative_keys = torch.randn(h, n_q + n_k - 1, dk, generator=g) * 0.5
+    u = torch.randn(1, h, 1, dk, generator=g) * 0.5
+    w = torch.randn(1, h, 1, dk, generator=g) * 0.5
+    return [t.to(dtype) for t in (q, k, v, relative_keys)] + [u, w]
+
+
+def _port_style(q, k, v, relative_keys, u, w, scale):
+    """The ports' own formulation in the inputs' dtype: [B, H, N, 2N - 1] table, Transformer-XL pad/reshape shift."""
+    qs = q * scale
+    content = (qs + u.to(q.dtype)) @ k.transpose(-1, -2)
+    table = (qs + w.to(q.dtype)) @ relative_keys.transpose(-1, -2)
+    b, h, n, width = table.shape
+    padded = torch.cat([torch.zeros_like(table[..., :1]), table], dim=-1)
+    shifted = padded.reshape(b, h, width + 1, n)[:, :, 1:].reshape(b, h, n, width)[..., :n]
+    return torch.softmax((content + shifted).float(), dim=-1).to(v.dtype) @ v
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "n", "dk", "dv", "dtype"),
+    [
+        (1, 1, 1, 64, 192, torch.float16),
+        (2, 2, 37, 40, 48, torch.float32),
+        (1, 2, 37, 64, 192, torch.float16),
+        (1, 1, 130, 64, 192, torch.float16),
+        (1, 2, 130, 40, 48, torch.float32),
+    ],
+)
+def test_fused_relative_matches_float64_reference(b, h, n, dk, dv, dtype):
+    q, k, v, rk, u, w = _inputs(b, h, n, dk, dv, dtype, seed=n + dk)
+    scale = dk**-0.5
+    out = attention(q, k, v, scale=scale, relative_keys=rk, relative_content_bias=u, relative_position_bias=w)
+    expected = relative_position_attention_reference(q, k, v, rk, u, w, scale=scale)
+    plain = _port_style(q, k, v, rk, u, w, scale)
+    err = (out.double() - expected).abs()
+    plain_err = (plain.double() - expected).abs().max().item()
+    print(
+        f"relpos B={b} H={h} N={n} dk={dk} dv={dv} {dtype}: max err {err.max():.2e} (mean {err.mean():.2e}), "
+        f"port-style same dtype {plain_err:.2e}"
+    )
+    assert out.shape == (b, h, n, dv) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert err.max().item() <= 2 * plain_err + 1e-6
+
+
+def test_fused_relative_composes_with_bias_softcap_causal_and_cross_lengths():
+    """Nq != Nk (relative_keys [H, Nq + Nk - 1, Dk]), plus an additive bias, a soft-cap and the causal mask,
+    against the same formula in float64 with the relative logits materialised (kernel order: relative logits,
+    bias, soft-cap, mask)."""
+    n_q, n_k, dk, dv = 21, 45, 40, 24
+    q, k, v, rk, u, w = _inputs(1, 2, n_q, dk, dv, torch.float32, seed=3, n_k=n_k)
+    bias = torch.randn(n_q, n_k, generator=torch.Generator().manual_seed(4))
+    scale = 0.3
+    out, lse = attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=True,
+        bias=bias,
+        softcap=4.0,
+        relative_keys=rk,
+        relative_content_bias=u[0, :, 0],
+        relative_position_bias=w,
+        return_lse=True,
+    )
+    qs = q.double() * scale
+    table = (qs + w.double()) @ rk.double().transpose(-1, -2)  # [B, H, Nq, Nq + Nk - 1]
+    rows = (n_q - 1 + torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None]).expand(1, 2, n_q, n_k)
+    relative = torch.gather(table, -1, rows)
+    logits = (qs + u.double()) @ k.double().transpose(-1, -2) + relative + bias.double()
+    logits = 4.0 * torch.tanh(logits / 4.0)
+    logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    err = (out.double() - expected).abs().max().item()
+    print(f"relpos + bias + softcap + causal, Nq={n_q} Nk={n_k}: max err {err:.2e}")
+    assert err < 2e-5 and torch.isfinite(lse).all()
+
+
+def test_fused_relative_rejects_bad_inputs():
+    q, k, v, rk, u, w = _inputs(1, 2, 9, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"relative_keys: expected shape \[Hq, Nq \+ Nk - 1, Dk\] = \[2, 17, 16\]"):
+        attention(q, k, v, relative_keys=rk[:, :16])
+    with pytest.raises(TypeError, match="relative_keys"):
+        attention(q, k, v, relative_keys=rk.half())
+    with pytest.raises(ValueError, match="relative_content_bias: given without relative_keys"):
+        attention(q, k, v, relative_content_bias=u)
+    with pytest.raises(ValueError, match=r"relative_position_bias: expected shape \[2, 16\]"):
+        attention(q, k, v, relative_keys=rk, relative_position_bias=torch.zeros(3, 16))
+    with pytest.raises(ValueError, match="one query head per K/V head"):
+        attention(q, k[:, :1], v[:, :1], relative_keys=rk)
+    with pytest.raises(ValueError, match="relative_keys"):
+        bad = rk.clone()
+        bad[1, 3, 2] = float("nan")
+        attention(q, k, v, relative_keys=bad)
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    with pytest.raises(NotImplementedError, match="relative_keys: relative positions over compressed K/V"):
+        attention(q, ck, cv, relative_keys=rk)
+
+
+def test_fused_relative_leaves_inputs_and_traces_under_torch_compile():
+    q, k, v, rk, u, w = _inputs(1, 2, 19, 16, 24, torch.float16, seed=5)
+    copies = [t.clone() for t in (q, k, v, rk, u, w)]
+    fn = torch.compile(
+        lambda q, k, v, r, u, w: attention(q, k, v, relative_keys=r, relative_content_bias=u, relative_position_bias=w),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    out = fn(q, k, v, rk, u, w)
+    expected = relative_position_attention_reference(q, k, v, rk, u, w, scale=16**-0.5)
+    err = (out.double() - expected).abs().max().item()
+    print(f"relpos under torch.compile: max err {err:.2e}")
+    assert err < 2e-3
+    for before, after in zip(copies, (q, k, v, rk, u, w), strict=True):
+        assert torch.equal(before, after)
+
+
+def _spy(monkeypatch) -> list[dict]:
+    from kvbound.models import _backend
+
+    calls = []
+
+    def spy(q, k, v, **kwargs):
+        bias = kwargs.get("bias")
+        calls.append(
+            dict(
+                n_q=q.shape[2],
+                relative=kwargs.get("relative_keys") is not None,
+                bias=None if bias is None else tuple(bias.shape),
+            )
+        )
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    return calls
+
+
+def test_relative_core_makes_one_fused_call_for_dense_kv(monkeypatch):
+    """Dense K/V: one relative-position call over all queries, whatever query_chunk says. Compressed K/V: the
+    chunked path with a skewed bias per query chunk (the compressed kernel has no relative tile yet)."""
+    q, k, v, rk, u, w = _inputs(1, 2, 40, 16, 24, torch.float32, seed=9)
+    calls = _spy(monkeypatch)
+    out = relative_position_attention(q, k, v, rk, u, w, scale=0.25, query_chunk=16, backend="kvbound")
+    expected = relative_position_attention_reference(q, k, v, rk, u, w, scale=0.25)
+    err = (out.double() - expected).abs().max().item()
+    print(f"relative core, dense K/V: calls {calls}, max err {err:.2e}")
+    assert calls == [dict(n_q=40, relative=True, bias=None)]
+    assert err < 2e-5
+    calls.clear()
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    relative_position_attention(q, ck, cv, rk, u, w, scale=0.25, query_chunk=16, backend="kvbound")
+    assert [c["n_q"] for c in calls] == [16, 16, 8] and not any(c["relative"] for c in calls)
