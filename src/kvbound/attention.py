@@ -168,6 +168,8 @@ def attention(
             v.config.block_size,
             k.shared_basis,
             v.shared_basis,
+            k.config.bits,
+            v.config.bits,
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -397,6 +399,8 @@ def _attention_compressed_op(
     v_block_size: int,
     k_shared_basis: bool,
     v_shared_basis: bool,
+    k_packed_bits: int,
+    v_packed_bits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
@@ -432,6 +436,7 @@ def _attention_compressed_op(
         head_dim=k_basis.shape[-1],
         block_size=k_block_size,
         shared_basis=k_shared_basis,
+        packed_bits=k_packed_bits,
     )
     v_op = CompressedOperand(
         v_coeffs,
@@ -446,6 +451,7 @@ def _attention_compressed_op(
         head_dim=v_basis.shape[-1],
         block_size=v_block_size,
         shared_basis=v_shared_basis,
+        packed_bits=v_packed_bits,
     )
     return attention_compressed_fwd(q, k_op, v_op, bias, scale, causal, softcap, residual=checks, bias_tile=bias_tile)
 

@@ -9,9 +9,15 @@ tile follows what the tile holds:
   (measured faster than rebuilding ``K_tile = C_tile P``; see kernels/README.md).
 * Residual only where there is one. Each head's key blocks are walked as runs: runs of consecutive
   low-rank-only blocks first, with no residual code compiled into that loop (the rank-space fast path),
-  then runs of blocks with a residual in K or V, where ``S += Q R_tile^T`` is added for tiles whose mode is
-  not ``MODE_LOWRANK``, then the masked tail. Packed codes are exact small integers, so the product uses
-  them as float16 operands and applies the block's step once per tile. ``MODE_RAW`` tiles are the stored
+  then runs of blocks with a residual in K or V, where ``S += Q R_tile^T`` is added, then the masked tail.
+  Residual runs come in two kinds (``block_runs``): uniform runs, where every block is low-rank or packed at
+  the operand's configured width with ``32 // bits`` a power of two (2, 4, 8 bits: nearly every residual
+  block), are a branch-free loop that loads each tile's codes as one dense [BLOCK_N, words] int32 tile
+  (prefetched by the software pipeliner like the coefficients) and expands it in registers with shifts and a
+  float16 mantissa trick (no integer-to-float conversion); low-rank blocks there have step 0. General runs
+  (other widths, promoted or exact blocks) branch per tile on the mode and gather codes with a run-time
+  width. Packed codes are exact small integers, so the product uses them as float16 operands and applies
+  the block's step once per tile. ``MODE_RAW`` tiles are the stored
   values themselves (their coefficients are zero), multiplied in float32 operands (exact for 16-bit data).
 * Values in rank space. With a shared ``P_v``, ``acc_r += P_attn C_v_tile`` (r wide) and ``O = acc_r P_v``
   once at the end; the Dv-wide accumulator is touched only by tiles with a residual, and its rescaling by the
@@ -40,6 +46,7 @@ import triton
 import triton.language as tl
 
 from kvbound.codec.format import CompressedKV
+from kvbound.config import CompressionConfig
 from kvbound.kernels._common import (
     LN2,
     broadcast_strides,
@@ -144,6 +151,88 @@ def _load_codes_tile(
     words = tl.load(ptrs, mask=keep, other=0)
     unsigned = (words >> column_shift[None, :]) & ((1 << width) - 1)
     return tl.where(keep, unsigned - (1 << (width - 1)), 0)
+
+
+@triton.jit
+def _load_codes_compact(
+    codes_ptr,
+    word_offset,
+    first_row,
+    offs_n,
+    rows_ok,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Residual codes q [BLOCK_N, D_PAD] as exact float16 (float32 if ``FP32``) operands of block rows
+    ``first_row + offs_n``, for a compile-time width whose ``PER_WORD = 32 // WIDTH`` is a power of two.
+
+    The tile's words are one dense [BLOCK_N, words] load (contiguous rows, prefetched by the software
+    pipeliner), expanded in registers to column ``d = word * PER_WORD + slot`` as in the format. Rows outside
+    ``rows_ok`` load zero words; columns at or beyond ``HEAD_DIM`` hold arbitrary codes (every caller
+    multiplies them by zero operand columns or drops them at the store)."""
+    PER_WORD: tl.constexpr = 32 // WIDTH
+    WORDS: tl.constexpr = (HEAD_DIM + PER_WORD - 1) // PER_WORD
+    WORDS_PAD: tl.constexpr = D_PAD // PER_WORD
+    offs_w = tl.arange(0, WORDS_PAD)
+    ptrs = codes_ptr + word_offset + ((first_row + offs_n) * WORDS)[:, None] + offs_w[None, :]
+    if WORDS == WORDS_PAD:
+        words = tl.load(ptrs, mask=rows_ok[:, None], other=0)
+    else:
+        words = tl.load(ptrs, mask=rows_ok[:, None] & (offs_w < WORDS)[None, :], other=0)
+    # Halve each element (a word, then its 16-bit halves, ...) into a low and a high part joined as a new
+    # innermost dimension: after log2(PER_WORD) steps element (n, d) holds the code of column
+    # d = word * PER_WORD + slot (the high half holds the higher slots). Join + reshape keep every value in
+    # its thread's registers, so the tile needs no layout conversion.
+    unsigned = words
+    for level in tl.static_range(0, 5):
+        if (32 >> level) > WIDTH:
+            half = (32 >> level) // 2
+            low = unsigned & ((1 << half) - 1)
+            high = (unsigned >> half) & ((1 << half) - 1)
+            joined = tl.join(low, high)
+            unsigned = tl.reshape(joined, [BLOCK_N, WORDS_PAD * (2 << level)])
+    # No integer-to-float conversion instruction per code (I2F): ``u`` (< 2**10) is placed in
+    # the mantissa of 2**10 (float16) or 2**23 (float32) and the exact float value 2**10 + u (2**23 + u) is
+    # shifted by 2**10 + 2**(WIDTH - 1) (2**23 + ...), so q = u - 2**(WIDTH - 1) exactly.
+    if FP32:
+        magic = (unsigned | 0x4B000000).to(tl.float32, bitcast=True)
+        codes = magic - (8388608.0 + (1 << (WIDTH - 1)))
+    else:
+        magic = (unsigned | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        codes = magic - (1024.0 + (1 << (WIDTH - 1)))
+        codes = codes.to(tl.float16)
+    return codes
+
+
+@triton.jit
+def _uniform_residual_tile(
+    Scale,
+    Offset,
+    Codes,
+    meta_index,
+    first_row,
+    offs_n,
+    row_ok,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """``(codes, step)`` of a tile in a uniform run (every block ``MODE_LOWRANK`` or packed at ``WIDTH`` bits,
+    see ``block_runs``), with no branch: a low-rank block (offset -1, scale 0) loads nothing and yields step 0,
+    so its term vanishes. Straight-line code the software pipeliner can prefetch."""
+    step = tl.load(Scale + meta_index)
+    offset = tl.load(Offset + meta_index)
+    # Compare a broadcast copy: a scalar-and-vector boolean mask trips Triton's interpreter.
+    rows = row_ok & ((tl.zeros_like(offs_n) + offset) >= 0)
+    codes = _load_codes_compact(
+        Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, BLOCK_N, FP32
+    )
+    return codes, tl.where(offset >= 0, step, 0.0)
 
 
 @triton.jit
@@ -347,6 +436,8 @@ def _compressed_tile(
     PREDICATED: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    K_UNIFORM_BITS: tl.constexpr = 0,
+    V_UNIFORM_BITS: tl.constexpr = 0,
 ):
     """One key tile: logits through the basis (+ residual), online softmax, values in rank space (+ residual).
     ``K_RESIDUAL``/``V_RESIDUAL`` False compile the tile without any residual code."""
@@ -382,7 +473,24 @@ def _compressed_tile(
     else:
         row_mult = q_res_mult
         x = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if K_RESIDUAL:
+    if K_RESIDUAL and K_UNIFORM_BITS > 0:
+        codes, k_step = _uniform_residual_tile(
+            K_scale,
+            K_offset,
+            K_codes,
+            k_meta,
+            start_n % BLOCK_SIZE_K,
+            offs_n,
+            row_ok,
+            K_UNIFORM_BITS,
+            HEAD_DIM_K,
+            DK_PAD,
+            BLOCK_N,
+            FP32,
+        )
+        dot = tl.dot(q_op, tl.trans(codes), input_precision=PRECISION)
+        x += dot * (q_res_mult * (k_step / row_mult))[:, None]
+    elif K_RESIDUAL:
         k_mode = tl.load(K_mode + k_meta).to(tl.int32)
         if PREDICATED:
             codes, k_step = _packed_residual_tile(
@@ -484,7 +592,23 @@ def _compressed_tile(
                 part_mult, part_inv = row_normaliser(partial)
                 partial16 = (partial * part_inv[:, None]).to(tl.float16)
                 accumulator += tl.dot(partial16, basis_v) * part_mult[:, None]
-        if V_RESIDUAL:
+        if V_RESIDUAL and V_UNIFORM_BITS > 0:
+            codes_v, v_step = _uniform_residual_tile(
+                V_scale,
+                V_offset,
+                V_codes,
+                v_meta,
+                start_n % BLOCK_SIZE_V,
+                offs_n,
+                row_ok,
+                V_UNIFORM_BITS,
+                HEAD_DIM_V,
+                DV_PAD,
+                BLOCK_N,
+                FP32,
+            )
+            accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
+        elif V_RESIDUAL:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
             if v_mode != 0:
                 accumulator = _value_residual(
@@ -513,7 +637,27 @@ def _compressed_tile(
             if not FIXED_MAX:
                 rank_accumulator = rank_accumulator * alpha[:, None]
             rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION)
-        if V_RESIDUAL:
+        if V_RESIDUAL and V_UNIFORM_BITS > 0:
+            if not FIXED_MAX:
+                safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+                accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+                accumulator_max = safe_max
+            codes_v, v_step = _uniform_residual_tile(
+                V_scale,
+                V_offset,
+                V_codes,
+                v_meta,
+                start_n % BLOCK_SIZE_V,
+                offs_n,
+                row_ok,
+                V_UNIFORM_BITS,
+                HEAD_DIM_V,
+                DV_PAD,
+                BLOCK_N,
+                FP32,
+            )
+            accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
+        elif V_RESIDUAL:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
             if PREDICATED:
                 if not FIXED_MAX:
@@ -653,6 +797,8 @@ def _attention_compressed_inner(
     PREDICATED: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    K_UNIFORM_BITS: tl.constexpr = 0,
+    V_UNIFORM_BITS: tl.constexpr = 0,
 ):
     """Key tiles at offsets ``lo, lo + BLOCK_N, ... < hi`` (a plain range: the software pipeliner prefetches
     the next tiles' coefficients while this one computes)."""
@@ -728,6 +874,8 @@ def _attention_compressed_inner(
             PREDICATED,
             BIAS_TILE,
             FIXED_MAX,
+            K_UNIFORM_BITS,
+            V_UNIFORM_BITS,
         )
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
@@ -744,6 +892,7 @@ def compressed_configs(interpret: bool) -> list[triton.Config]:
         (64, 64, 4, 3),
         (128, 64, 4, 3),
         (128, 64, 8, 3),
+        (64, 64, 8, 3),
         (64, 32, 4, 3),
         (64, 16, 4, 3),
     ]
@@ -754,6 +903,7 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_size = min(args["BLOCK_SIZE_K"], args["BLOCK_SIZE_V"])
     dv_pad = args["DV_PAD"]
+    residual = args["K_RESIDUAL"] or args["V_RESIDUAL"]
     # The widest key tile (up to 64) that divides the codec block; every block size is a power of two >= 16.
     block_n = min(64, block_size)
     keep = []
@@ -762,6 +912,13 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
         if config.kwargs["BLOCK_N"] != block_n:
             continue
         if block_m * dv_pad > 128 * 128 and config.num_warps < 8:
+            continue
+        if residual and block_m * dv_pad >= 128 * 64 and config.num_warps < 8 and block_m > 64:
+            # Residual variants at 128 rows on 4 warps spill (sm_90, Triton 3.6: 760-2000 bytes of stack).
+            continue
+        if block_m == 64 and config.num_warps == 8 and not (residual and dv_pad >= 128):
+            # 64 rows on two warpgroups: only for residual variants with a wide Dv accumulator, whose 4-warp
+            # versions spill (d=128: 936 -> 16 bytes of stack; AlphaGenome's dv 192: 1520 -> 160).
             continue
         keep.append(config)
     return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=3)]
@@ -784,6 +941,8 @@ COMPRESSED_TUNE_KEY = [
     "V_RESIDUAL",
     "SPLIT_RANK",
     "PREDICATED_RESIDUAL",
+    "FAST_BITS_K",
+    "FAST_BITS_V",
     "HAS_BIAS",
     "BIAS_TILE",
     "SOFTCAP",
@@ -870,6 +1029,9 @@ def _attention_compressed_fwd(
     V_RESIDUAL: tl.constexpr,
     SPLIT_RANK: tl.constexpr,
     PREDICATED_RESIDUAL: tl.constexpr,
+    FAST_BITS_K: tl.constexpr,
+    FAST_BITS_V: tl.constexpr,
+    RUN_KINDS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BIAS_TILE: tl.constexpr,
@@ -960,15 +1122,17 @@ def _attention_compressed_fwd(
 
     # ---- key loops. Each head's super-blocks (SUPER_BLOCK keys, the larger codec block) form runs of
     # consecutive low-rank-only super-blocks and runs of super-blocks with a residual in K or V (Runs holds
-    # [low starts, low ends, residual starts, residual ends], RunCounts the two run counts). Loop A walks
-    # the low-rank runs with no residual code compiled in (the rank-space fast path); loop B the residual
-    # runs; loop C the masked tail (ragged last tile, causal diagonal). Softmax accumulation is
-    # order-independent, and each run is a plain range loop that the software pipeliner can prefetch. ----
+    # the starts and ends of each kind, RunCounts the run counts; RUN_KINDS 3 splits residual runs into
+    # uniform and general ones, see block_runs). Loop A walks the low-rank runs with no residual code
+    # compiled in (the rank-space fast path); loop B1 the uniform runs (compact decoding, no branch per
+    # tile); loop B2 the general residual runs; loop C the masked tail (ragged last tile, causal diagonal).
+    # Softmax accumulation is order-independent, and each run is a plain range loop that the software
+    # pipeliner can prefetch. ----
     unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     full_super = unmasked_end // SUPER_BLOCK
     if K_RESIDUAL or V_RESIDUAL:
-        runs_row = Runs + pid_bh.to(tl.int64) * (4 * NUM_SUPER)
-        counts_row = RunCounts + pid_bh.to(tl.int64) * 2
+        runs_row = Runs + pid_bh.to(tl.int64) * (2 * RUN_KINDS * NUM_SUPER)
+        counts_row = RunCounts + pid_bh.to(tl.int64) * RUN_KINDS
         for run in range(0, tl.load(counts_row)):
             run_lo = tl.load(runs_row + run)
             run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
@@ -1124,9 +1288,89 @@ def _attention_compressed_fwd(
             q_op, q_res_mult = _query_operand(
                 q_rows, stride_qd, row_valid, logit_mult, HEAD_DIM_K, DK_PAD, BLOCK_M, FP32
             )
-        for run in range(0, tl.load(counts_row + 1)):
-            run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
-            run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
+        if RUN_KINDS == 3:
+            # Uniform runs: every block low-rank or packed at the compile-time widths, decoded from compact
+            # word tiles with no branch per tile.
+            for run in range(0, tl.load(counts_row + 1)):
+                run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
+                run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
+                accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                    accumulator,
+                    accumulator_max,
+                    rank_accumulator,
+                    running_sum,
+                    running_max,
+                    q_op,
+                    q_res_mult,
+                    query_rank,
+                    query_rank_lo,
+                    query_rank_mult,
+                    K_coeff_head,
+                    k_coeff_desc,
+                    K_basis,
+                    K_mode,
+                    K_scale,
+                    K_bits,
+                    K_offset,
+                    K_codes,
+                    K_raw,
+                    V_coeff_head,
+                    v_coeff_desc,
+                    V_basis,
+                    V_mode,
+                    V_scale,
+                    V_bits,
+                    V_offset,
+                    V_codes,
+                    V_raw,
+                    stride_kcn,
+                    stride_kcr,
+                    stride_vcn,
+                    stride_vcr,
+                    k_meta_base,
+                    v_meta_base,
+                    bias_rows,
+                    stride_bk,
+                    row_query,
+                    row_valid,
+                    run_lo * SUPER_BLOCK,
+                    run_hi * SUPER_BLOCK,
+                    N_K,
+                    bias_mult,
+                    softcap_log2,
+                    HEAD_DIM_K,
+                    HEAD_DIM_V,
+                    DK_PAD,
+                    DV_PAD,
+                    RANK_K,
+                    RANK_V,
+                    RK_PAD,
+                    RV_PAD,
+                    BLOCK_SIZE_K,
+                    BLOCK_SIZE_V,
+                    K_PER_BLOCK,
+                    V_PER_BLOCK,
+                    FAST_BITS_K > 0,
+                    FAST_BITS_V > 0,
+                    SPLIT_RANK,
+                    BLOCK_M,
+                    BLOCK_N,
+                    HAS_BIAS,
+                    SOFTCAP,
+                    CAUSAL,
+                    False,
+                    FP32,
+                    PRECISION,
+                    USE_TMA,
+                    False,
+                    BIAS_TILE,
+                    FIXED_MAX,
+                    FAST_BITS_K,
+                    FAST_BITS_V,
+                )
+        for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
+            run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
+            run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
             accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
                 accumulator,
                 accumulator_max,
@@ -1303,15 +1547,42 @@ def _attention_compressed_fwd(
 
 # --------------------------------------------------------------------------------------------- block runs
 @triton.jit
-def _super_block_flags(k_modes, v_modes, s, NB_K, NB_V, NUM_SUPER, PER_K: tl.constexpr, PER_V: tl.constexpr):
-    """For super-blocks ``s`` [CHUNK]: 1 if a K or V block inside has a residual (mode != 0), else 0; -1 for
-    ``s`` outside ``[0, NUM_SUPER)``."""
+def _block_classes(modes, bits, blocks, keep, KINDS: tl.constexpr, FAST: tl.constexpr):
+    """Class of each block: 0 low-rank only; with two kinds 1 for any residual; with three kinds 1 for codes
+    of the uniform width ``FAST`` (modes 1 and 2 alike) and 2 for anything else (other widths, raw)."""
+    mode = tl.load(modes + blocks, mask=keep, other=0)
+    if KINDS == 2:
+        return (mode != 0).to(tl.int32)
+    else:
+        width = tl.load(bits + blocks, mask=keep, other=0)
+        fast = ((mode == 1) | (mode == 2)) & (width == FAST)
+        return tl.where(mode == 0, 0, tl.where(fast, 1, 2))
+
+
+@triton.jit
+def _super_block_flags(
+    k_modes,
+    v_modes,
+    k_bits,
+    v_bits,
+    s,
+    NB_K,
+    NB_V,
+    NUM_SUPER,
+    PER_K: tl.constexpr,
+    PER_V: tl.constexpr,
+    KINDS: tl.constexpr,
+    FAST_K: tl.constexpr,
+    FAST_V: tl.constexpr,
+):
+    """For super-blocks ``s`` [CHUNK]: the largest class (``_block_classes``) of the K and V blocks inside; -1
+    for ``s`` outside ``[0, NUM_SUPER)``."""
     inside = (s >= 0) & (s < NUM_SUPER)
     k_blocks = s[:, None] * PER_K + tl.arange(0, PER_K)[None, :]
     v_blocks = s[:, None] * PER_V + tl.arange(0, PER_V)[None, :]
-    k_mode = tl.load(k_modes + k_blocks, mask=inside[:, None] & (k_blocks < NB_K), other=0)
-    v_mode = tl.load(v_modes + v_blocks, mask=inside[:, None] & (v_blocks < NB_V), other=0)
-    flag = tl.maximum(tl.max((k_mode != 0).to(tl.int32), 1), tl.max((v_mode != 0).to(tl.int32), 1))
+    k_class = _block_classes(k_modes, k_bits, k_blocks, inside[:, None] & (k_blocks < NB_K), KINDS, FAST_K)
+    v_class = _block_classes(v_modes, v_bits, v_blocks, inside[:, None] & (v_blocks < NB_V), KINDS, FAST_V)
+    flag = tl.maximum(tl.max(k_class, 1), tl.max(v_class, 1))
     return tl.where(inside, flag, -1)
 
 
@@ -1319,6 +1590,8 @@ def _super_block_flags(k_modes, v_modes, s, NB_K, NB_V, NUM_SUPER, PER_K: tl.con
 def _block_runs_kernel(
     K_mode,
     V_mode,
+    K_bits,
+    V_bits,
     Runs,
     Counts,
     NB_K,
@@ -1327,6 +1600,9 @@ def _block_runs_kernel(
     PER_K: tl.constexpr,
     PER_V: tl.constexpr,
     CHUNK: tl.constexpr,
+    KINDS: tl.constexpr,
+    FAST_K: tl.constexpr,
+    FAST_V: tl.constexpr,
 ):
     """One program per (batch, K/V head): the runs ``block_runs`` describes, CHUNK super-blocks at a time. A run
     of kind ``f`` starts at ``s`` where flag[s] == f != flag[s - 1] and ends after ``s`` where
@@ -1334,34 +1610,53 @@ def _block_runs_kernel(
     row = tl.program_id(0).to(tl.int64)
     k_modes = K_mode + row * NB_K
     v_modes = V_mode + row * NB_V
-    runs_row = Runs + row * (4 * NUM_SUPER)
+    k_bits = K_bits + row * NB_K
+    v_bits = V_bits + row * NB_V
+    runs_row = Runs + row * (2 * KINDS * NUM_SUPER)
     offs = tl.arange(0, CHUNK)
-    low_starts = 0
-    low_ends = 0
-    residual_starts = 0
-    residual_ends = 0
+    starts_0 = 0
+    starts_1 = 0
+    starts_2 = 0
+    ends_0 = 0
+    ends_1 = 0
+    ends_2 = 0
     for chunk_start in range(0, NUM_SUPER, CHUNK):
         s = chunk_start + offs
-        before = _super_block_flags(k_modes, v_modes, s - 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V)
-        flag = _super_block_flags(k_modes, v_modes, s, NB_K, NB_V, NUM_SUPER, PER_K, PER_V)
-        after = _super_block_flags(k_modes, v_modes, s + 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V)
-        for kind in tl.static_range(2):
+        before = _super_block_flags(
+            k_modes, v_modes, k_bits, v_bits, s - 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V, KINDS, FAST_K, FAST_V
+        )
+        flag = _super_block_flags(
+            k_modes, v_modes, k_bits, v_bits, s, NB_K, NB_V, NUM_SUPER, PER_K, PER_V, KINDS, FAST_K, FAST_V
+        )
+        after = _super_block_flags(
+            k_modes, v_modes, k_bits, v_bits, s + 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V, KINDS, FAST_K, FAST_V
+        )
+        for kind in tl.static_range(KINDS):
             starts = (flag == kind) & (before != kind)
             ends = (flag == kind) & (after != kind)
             start_rank = tl.cumsum(starts.to(tl.int32), 0) - 1
             end_rank = tl.cumsum(ends.to(tl.int32), 0) - 1
+            starts_list = runs_row + (2 * kind) * NUM_SUPER
+            ends_list = runs_row + (2 * kind + 1) * NUM_SUPER
             if kind == 0:
-                tl.store(runs_row + low_starts + start_rank, s, mask=starts)
-                tl.store(runs_row + NUM_SUPER + low_ends + end_rank, s + 1, mask=ends)
-                low_starts += tl.sum(starts.to(tl.int32), 0)
-                low_ends += tl.sum(ends.to(tl.int32), 0)
+                tl.store(starts_list + starts_0 + start_rank, s, mask=starts)
+                tl.store(ends_list + ends_0 + end_rank, s + 1, mask=ends)
+                starts_0 += tl.sum(starts.to(tl.int32), 0)
+                ends_0 += tl.sum(ends.to(tl.int32), 0)
+            elif kind == 1:
+                tl.store(starts_list + starts_1 + start_rank, s, mask=starts)
+                tl.store(ends_list + ends_1 + end_rank, s + 1, mask=ends)
+                starts_1 += tl.sum(starts.to(tl.int32), 0)
+                ends_1 += tl.sum(ends.to(tl.int32), 0)
             else:
-                tl.store(runs_row + 2 * NUM_SUPER + residual_starts + start_rank, s, mask=starts)
-                tl.store(runs_row + 3 * NUM_SUPER + residual_ends + end_rank, s + 1, mask=ends)
-                residual_starts += tl.sum(starts.to(tl.int32), 0)
-                residual_ends += tl.sum(ends.to(tl.int32), 0)
-    tl.store(Counts + row * 2, low_starts)
-    tl.store(Counts + row * 2 + 1, residual_starts)
+                tl.store(starts_list + starts_2 + start_rank, s, mask=starts)
+                tl.store(ends_list + ends_2 + end_rank, s + 1, mask=ends)
+                starts_2 += tl.sum(starts.to(tl.int32), 0)
+                ends_2 += tl.sum(ends.to(tl.int32), 0)
+    tl.store(Counts + row * KINDS, starts_0)
+    tl.store(Counts + row * KINDS + 1, starts_1)
+    if KINDS == 3:
+        tl.store(Counts + row * KINDS + 2, starts_2)
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -1382,15 +1677,33 @@ class CompressedOperand:
         "head_dim",
         "block_size",
         "shared_basis",
+        "packed_bits",
     )
 
     def __init__(
-        self, coeffs, basis, mode, scale, bits, offset, codes, raw, *, seq_len, head_dim, block_size, shared_basis
+        self,
+        coeffs,
+        basis,
+        mode,
+        scale,
+        bits,
+        offset,
+        codes,
+        raw,
+        *,
+        seq_len,
+        head_dim,
+        block_size,
+        shared_basis,
+        packed_bits=None,
     ):
         self.coeffs, self.basis, self.mode, self.scale, self.bits = coeffs, basis, mode, scale, bits
         self.offset, self.codes, self.raw = offset, codes, raw
         self.seq_len, self.head_dim = seq_len, head_dim
         self.block_size, self.shared_basis = block_size, shared_basis
+        # The configured code width (``config.bits``), the width of most packed blocks: uniform runs decode it
+        # with compact word tiles. None: assume the default configuration's width (only speed depends on it).
+        self.packed_bits = packed_bits
 
     @classmethod
     def from_compressed(cls, ckv: CompressedKV) -> CompressedOperand:
@@ -1407,11 +1720,20 @@ class CompressedOperand:
             head_dim=ckv.head_dim,
             block_size=ckv.config.block_size,
             shared_basis=ckv.shared_basis,
+            packed_bits=ckv.config.bits,
         )
 
     @property
     def rank(self) -> int:
         return self.coeffs.shape[-1]
+
+
+_DEFAULT_BITS = CompressionConfig().bits
+
+
+def _packed_bits(operand: CompressedOperand) -> int:
+    bits = getattr(operand, "packed_bits", None)
+    return _DEFAULT_BITS if bits is None else int(bits)
 
 
 @functools.cache
@@ -1425,20 +1747,31 @@ def _nonempty(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.numel() > 0 else _placeholder(like.device, t.dtype)
 
 
-def block_runs(k: CompressedOperand, v: CompressedOperand, super_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs of consecutive super-blocks (``super_block`` keys) per (batch, K/V head): ``runs``
-    ``[B * Hkv, 4, NS]`` int32 holds the starts and (exclusive) ends of the low-rank-only runs, then those of
-    the runs with a residual (a super-block has one when any K or V block inside it is not ``MODE_LOWRANK``),
-    each list ascending; only the first ``counts`` entries of each list are written. ``counts``
-    ``[B * Hkv, 2]`` int32 holds their numbers. One small kernel launch, no host synchronisation."""
+def block_runs(
+    k: CompressedOperand, v: CompressedOperand, super_block: int, fast_bits: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of consecutive super-blocks (``super_block`` keys) per (batch, K/V head).
+
+    Without ``fast_bits``: two kinds, low-rank-only super-blocks and those with a residual (any K or V block
+    inside not ``MODE_LOWRANK``). With ``fast_bits = (bits_k, bits_v)``: three kinds, low-rank-only, uniform
+    (every K block low-rank or packed at ``bits_k`` bits, every V block likewise at ``bits_v``; 0 admits
+    low-rank blocks only) and general (anything else). ``runs`` ``[B * Hkv, 2 * kinds, NS]`` int32 holds, per
+    kind, the starts then the (exclusive) ends of its runs, each list ascending; only the first ``counts``
+    entries of each list are written. ``counts`` ``[B * Hkv, kinds]`` int32 holds their numbers. One small
+    kernel launch, no host synchronisation."""
     batch, heads = k.mode.shape[:2]
     num_super = -(-k.seq_len // super_block)
     device = k.mode.device
-    runs = torch.empty(batch * heads, 4, num_super, dtype=torch.int32, device=device)
-    counts = torch.empty(batch * heads, 2, dtype=torch.int32, device=device)
+    kinds = 2 if fast_bits is None else 3
+    fast_k, fast_v = fast_bits or (0, 0)
+    runs = torch.empty(batch * heads, 2 * kinds, num_super, dtype=torch.int32, device=device)
+    counts = torch.empty(batch * heads, kinds, dtype=torch.int32, device=device)
+    k_mode, v_mode = k.mode.contiguous(), v.mode.contiguous()
     _block_runs_kernel[(batch * heads,)](
-        k.mode.contiguous(),
-        v.mode.contiguous(),
+        k_mode,
+        v_mode,
+        k_mode if fast_bits is None else k.bits.contiguous(),
+        v_mode if fast_bits is None else v.bits.contiguous(),
         runs,
         counts,
         k.mode.shape[2],
@@ -1447,8 +1780,21 @@ def block_runs(k: CompressedOperand, v: CompressedOperand, super_block: int) -> 
         PER_K=super_block // k.block_size,
         PER_V=super_block // v.block_size,
         CHUNK=min(128, next_power_of_2(num_super)),
+        KINDS=kinds,
+        FAST_K=fast_k,
+        FAST_V=fast_v,
     )
     return runs, counts
+
+
+def uniform_width(bits: int | None, head_dim: int) -> int:
+    """The code width that uniform runs decode with compact word tiles: ``bits`` when ``32 // bits`` codes per
+    word is a power of two no wider than the padded head dimension (2, 4, 8 bits), else 0 (no uniform path)."""
+    if bits is None or bits <= 0 or bits > 8:
+        return 0
+    per_word = 32 // bits
+    pad = max(16, next_power_of_2(head_dim))
+    return bits if per_word & (per_word - 1) == 0 and per_word <= pad and 32 % bits == 0 else 0
 
 
 # Winning configurations by tuning key (COMPRESSED_TUNE_KEY's values and the dtypes that vary): after the first
@@ -1471,6 +1817,7 @@ def attention_compressed_fwd(
     *,
     bias_tile: int = 1,
     fixed_max: bool = True,
+    uniform: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -1485,6 +1832,8 @@ def attention_compressed_fwd(
     the residual-block loop unconditionally, masked by mode, instead of under a branch (measured slower on H200:
     see kernels/README.md). ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the
     autotuner. ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
+    ``uniform``: walk super-blocks whose residual blocks all use the operand's configured width (2, 4 or 8 bits)
+    in a branch-free loop with compact decoding (False: every residual super-block takes the general loop).
     """
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
@@ -1574,8 +1923,12 @@ def attention_compressed_fwd(
     elif callable(residual):
         residual = residual()
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
+    fast_k = uniform_width(_packed_bits(k), head_dim_k) if residual[0] and uniform else 0
+    fast_v = uniform_width(_packed_bits(v), head_dim_v) if residual[1] and uniform else 0
+    constexprs["FAST_BITS_K"], constexprs["FAST_BITS_V"] = fast_k, fast_v
+    constexprs["RUN_KINDS"] = 3 if fast_k or fast_v else 2
     if residual[0] or residual[1]:
-        runs, run_counts = block_runs(k, v, super_block)
+        runs, run_counts = block_runs(k, v, super_block, (fast_k, fast_v) if fast_k or fast_v else None)
     else:
         runs = run_counts = _placeholder(q.device, torch.int32)
     args = (*args, runs, run_counts, *sizes)

@@ -1,0 +1,315 @@
+"""Residual tiles of the compressed kernel: every decode path (packed at 2, 3, 4, 8 bits; promoted to 4, 5, 6,
+8 bits; exact blocks), the uniform runs (compact word tiles, no branch per tile) and the general runs, mixtures
+within one head, ragged N, GQA, dk != dv. K/V are built directly in the storage format with chosen modes and
+large residual terms (a wrong code or step moves the output far beyond the tolerance); every result is compared
+with the float64 oracle on the decompressed K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvbound import CompressionConfig
+from kvbound.codec.eager import _pack, _unpack
+from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
+from kvbound.kernels.attention_compressed import (
+    CompressedOperand,
+    _load_codes_compact,
+    attention_compressed_fwd,
+    block_runs,
+    uniform_width,
+)
+from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
+
+
+# --------------------------------------------------------------------------------------- compact decoder
+@triton.jit
+def _compact_probe(
+    Codes, Out, ROWS, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP32: tl.constexpr
+):
+    offs_n = tl.arange(0, 16)
+    codes = _load_codes_compact(Codes, 0, 0, offs_n, offs_n < ROWS, WIDTH, HEAD_DIM, D_PAD, 16, FP32)
+    offs_d = tl.arange(0, D_PAD)
+    tl.store(Out + (offs_n * D_PAD)[:, None] + offs_d[None, :], codes.to(tl.float32))
+
+
+@pytest.mark.parametrize("bits, d", [(2, 64), (4, 64), (8, 64), (4, 40), (2, 192), (8, 24)])
+def test_compact_decoder_matches_the_format(bits, d):
+    """Element (n, d) of the compact decoder is the format's code: word d // per_word, slot d % per_word; rows
+    beyond the stored ones decode as if their words were zero (the kernel gives them step 0 or mask them)."""
+    g = torch.Generator().manual_seed(bits * 1000 + d)
+    rows = 11
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, d), generator=g)
+    words = _pack(q, bits)
+    assert words.shape == (rows, words_per_row(bits, d))
+    d_pad = max(16, triton.next_power_of_2(d))
+    for fp32 in (False, True):
+        out = torch.full((16, d_pad), 12345.0, dtype=torch.float32)
+        _compact_probe[(1,)](words.reshape(-1).contiguous(), out, rows, WIDTH=bits, HEAD_DIM=d, D_PAD=d_pad, FP32=fp32)
+        assert torch.equal(out[:rows, :d].long(), _unpack(words, bits, d))
+        assert torch.equal(out[:rows, :d].long(), q)
+        assert (out[rows:] == -(1 << (bits - 1))).all()
+
+
+def test_uniform_width_only_for_power_of_two_codes_per_word():
+    assert [uniform_width(b, 64) for b in (2, 3, 4, 5, 6, 8)] == [2, 0, 4, 0, 0, 8]
+    assert uniform_width(None, 64) == 0
+    assert uniform_width(2, 8) == 2  # 16 codes per word fit the padded width 16
+    assert uniform_width(1, 8) == 0  # 32 codes per word do not
+    assert uniform_width(16, 64) == 0  # wider than the float16 mantissa trick allows
+
+
+# ------------------------------------------------------------------------------------- hand-built K/V
+def build(
+    modes: list[list[tuple[int, int]]],
+    *,
+    n: int,
+    d: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    shared: bool = True,
+    rank: int = 8,
+    seed: int = 0,
+) -> CompressedKV:
+    """A CompressedKV [1, H, n, d] whose block k of head h has ``modes[h][k] = (mode, width)``; codes, steps,
+    factors and raw values are random, codes span their whole range and steps are large."""
+    g = torch.Generator().manual_seed(seed)
+    heads, nb = len(modes), -(-n // block)
+    assert all(len(m) == nb for m in modes)
+    coeffs = torch.randn(1, heads, n, rank, generator=g)
+    if shared:
+        basis = torch.randn(heads, rank, d, generator=g) / d**0.5
+    else:
+        basis = torch.randn(1, heads, nb, rank, d, generator=g) / d**0.5
+    mode = torch.zeros(1, heads, nb, dtype=torch.int8)
+    scale = torch.zeros(1, heads, nb, dtype=torch.float32)
+    width = torch.zeros(1, heads, nb, dtype=torch.int8)
+    offset = torch.full((1, heads, nb), -1, dtype=torch.int64)
+    codes, raw = [], []
+    words_so_far = raw_so_far = 0
+    for h in range(heads):
+        for k, (m, w) in enumerate(modes[h]):
+            rows = min(n, (k + 1) * block) - k * block
+            mode[0, h, k] = m
+            if m in (MODE_PACKED, MODE_PROMOTED):
+                assert (w == bits) == (m == MODE_PACKED)
+                q = torch.randint(-(1 << (w - 1)), 1 << (w - 1), (rows, d), generator=g)
+                scale[0, h, k] = 0.6 / (1 << (w - 1))
+                width[0, h, k] = w
+                offset[0, h, k] = words_so_far
+                packed = _pack(q, w).reshape(-1)
+                codes.append(packed)
+                words_so_far += packed.numel()
+            elif m == MODE_RAW:
+                coeffs[0, h, k * block : k * block + rows] = 0.0
+                offset[0, h, k] = raw_so_far
+                values = (torch.randn(rows, d, generator=g) * 3).to(dtype).reshape(-1)
+                raw.append(values)
+                raw_so_far += values.numel()
+    return CompressedKV(
+        shape=(1, heads, n, d),
+        dtype=dtype,
+        config=CompressionConfig(block_size=block, rank=rank, bits=bits),
+        coeffs=coeffs.to(torch.float16),
+        basis=basis.to(torch.float16),
+        mode=mode,
+        scale=scale,
+        bits=width,
+        offset=offset,
+        codes=torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32),
+        raw=torch.cat(raw) if raw else torch.zeros(0, dtype=dtype),
+        shared_basis=shared,
+    )
+
+
+L = (MODE_LOWRANK, 0)
+R = (MODE_RAW, 0)
+
+
+def P(bits):  # noqa: N802 (a packed block at the configured width)
+    return (MODE_PACKED, bits)
+
+
+def W(bits):  # noqa: N802 (a promoted block)
+    return (MODE_PROMOTED, bits)
+
+
+def run(q, ck, cv, *, causal=False, uniform=True, scale=None):
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    out, _ = attention_compressed_fwd(
+        q,
+        CompressedOperand.from_compressed(ck),
+        CompressedOperand.from_compressed(cv),
+        None,
+        scale,
+        causal,
+        None,
+        uniform=uniform,
+    )
+    check_against_reference(out, q, ck.decompress(), cv.decompress(), scale=scale, causal=causal)
+    return out
+
+
+def run_kinds(ck, cv) -> list[int]:
+    """Number of runs of each kind (low-rank, uniform, general) over all heads, as the launcher builds them."""
+    k_op, v_op = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+    fast = (uniform_width(ck.config.bits, ck.head_dim), uniform_width(cv.config.bits, cv.head_dim))
+    super_block = max(ck.config.block_size, cv.config.block_size)
+    _, counts = block_runs(k_op, v_op, super_block, fast)
+    return counts.sum(0).tolist()
+
+
+CASES = {
+    # name: (K modes per head, V modes per head, K bits, V bits, n, dk, dv, block, Hq, dtype)
+    "packed4-uniform-only": (
+        [[P(4), L, P(4), P(4), P(4)]] * 2,
+        [[P(4), P(4), L, P(4), P(4)]] * 2,
+        4,
+        4,
+        150,
+        64,
+        64,
+        32,
+        4,
+        torch.float16,
+    ),
+    "packed2-and-promoted4": (
+        [[P(2), W(4), L, P(2), P(2)], [L, P(2), P(2), W(8), P(2)]],
+        [[P(2), P(2), P(2), L, W(5)], [P(2), L, W(6), P(2), P(2)]],
+        2,
+        2,
+        150,
+        64,
+        64,
+        32,
+        4,
+        torch.float16,
+    ),
+    "packed8-raw-fp32": (
+        [[P(8), R, P(8), L, P(8), P(8)]],
+        [[R, P(8), P(8), P(8), L, P(8)]],
+        8,
+        8,
+        90,
+        32,
+        48,
+        16,
+        3,
+        torch.float32,
+    ),
+    "packed3-promoted-general-only": (
+        [[P(3), W(4), W(5), W(6), W(8)]],
+        [[W(8), P(3), L, W(6), W(5)]],
+        3,
+        3,
+        77,
+        64,
+        40,
+        16,
+        2,
+        torch.float16,
+    ),
+    "mixed-widths-k4-v2-dk40-dv192": (
+        [[P(4), P(4), W(6), R, P(4)]],
+        [[P(2), P(2), P(2), W(5), L]],
+        4,
+        2,
+        70,
+        40,
+        192,
+        16,
+        4,
+        torch.float16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_residual_paths_match_reference(name):
+    k_modes, v_modes, k_bits, v_bits, n, dk, dv, block, hq, dtype = CASES[name]
+    ck = build(k_modes, n=n, d=dk, bits=k_bits, block=block, dtype=dtype, seed=1)
+    cv = build(v_modes, n=n, d=dv, bits=v_bits, block=block, dtype=dtype, seed=2)
+    q = (torch.randn(1, hq, 37, dk, generator=torch.Generator().manual_seed(3)) * 1.5).to(dtype)
+    kinds = run_kinds(ck, cv)
+    # Each case drives the loops it is named after.
+    if "uniform-only" in name:
+        assert kinds[1] > 0 and kinds[2] == 0
+    elif "general-only" in name:
+        assert kinds[1] == 0 and kinds[2] > 0
+    else:
+        assert kinds[1] > 0 and kinds[2] > 0, kinds
+    run(q, ck, cv)
+
+
+def test_uniform_and_general_loops_agree_causal_gqa():
+    """The same data through uniform runs and through the general loop only (uniform=False): both within the
+    tolerance of the oracle, causal, 4 query heads on 2 K/V heads, ragged N, K blocks of 32 and V blocks of 16."""
+    k_modes = [[P(4), P(4), L, P(4), P(4)], [P(4), W(8), P(4), P(4), L]]
+    v_modes = [[P(4), P(4), L, L, P(4), P(4), P(4), P(4), P(4), P(4)], [L] * 4 + [P(4)] * 6]
+    ck = build(k_modes, n=150, d=64, bits=4, block=32, dtype=torch.float16, seed=4)
+    cv = build(v_modes, n=150, d=32, bits=4, block=16, dtype=torch.float16, seed=5)
+    q = torch.randn(1, 4, 150, 64, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    kinds = run_kinds(ck, cv)
+    assert kinds[1] > 0 and kinds[2] > 0
+    a = run(q, ck, cv, causal=True)
+    b = run(q, ck, cv, causal=True, uniform=False)
+    assert (a.float() - b.float()).abs().max().item() < 1e-2
+
+
+def test_per_block_basis_uniform_runs_k_or_v_residual_only():
+    """Per-block bases, residual in V only, then in K only (the other operand low-rank everywhere)."""
+    lowrank = [[L] * 6]
+    packed = [[P(4), P(4), L, P(4), P(4), P(4)]]
+    q = torch.randn(1, 2, 40, 64, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    for k_modes, v_modes in ((lowrank, packed), (packed, lowrank)):
+        ck = build(k_modes, n=96, d=64, bits=4, block=16, dtype=torch.float16, shared=False, seed=8)
+        cv = build(v_modes, n=96, d=64, bits=4, block=16, dtype=torch.float16, shared=False, seed=9)
+        assert run_kinds(ck, cv)[1] > 0
+        run(q, ck, cv)
+
+
+def test_block_runs_three_kinds_match_a_python_scan():
+    """Super-blocks classed as low-rank (0), uniform (1: every block low-rank or at the fast width) or general
+    (2), and their runs, as a plain scan finds them; K blocks of 16 inside V super-blocks of 32."""
+    g = torch.Generator().manual_seed(11)
+    n, k_block, v_block = 16 * 300, 16, 32
+    nb_k, nb_v = n // k_block, n // v_block
+    mode_k = torch.randint(0, 4, (2, 2, nb_k), generator=g).to(torch.int8)
+    mode_k[torch.rand(2, 2, nb_k, generator=g) < 0.6] = 0
+    bits_k = torch.where(mode_k == 1, 4, torch.where(mode_k == 2, 8, 0)).to(torch.int8)
+    bits_k[(mode_k == 2) & (torch.rand(2, 2, nb_k, generator=g) < 0.5)] = 4  # promoted at the fast width
+    mode_v = (torch.rand(2, 2, nb_v, generator=g) < 0.4).to(torch.int8)
+    bits_v = torch.where(mode_v == 1, 2, 0).to(torch.int8)
+
+    def operand(mode, bits, block):
+        return CompressedOperand(
+            None, None, mode, None, bits, None, None, None, seq_len=n, head_dim=8, block_size=block, shared_basis=True
+        )
+
+    runs, counts = block_runs(operand(mode_k, bits_k, k_block), operand(mode_v, bits_v, v_block), 32, (4, 2))
+    assert runs.shape == (4, 6, n // 32) and counts.shape == (4, 3)
+
+    def klass(m, b, fast):
+        return 0 if m == 0 else 1 if m in (1, 2) and b == fast else 2
+
+    for row in range(4):
+        bh = divmod(row, 2)
+        flags = []
+        for s in range(n // 32):
+            ks = [klass(int(mode_k[bh][j]), int(bits_k[bh][j]), 4) for j in (2 * s, 2 * s + 1)]
+            flags.append(max(ks + [klass(int(mode_v[bh][s]), int(bits_v[bh][s]), 2)]))
+        for kind in range(3):
+            want, start = [], None
+            for i, f in enumerate(flags + [-1]):
+                if f == kind and start is None:
+                    start = i
+                elif f != kind and start is not None:
+                    want.append((start, i))
+                    start = None
+            count = int(counts[row, kind])
+            got = list(zip(runs[row, 2 * kind, :count].tolist(), runs[row, 2 * kind + 1, :count].tolist(), strict=True))
+            assert got == want, (row, kind)
+        assert all(int(counts[row, kind]) > 0 for kind in range(3))
