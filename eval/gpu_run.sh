@@ -56,7 +56,9 @@ cpus=$(nproc)
 threads=$(( cpus / 4 > 0 ? cpus / 4 : 1 ))
 
 # Write the simulator's cache once (a no-op when it is there) so the trainings do not race to write it.
-"$python_bin" -m kvbound.eval.simulate "${data_args[@]}" --out "$logs/simulation_summary.json" > "$logs/prepare.log" 2>&1
+# A failure here is left to show in the trainings' own logs, which the archive carries back.
+"$python_bin" -m kvbound.eval.simulate "${data_args[@]}" --out "$logs/simulation_summary.json" \
+  > "$logs/prepare.log" 2>&1 || echo "gpu_run: data preparation FAILED (prepare.log in the archive)" >&2
 
 elapsed=$(( $(date +%s) - start_epoch ))
 deadline=$(( start_epoch + total_budget - pack_reserve ))
@@ -113,7 +115,9 @@ nvidia-smi > "$logs/nvidia-smi.txt" 2>&1 || true
 mkdir -p eval/results/logs
 cp "$logs"/*.log "$logs"/*.txt "$logs"/*.json eval/results/logs/ 2>/dev/null || true
 archive="$out/kvbound_eval_gpu.tar.gz"
-tar -czf "$archive" eval/weights/*.safetensors eval/results
+shopt -s nullglob
+weights=(eval/weights/*.safetensors)
+tar -czf "$archive" "${weights[@]}" eval/results
 echo "gpu_run: wrote $archive ($(du -h "$archive" | cut -f1)) after $(( $(date +%s) - start_epoch ))s"
 rm -rf "$logs"
 exit "$failed"

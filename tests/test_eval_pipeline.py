@@ -70,7 +70,7 @@ def test_train_toy_model_is_seeded_and_logged(fixture_dir, tmp_path):
 def test_train_stops_cleanly_at_its_time_budget(fixture_dir, tmp_path):
     from kvbound.eval.models import load_model
 
-    budget = 8.0
+    budget = 5.0
     argv = [
         "--model",
         "alphagenome",
@@ -155,12 +155,37 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
         "default,ablation,floor",
         "--block-size",
         "16",
+        "--layer-windows",
+        "1",
+        "--scaling",
+        "1,2",
+        "--scaling-windows",
+        "1",
+        "--scaling-variants",
+        "12",
         "--device",
         "cpu",
     ]
     assert cli.main(argv) == 0
     rows = _rows(out / "quality.csv")
     models = {row["model"] for row in rows}
+    layers = _rows(out / "layers.csv")
+    assert {(row["model"], int(row["layer"])) for row in layers} == {
+        (f"{kind}_toy", layer) for kind in ("enformer", "alphagenome") for layer in (0, 1)
+    }
+    for row in layers:
+        assert int(row["bound_violations"]) == 0 and float(row["max_q_l1"]) > 0
+        assert 0 < float(row["max_logit_error"]) <= float(row["logit_bound_measured_k"])
+        assert float(row["logit_bound_measured_k"]) <= float(row["logit_bound_tau"])
+        assert float(row["logit_bound_tau"]) == pytest.approx(float(row["max_q_l1"]) * 2.0**-5, rel=1e-5)
+    scaling = _rows(out / "scaling.csv")
+    assert {(row["model"], int(row["window_bins"])) for row in scaling} == {
+        (f"{kind}_toy", bins) for kind in ("enformer", "alphagenome") for bins in (64, 128)
+    }
+    for row in scaling:
+        assert int(row["bound_violations"]) == 0 and float(row["ratio"]) > 1.0
+        assert int(row["target_bins"]) == int(row["window_bins"]) - 32  # the training edge margin kept
+        assert 0 < float(row["max_abs_prediction_change"]) < 1.0
     assert models == {"enformer_toy", "enformer_noattn_toy", "alphagenome_toy", "alphagenome_noattn_toy"}
     assert all(row["weights"].startswith("trained") for row in rows)
     by = {(row["model"], row["setting"]): row for row in rows}

@@ -15,4 +15,6 @@ Modules:
     metrics   Pearson per track and AUROC, stratified by distance.
     train     ``python -m kvbound.eval.train``.
     cli       ``kvbound eval`` (``main(argv)``).
+    fidelity  ``python -m kvbound.eval.fidelity``: the public ports under ``kvbound.patch`` on real DNA.
+    report    ``python -m kvbound.eval.report``: EVAL.md from the result files.
 """

@@ -2,6 +2,7 @@
 
     kvbound eval [--fixture DIR | --cache DIR] [--weights-dir eval/weights] [--out eval/results]
                  [--models enformer,alphagenome] [--windows 32] [--max-variants 300] [--device cuda]
+                 [--time-budget-s S] [--scaling 1,2,4] [--layer-windows 4]
 
 For each model (trained weights from ``--weights-dir`` when they exist and match the data; otherwise
 randomly initialised, and every output says so), on held-out windows of the test split:
@@ -12,10 +13,20 @@ randomly initialised, and every output says so), on held-out windows of the test
   ``kvbound.compress_kv(...).decompress()`` for: the default config; the ablations "low-rank only" (rank 8,
   residual dropped, no bound) and "quantisation only" (rank 0); the (rank, bits) sweep (16,8), (16,4),
   (8,4), (8,2), (4,2); and a tau sweep 2^-7 .. 2^-2; plus "bf16 K/V" (rounding only, the common floor);
-* the no-attention ablation models (``<kind>_noattn``) when their weights exist.
+* the no-attention ablation models (``<kind>_noattn``) when their weights exist;
+* per attention layer (default config, ``--layer-windows`` windows): the largest effective query 1-norm, the
+  Hoelder bound ``||q||_1 * tau`` on the logit change from compressed K and the measured largest change
+  (:class:`kvbound.eval.kv_hooks.LogitProbe`);
+* context length: exact against the default config with the trained weights at ``--scaling`` multiples of
+  the training window (``--scaling-windows`` windows, ``--scaling-variants`` variants).
 
-Writes ``quality.csv`` (one row per model and setting), ``quality_by_stratum.csv``, ``variants.csv``,
-``eval_run.json`` and ``pareto.png`` (compression ratio against quality loss) into ``--out``.
+``--time-budget-s``: the work runs in order of importance (exact, default, floor, ablations, layers, the two
+sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is skipped
+and listed under ``skipped`` in ``eval_run.json``.
+
+Writes ``quality.csv`` (one row per model and setting), ``quality_by_stratum.csv``, ``layers.csv``,
+``scaling.csv``, ``variants.csv``, ``eval_run.json`` and ``pareto.png`` (compression ratio against quality
+loss) into ``--out``; ``python -m kvbound.eval.report`` turns them into EVAL.md.
 """
 
 from __future__ import annotations
@@ -450,6 +461,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
             f"blocks_{mode}": (stats.mode_shares()[mode] if stats else float("nan"))
             for mode in ("lowrank", "packed", "promoted", "raw")
         },
+        "encoder_fallback": getattr(stats, "encoder_fallback", "") if stats else "",
         "pearson_mean": metrics["pearson_mean"],
         "pearson_expression": metrics["pearson_expression"],
         "pearson_expression_tss": metrics["pearson_expression_tss"],
@@ -535,6 +547,8 @@ def _layer_rows(context: _ModelContext, benchmark, args, device, autocast) -> li
                 "logit_bound_tau": record["max_q_l1"] * default.tau,
                 "logit_bound_measured_k": record["max_q_l1"] * record["max_abs_error_k"],
                 "max_logit_error": record["max_logit_error"],
+                "max_logit_error_consumed": record["max_logit_error_consumed"],
+                "model_kv_dtype": str(torch.bfloat16 if autocast else next(model.parameters()).dtype)[6:],
                 "bound_used_pct": 100 * record["max_logit_error"] / (record["max_q_l1"] * default.tau),
                 "bound_violations": record["violations"],
                 "windows": len(starts),
@@ -555,15 +569,19 @@ def _scaling_rows(context: _ModelContext, benchmark, args, device, autocast, bud
     test = split_intervals(benchmark.config, benchmark.data.length, "test")
     size = benchmark.config.bin_size
     rows, skipped = [], []
-    variants = context.variants
-    if args.scaling_variants and len(variants) > args.scaling_variants:
-        genes = list(dict.fromkeys(v.gene for v in variants))
-        kept = set(genes[:: math.ceil(len(variants) / args.scaling_variants)])
-        variants = [v for v in variants if v.gene in kept]
+    subset = context.variants
+    if args.scaling_variants and len(subset) > args.scaling_variants:
+        genes = list(dict.fromkeys(v.gene for v in subset))
+        kept = set(genes[:: math.ceil(len(subset) / args.scaling_variants)])
+        subset = [v for v in subset if v.gene in kept]
+    train = split_intervals(benchmark.config, benchmark.data.length, "train")
     for factor in args.scaling:
         window = base.window_bins * factor
         config = replace(base, window_bins=window, target_bins=window - margin)
         starts = window_starts(benchmark.simulation, test, window, stride_bins=config.target_bins)
+        first_bins = {v.tss: v.tss // size - window // 2 for v in subset}  # of the TSS-centred window
+        last_bin = benchmark.data.length // size - window
+        variants = [v for v in subset if 0 <= first_bins[v.tss] <= last_bin]  # inside the sequence
         if len(starts) == 0:
             skipped.append(f"{loaded.name} scaling x{factor}: no {window}-bin window fits the test split")
             continue
@@ -581,9 +599,11 @@ def _scaling_rows(context: _ModelContext, benchmark, args, device, autocast, bud
         flat_bins = (starts[:, None] + crop + np.arange(config.target_bins)[None]).reshape(-1)
         tss_index = np.flatnonzero(np.isin(flat_bins, tss_bins))
         bases = {}
-        if args.basis == "calibrated":
+        calibration_starts = window_starts(benchmark.simulation, train, window, stride_bins=window)
+        if args.basis == "calibrated" and len(calibration_starts):  # a training window, as at 1x
+            middle = calibration_starts[[len(calibration_starts) // 2]]
             calibration = [
-                make_batch(benchmark.data.codes, None, starts[[0]], window, config.target_bins, size, device=device)[0]
+                make_batch(benchmark.data.codes, None, middle, window, config.target_bins, size, device=device)[0]
             ]
             bases = kv_hooks.calibrate_bases(model, calibration, default)
         results = {}

@@ -80,6 +80,7 @@ class KVStats:
     max_abs_error: dict[str, float] = field(default_factory=lambda: {"k": 0.0, "v": 0.0})
     calls: int = 0
     bound_violations: int = 0
+    encoder_fallback: str = ""  # why impl="auto" fell back to the eager encoder, if it did
     # blocks per storage mode (codec only): lowrank, packed, promoted, raw
     mode_blocks: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(("lowrank", "packed", "promoted", "raw"), 0)
@@ -109,7 +110,9 @@ class CompressedKVHook:
 
     ``bases``: ``{(layer_index, "k" | "v"): kvbound.Basis}`` from :func:`calibrate_bases` (shared per-head
     projections); missing entries use the codec's per-block SVD. ``strict``: raise if an element misses the
-    bound (otherwise count it in ``stats.bound_violations``). ``impl``: the encoder, passed to ``compress_kv``.
+    bound (otherwise count it in ``stats.bound_violations``). ``impl``: the encoder, passed to ``compress_kv``;
+    ``"auto"``: Triton on CUDA with a basis and rank >= 1, else eager; if Triton raises, the eager encoder
+    (same format, same certificate) takes over and ``stats.encoder_fallback`` records why.
     """
 
     def __init__(self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager"):
@@ -118,6 +121,9 @@ class CompressedKVHook:
         self.strict = strict
         self.impl = impl
         self.stats = KVStats()
+        # the decoded values of the last call (float32, before the cast to the model's dtype): the values
+        # the bound is certified on
+        self.last_decoded: dict[str, torch.Tensor] = {}
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.stats.calls += 1
@@ -131,8 +137,17 @@ class CompressedKVHook:
         impl = self.impl
         if impl == "auto":  # the fused encoder where it applies, as kvbound.patch chooses
             impl = "triton" if stored.is_cuda and basis is not None and self.config.rank > 0 else "eager"
-        compressed = kvbound.compress_kv(stored, self.config, basis=basis, impl=impl)
+        try:
+            compressed = kvbound.compress_kv(stored, self.config, basis=basis, impl=impl)
+        except Exception as error:  # "auto" only: the eager encoder stores the same format; say so, once
+            if self.impl != "auto" or impl == "eager":
+                raise
+            self.impl = "eager"
+            self.stats.encoder_fallback = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            print(f"CompressedKVHook: the Triton encoder failed ({self.stats.encoder_fallback}); using the eager one")
+            compressed = kvbound.compress_kv(stored, self.config, basis=basis, impl="eager")
         restored = compressed.decompress().to(x.device)
+        self.last_decoded[name] = restored
         error = float((restored.double() - stored.double()).abs().max().item())
         if not error <= self.config.tau:  # also catches NaN
             self.stats.bound_violations += 1
@@ -247,9 +262,14 @@ class LogitProbe:
     * AlphaGenome: ``q_eff = q * dk**-0.5``; the logit error is measured before the soft-cap, which is
       1-Lipschitz, so the capped logits move by no more.
 
+    The bound is certified on the decoded values (float32, ``hook.last_decoded``); the model then consumes
+    them in its own dtype (bf16 under autocast), whose rounding is a separate, uncertified error:
+    ``max_logit_error_consumed`` measures the logit change with the K the model actually used.
+
     ``records[layer]`` keeps the maxima over all calls: ``max_q_l1`` (``max ||q_eff||_1`` over rows),
-    ``max_abs_error_k``, ``max_logit_error`` and ``violations`` (calls whose logit error exceeds
-    ``||q_eff||_1 * tau`` row by row). The model then runs on the compressed K and V, as with ``hook`` alone.
+    ``max_abs_error_k``, ``max_logit_error``, ``max_logit_error_consumed`` and ``violations`` (calls whose
+    logit error exceeds ``||q_eff||_1 * tau`` in some row). The model then runs on the compressed K and V, as
+    with ``hook`` alone.
     """
 
     def __init__(self, hook: CompressedKVHook, kind: str):
@@ -262,7 +282,7 @@ class LogitProbe:
 
     def kv_hook(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_hat, v_hat = self.hook(layer, k, v)
-        self._pending = (layer, k.detach().to(STORAGE_DTYPE))
+        self._pending = (layer, k.detach().to(STORAGE_DTYPE), self.hook.last_decoded["k"])
         return k_hat, v_hat
 
     def attention_fn(self, model: TrackModel) -> Callable:
@@ -274,35 +294,37 @@ class LogitProbe:
         def probed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest):
             if self._pending is None:
                 raise RuntimeError("LogitProbe: attention ran without its K/V hook; install probe.kv_hook too")
-            layer, k_stored = self._pending
+            layer, k_stored, k_decoded = self._pending
             self._pending = None
-            self._measure(layer, q, k_stored, k, rest)
+            self._measure(layer, q, k_stored, k_decoded, k, rest)
             return original(q, k, v, *rest)
 
         return probed
 
     @torch.no_grad()
-    def _measure(self, layer: int, q: torch.Tensor, k_stored: torch.Tensor, k_hat: torch.Tensor, rest) -> None:
+    def _measure(self, layer, q, k_stored, k_decoded, k_consumed, rest) -> None:
         dk = q.shape[-1]
         if self.kind == "enformer":
-            query = q.double() + rest[1].double()[:, None]  # + content bias u  [B, H, N, dk]
-            delta = k_stored.double() - k_hat.double()  # [B, H, N, dk]
-            error = torch.einsum("bhid,bhjd->bhij", query, delta)
+            query = q.double() + rest[1].double()[:, None]  # q arrives scaled by dk**-0.5; + content bias u
+            pattern = "bhid,bhjd->bhij"
         else:
             query = q.double() * dk**-0.5
-            delta = (k_stored.double() - k_hat.double())[:, 0]  # one K head: [B, N, dk]
-            error = torch.einsum("bhid,bjd->bhij", query, delta)
+            pattern = "bhid,bjd->bhij"  # one K head, shared by all query heads
+            k_stored, k_decoded, k_consumed = k_stored[:, 0], k_decoded[:, 0], k_consumed[:, 0]
+        delta = k_stored.double() - k_decoded.double()
+        row_error = torch.einsum(pattern, query, delta).abs().amax(-1)  # [B, H, N]
+        consumed = torch.einsum(pattern, query, k_stored.double() - k_consumed.double()).abs().amax(-1)
         q_l1 = query.abs().sum(-1)  # [B, H, N]
-        row_error = error.abs().amax(-1)  # [B, H, N]
-        tau = self.hook.config.tau
-        if not bool(torch.isfinite(row_error).all()):
+        if not bool(torch.isfinite(row_error).all() and torch.isfinite(consumed).all()):
             raise FloatingPointError(f"layer {layer}: logit error has NaN or Inf")
+        tau = self.hook.config.tau
         record = self.records.setdefault(
             layer,
             {
                 "max_q_l1": 0.0,
                 "max_abs_error_k": 0.0,
                 "max_logit_error": 0.0,
+                "max_logit_error_consumed": 0.0,
                 "violations": 0,
                 "softmax_scale": dk**-0.5,
             },
@@ -310,5 +332,6 @@ class LogitProbe:
         record["max_q_l1"] = max(record["max_q_l1"], float(q_l1.max()))
         record["max_abs_error_k"] = max(record["max_abs_error_k"], float(delta.abs().max()))
         record["max_logit_error"] = max(record["max_logit_error"], float(row_error.max()))
+        record["max_logit_error_consumed"] = max(record["max_logit_error_consumed"], float(consumed.max()))
         # the bound holds row by row: |q_i . (k_j - k_hat_j)| <= ||q_i||_1 * tau (tiny slack for float64 sums)
         record["violations"] += int((row_error > q_l1 * tau * (1 + 1e-12) + 1e-12).any())

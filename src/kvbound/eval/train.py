@@ -10,8 +10,9 @@ reached and seconds in the header) and ``eval/results/train_<name>.csv`` (one ro
 
 ``--time-budget-s`` bounds the wall clock of the whole run (data loading included; ``--deadline-unix`` sets
 an absolute end instead, e.g. one deadline shared by several runs): training stops cleanly before it,
-keeping room for the last validation pass and the save, and the summary records the steps reached and ``stopped_by`` ("steps" or "time_budget"). The learning-rate schedule follows whichever
-of step count and elapsed time is further along, so a budgeted run still anneals to its final rate.
+keeping room for the last validation pass and the save, and the summary records the steps reached and
+``stopped_by`` ("steps" or "time_budget"). The learning-rate schedule follows whichever of step count and
+elapsed time is further along, so a budgeted run still anneals to its final rate.
 Seeded: the same arguments on the same device give the same run (with a time budget, the same run up to
 the step at which it stops).
 """
@@ -257,6 +258,16 @@ def train(args: argparse.Namespace) -> dict:
         "train_windows": int(len(train_starts)),
         "valid_windows": int(len(valid_starts)),
         "best": best,
+        "optimizer": {
+            "name": "AdamW",
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "warmup_steps": args.warmup,
+            "schedule": "cosine to 5% over whichever of steps and time budget is further along",
+            "grad_clip_norm": 1.0,
+            "bf16_autocast": autocast,
+            "rc_augment": args.rc_augment,
+        },
         **{key: metadata[key] for key in ("data_source", "simulator_fingerprint", "seed", "steps", "batch_size")},
     }
     (log_dir / f"train_{name}.json").write_text(json.dumps(summary, indent=2) + "\n")

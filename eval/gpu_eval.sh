@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The quality benchmark on one GPU, after eval/gpu_run.sh has trained the models (eval/weights/*.safetensors
+# present in the tree), or the fidelity check of the public ports; results packed into one archive.
+#
+#   bash eval/gpu_eval.sh eval       `kvbound eval` within EVAL_BUDGET_S [300] seconds (needs eval/.cache)
+#   bash eval/gpu_eval.sh fidelity   python -m kvbound.eval.fidelity: Enformer, Borzoi, AlphaGenome ports at full
+#                                    size, random weights, one real chrX window, batch 1 (needs eval/.cache/genome,
+#                                    motifs, tss, manifest.json and the ports' wheels in .whl/, see
+#                                    benchmarks/wheels.sh)
+#
+# Environment: OUT [eval/gpu_out] (archive kvbound_eval_<mode>.tar.gz), EVAL_BATCH [8], EVAL_ARGS (extra
+# `kvbound eval` arguments, e.g. "--windows 16 --max-variants 200"), FIXTURE (a directory: the synthetic fixture, CPU smoke
+# test), DEVICE, PYTHON [python3].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-eval}"
+start_epoch=$(date +%s)
+export KVBOUND_CACHE="${KVBOUND_CACHE:-eval/.cache}"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python_bin="${PYTHON:-python3}"
+out="${OUT:-eval/gpu_out}"
+mkdir -p "$out" eval/results/logs
+data_args=(--cache "$KVBOUND_CACHE")
+if [ -n "${FIXTURE:-}" ]; then data_args=(--fixture "$FIXTURE"); fi
+device_args=()
+if [ -n "${DEVICE:-}" ]; then device_args=(--device "$DEVICE"); fi
+status=0
+case "$mode" in
+  eval)
+    # shellcheck disable=SC2086
+    "$python_bin" -m kvbound.eval.cli "${data_args[@]}" "${device_args[@]}" --out eval/results \
+      --time-budget-s "${EVAL_BUDGET_S:-300}" --batch-size "${EVAL_BATCH:-8}" ${EVAL_ARGS:-} \
+      > eval/results/logs/eval.log 2>&1 || status=$?
+    files=(eval/results/quality.csv eval/results/quality_by_stratum.csv eval/results/layers.csv
+           eval/results/scaling.csv eval/results/variants.csv eval/results/eval_run.json eval/results/pareto.png
+           eval/results/logs/eval.log)
+    ;;
+  fidelity)
+    if [ -d .whl ] && [ -z "${FIXTURE:-}" ]; then
+      "$python_bin" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/kvbound_site .whl/*.whl
+      export PYTHONPATH="/tmp/kvbound_site:$PYTHONPATH"
+    fi
+    smoke=()
+    if [ -n "${FIXTURE:-}" ]; then smoke=(--cpu-smoke); fi
+    "$python_bin" -m kvbound.eval.fidelity "${data_args[@]}" "${device_args[@]}" "${smoke[@]}" \
+      --out eval/results/fidelity.csv > eval/results/logs/fidelity.log 2>&1 || status=$?
+    files=(eval/results/fidelity.csv eval/results/logs/fidelity.log)
+    ;;
+  *)
+    echo "gpu_eval: expected 'eval' or 'fidelity', got '$mode'" >&2
+    exit 2
+    ;;
+esac
+present=()
+for file in "${files[@]}"; do [ -e "$file" ] && present+=("$file"); done
+archive="$out/kvbound_eval_$mode.tar.gz"
+tar -czf "$archive" "${present[@]}"
+echo "gpu_eval: $mode exited with $status after $(( $(date +%s) - start_epoch ))s; wrote $archive"
+tail -5 "eval/results/logs/$mode.log" || true
+exit "$status"

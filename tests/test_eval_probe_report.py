@@ -1,0 +1,156 @@
+"""The per-layer logit probe, the fidelity metrics and the EVAL.md generator."""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvbound.eval import kv_hooks, report
+from kvbound.eval.fidelity import _real_window, sqnr_db
+from kvbound.eval.models import ModelConfig, build_model
+
+
+class _ShiftHook:
+    """Returns bf16(k) + shift (a constant), as a stand-in codec whose error is known exactly."""
+
+    def __init__(self, shift: float, tau: float):
+        self.shift = shift
+        self.config = type("Config", (), {"tau": tau})()
+
+    def __call__(self, layer, k, v):
+        decoded = k.to(torch.bfloat16).double() + self.shift
+        self.last_decoded = {"k": decoded}
+        # what the model consumes: the decoded K rounded to bf16 (as under autocast on the GPU)
+        return decoded.to(torch.bfloat16).to(k.dtype), v
+
+
+@pytest.mark.parametrize("kind", ["enformer", "alphagenome"])
+def test_logit_probe_measures_the_logit_change_exactly(kind):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.toy(kind, 5, window_bins=48, target_bins=16), seed=1).double().eval()
+    seen = []
+
+    def spy(q, k, v, *rest):  # runs as the probe's "original" attention: records q and the content bias
+        seen.append((q.detach().clone(), rest[1].detach().clone() if kind == "enformer" else None))
+        return original(q, k, v, *rest)
+
+    original = model.attention[0].attention_fn
+    shift = 2.0**-7
+    probe = kv_hooks.LogitProbe(_ShiftHook(shift, tau=2.0**-6), kind)
+    with kv_hooks.install(model, lambda layer, k, v: (k, v), spy):
+        with kv_hooks.install(model, probe.kv_hook, probe.attention_fn(model)), torch.no_grad():
+            model(torch.nn.functional.one_hot(torch.randint(0, 4, (1, 48 * 128)), 4).double().transpose(1, 2))
+    assert sorted(probe.records) == [0, 1] and len(seen) == 2
+    for layer, (q, bias) in enumerate(seen):
+        dk = q.shape[-1]
+        query = q + bias[:, None] if kind == "enformer" else q * dk**-0.5
+        # every key moved by the same shift: the logit change of row i is -shift * sum_d q_eff[i, d]
+        expected_error = shift * float(query.sum(-1).abs().max())
+        record = probe.records[layer]
+        assert record["max_logit_error"] == pytest.approx(expected_error, rel=1e-9)
+        assert record["max_q_l1"] == pytest.approx(float(query.abs().sum(-1).max()), rel=1e-12)
+        assert record["max_abs_error_k"] == pytest.approx(shift, rel=1e-9)
+        assert record["violations"] == 0  # shift < tau, so the Hoelder bound holds
+        # rounding the decoded K to bf16 moves the consumed logits by a different amount, measured apart
+        assert record["max_logit_error_consumed"] != pytest.approx(expected_error, rel=1e-6)
+
+
+def test_logit_probe_needs_its_kv_hook():
+    model = build_model(ModelConfig.toy("alphagenome", 5, window_bins=32, target_bins=16), seed=0).eval()
+    probe = kv_hooks.LogitProbe(_ShiftHook(0.0, 1.0), "alphagenome")
+    with kv_hooks.install(model, lambda layer, k, v: (k, v), probe.attention_fn(model)):
+        with pytest.raises(RuntimeError, match="kv_hook"):
+            model(torch.zeros(1, 4, 32 * 128))
+    with pytest.raises(ValueError, match="kind"):
+        kv_hooks.LogitProbe(_ShiftHook(0.0, 1.0), "borzoi")
+
+
+def test_sqnr_and_real_window():
+    reference = torch.tensor([3.0, 4.0])
+    result = sqnr_db(reference + torch.tensor([0.3, -0.4]), reference)
+    assert result["sqnr_db"] == pytest.approx(20.0) and result["max_abs_error"] == pytest.approx(0.4)
+    assert result["rel_error"] == pytest.approx(0.1)
+    assert sqnr_db(reference, reference)["sqnr_db"] == math.inf
+    assert not sqnr_db(reference * math.nan, reference)["finite"]
+    with pytest.raises(ValueError, match="shape"):
+        sqnr_db(reference[:1], reference)
+    codes = np.array([0, 1, 4, 2, 3, 0, 1, 4, 2, 2, 2, 2], dtype=np.uint8)
+    np.testing.assert_array_equal(_real_window(codes, 4, 0), [2, 3, 0, 1])
+    np.testing.assert_array_equal(_real_window(codes, 3, 5), [2, 2, 2])
+    with pytest.raises(ValueError, match="N-free"):
+        _real_window(codes, 5, 0)
+
+
+def _write(path, rows):
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _quality_row(model, group, setting, tau, auroc_drop, pearson_drop, method="codec"):
+    return {
+        "model": model, "weights": f"trained: {model}.safetensors", "group": group, "setting": setting,
+        "method": method, "tau": tau, "ratio": 4.0 if method != "exact" else 1.0, "max_abs_error_k": 0.01,
+        "max_abs_error_v": 0.01, "bound_violations": 0, "pearson_mean": 0.8, "pearson_expression": 0.7,
+        "pearson_expression_tss": 0.6, "pearson_mean_drop_pct": pearson_drop, "pearson_expression_drop_pct": 0.0,
+        "auroc_all": 0.9 - auroc_drop, "auroc_drop": auroc_drop, "auroc_0-10kb": 0.9, "windows": 32,
+        "variants": 300,
+    }  # fmt: skip
+
+
+def test_report_flags_breaches_and_chooses_tau(tmp_path):
+    rows = []
+    for model in ("enformer", "alphagenome"):
+        rows.append(_quality_row(model, "exact", "exact", "nan", 0.0, 0.0, method="exact"))
+        rows.append(_quality_row(model, "default", "default r8 b4", 2.0**-5, 0.001, 0.1))
+        for exponent, auroc_drop in ((-6, 0.0), (-5, 0.001), (-4, 0.003 if model == "enformer" else 0.0),
+                                     (-3, 0.02)):  # fmt: skip
+            rows.append(_quality_row(model, "sweep_tau", f"tau 2^{exponent}", 2.0**exponent, auroc_drop, 0.2))
+    rows.append(_quality_row("enformer_noattn", "exact", "exact", "nan", 0.0, 0.0, method="exact"))
+    _write(tmp_path / "quality.csv", rows)
+    (tmp_path / "eval_run.json").write_text(json.dumps({"data": "GRCh37 chrX", "skipped": ["x scaling x4"]}))
+    text = report.render(tmp_path)
+    assert text.count("**BREACH: AUROC drop > 0.004**") == 2  # tau 2^-3 on both models
+    assert "Chosen: tau = 2^-4" in text and "confirms" not in text.split("Chosen:")[1].split("\n")[0]
+    assert "| enformer_noattn |" in text and "| enformer |" in text  # the no-attention comparison
+    assert "- enformer minus enformer_noattn: Pearson mean +0.000" in text
+    assert "Not run yet: `bash eval/gpu_eval.sh fidelity`" in text and "x scaling x4" in text
+    assert "RANDOM" not in text
+    tau, reason = report.choose_tau(rows)
+    assert tau == 2.0**-4 and "largest" in reason
+    # no tau within target: the least worst-case loss, and the reason says so
+    worse = [dict(r, auroc_drop=float(r["auroc_drop"]) + 0.01) if r["group"] == "sweep_tau" else r for r in rows]
+    tau, reason = report.choose_tau(worse)
+    assert tau == 2.0**-6 and reason.startswith("no swept tau")
+    assert report.choose_tau([r for r in rows if r["group"] != "sweep_tau"])[0] is None
+
+
+def test_report_on_empty_results_names_the_commands(tmp_path):
+    text = report.render(tmp_path)
+    assert "Not run yet: `kvbound eval` (quality.csv)." in text
+    assert "Not run yet: `bash eval/gpu_run.sh`" in text
+    out = tmp_path / "EVAL.md"
+    assert report.main(["--results", str(tmp_path), "--out", str(out)]) == 0
+    assert out.read_text() == text
+
+
+def test_fidelity_smoke_on_fixture_dna(tmp_path):
+    pytest.importorskip("enformer_pytorch", reason="the Enformer port (enformer-pytorch==0.8.12) is not installed")
+    from kvbound.eval import fidelity
+
+    out = tmp_path / "fidelity.csv"
+    argv = ["--fixture", str(tmp_path / "fixture"), "--cpu-smoke", "--ports", "enformer", "--device", "cpu"]
+    assert fidelity.main([*argv, "--out", str(out)]) == 0
+    with open(out, newline="") as handle:
+        rows = {row["variant"]: row for row in csv.DictReader(handle)}
+    assert set(rows) == {"patch-dense", "patch-compressed"}
+    assert all(row["weights"].endswith("weak evidence") and "fixture" in row["input"] for row in rows.values())
+    dense, compressed = rows["patch-dense"], rows["patch-compressed"]
+    assert int(compressed["patched_modules"]) == 2 and float(compressed["kv_ratio_mean"]) > 1.0
+    # exact K/V through kvbound's attention is closer to the port than compressed K/V, and both are close
+    assert float(dense["vs_unpatched_sqnr_db"]) > float(compressed["vs_unpatched_sqnr_db"]) > 20.0
+    assert 0 < float(compressed["vs_dense_max_abs_error"]) and float(compressed["vs_dense_sqnr_db"]) > 20.0
