@@ -114,8 +114,8 @@ def test_fused_relative_rejects_bad_inputs():
         bad[1, 3, 2] = float("nan")
         attention(q, k, v, relative_keys=bad)
     config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
-    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
-    with pytest.raises(NotImplementedError, match="relative_keys: relative positions over compressed K/V"):
+    ck, cv = kvbound.compress_kv(k[:, :1], config), kvbound.compress_kv(v[:, :1], config)
+    with pytest.raises(ValueError, match="one query head per K/V head"):
         attention(q, ck, cv, relative_keys=rk)
 
 
@@ -156,9 +156,9 @@ def _spy(monkeypatch) -> list[dict]:
     return calls
 
 
-def test_relative_core_makes_one_fused_call_for_dense_kv(monkeypatch):
-    """Dense K/V: one relative-position call over all queries, whatever query_chunk says. Compressed K/V: the
-    chunked path with a skewed bias per query chunk (the compressed kernel has no relative tile yet)."""
+def test_relative_core_makes_one_fused_call_for_dense_and_compressed_kv(monkeypatch):
+    """Dense and compressed K/V alike: one relative-position call over all queries, whatever query_chunk says
+    (compressed: against the float64 reference on the decoded K/V)."""
     q, k, v, rk, u, w = _inputs(1, 2, 40, 16, 24, torch.float32, seed=9)
     calls = _spy(monkeypatch)
     out = relative_position_attention(q, k, v, rk, u, w, scale=0.25, query_chunk=16, backend="kvbound")
@@ -170,5 +170,9 @@ def test_relative_core_makes_one_fused_call_for_dense_kv(monkeypatch):
     calls.clear()
     config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
     ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
-    relative_position_attention(q, ck, cv, rk, u, w, scale=0.25, query_chunk=16, backend="kvbound")
-    assert [c["n_q"] for c in calls] == [16, 16, 8] and not any(c["relative"] for c in calls)
+    out = relative_position_attention(q, ck, cv, rk, u, w, scale=0.25, query_chunk=16, backend="kvbound")
+    expected = relative_position_attention_reference(q, ck.decompress(), cv.decompress(), rk, u, w, scale=0.25)
+    err = (out.double() - expected).abs().max().item()
+    print(f"relative core, compressed K/V: calls {calls}, max err {err:.2e}")
+    assert calls == [dict(n_q=40, relative=True, bias=None)]
+    assert err < 2e-5

@@ -60,8 +60,8 @@ def attention(
         softcap: if given (> 0), logits become ``softcap * tanh(logits / softcap)`` after the bias and before
             the causal mask.
         relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
-            ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense K/V with
-            ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
+            ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense or
+            compressed K/V, ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
 
                 logit[i, j] = (scale q_i + u) . k_j + (scale q_i + w) . R[Nq - 1 + j - i]  (+ bias[i, j])
 
@@ -134,13 +134,10 @@ def attention(
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
-    relative = _relative_operands(
-        relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads, compressed
-    )
+    relative = _relative_operands(relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads)
 
     softcap = None if softcap is None else float(softcap)
     if compressed:
-        # _relative_operands refused relative positions with compressed K/V above.
         out, lse = torch.ops.kvbound.attention_compressed(
             q,
             k.coeffs,
@@ -170,6 +167,7 @@ def attention(
             v.shared_basis,
             k.config.bits,
             v.config.bits,
+            *relative,
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -237,7 +235,6 @@ def _relative_operands(
     q: torch.Tensor,
     n_k: int,
     kv_heads: int,
-    compressed: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Validated ``(relative_keys, content_bias [Hq, Dk] float32, position_bias [Hq, Dk] float32)``, or three
     Nones without relative positions."""
@@ -247,11 +244,6 @@ def _relative_operands(
                 raise ValueError(f"{name}: given without relative_keys (it only applies to relative positions)")
         return None, None, None
     batch, heads, n_q, head_dim = q.shape
-    if compressed:
-        raise NotImplementedError(
-            "relative_keys: relative positions over compressed K/V are not fused yet; pass dense k and v "
-            "(kvbound.models.relative_position_attention handles compressed K/V chunk by chunk)"
-        )
     if heads != kv_heads:
         raise ValueError(
             f"relative_keys: relative positions need one query head per K/V head, got Hq={heads}, Hkv={kv_heads}"
@@ -401,6 +393,9 @@ def _attention_compressed_op(
     v_shared_basis: bool,
     k_packed_bits: int,
     v_packed_bits: int,
+    relative_keys: torch.Tensor | None = None,
+    relative_content_bias: torch.Tensor | None = None,
+    relative_position_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
@@ -418,6 +413,9 @@ def _attention_compressed_op(
             "v.basis": v_basis,
             "v.scale": v_scale,
             "v.raw": v_raw,
+            "relative_keys": relative_keys,
+            "relative_content_bias": relative_content_bias,
+            "relative_position_bias": relative_position_bias,
         },
         flags=(k_mode, v_mode),
         full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k),
@@ -453,7 +451,12 @@ def _attention_compressed_op(
         shared_basis=v_shared_basis,
         packed_bits=v_packed_bits,
     )
-    return attention_compressed_fwd(q, k_op, v_op, bias, scale, causal, softcap, residual=checks, bias_tile=bias_tile)
+    relative = None
+    if relative_keys is not None:
+        relative = (relative_keys, relative_content_bias, relative_position_bias)
+    return attention_compressed_fwd(
+        q, k_op, v_op, bias, scale, causal, softcap, residual=checks, bias_tile=bias_tile, relative=relative
+    )
 
 
 @_attention_compressed_op.register_fake

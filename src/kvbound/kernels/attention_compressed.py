@@ -28,6 +28,9 @@ tile follows what the tile holds:
 * Bias, soft-cap and masks as in the dense kernel (``_common``): a full or broadcast bias, or a compact tile bias
   read at ``(query // T, key // T)``; under a small soft-cap a fixed softmax maximum, so neither the rank-space
   nor the Dv-wide accumulator is ever rescaled.
+* Transformer-XL relative positions (``RELATIVE``, one query head per K/V head): the content query
+  ``scale q + u`` is what goes through the basis and the residual codes, and every tile of every loop adds
+  ``(scale q + w) . R[Nq - 1 + j - i]`` from ``_common.relative_logits_tile``, as the dense kernel does.
 
 Precision: for 16-bit inputs every product with the factors and codes runs on float16 operands with float32
 accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too);
@@ -48,6 +51,7 @@ import triton.language as tl
 from kvbound.codec.format import CompressedKV
 from kvbound.config import CompressionConfig
 from kvbound.kernels._common import (
+    _KERNELS_INTERPRETED,
     LN2,
     broadcast_strides,
     fixed_softmax_max,
@@ -56,6 +60,7 @@ from kvbound.kernels._common import (
     launch_tuned,
     logit_multipliers,
     next_power_of_2,
+    relative_logits_tile,
     row_normaliser,
     softmax_step,
     tma_ready,
@@ -254,16 +259,24 @@ def _query_operand(
     DK_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     FP32: tl.constexpr,
+    query_scale,
+    content_bias_head,
+    RELATIVE: tl.constexpr,
 ):
     """Load the query tile and return ``(q_op, q_res_mult)``: the operand of every product with K factors and
     codes, and the per-row multiplier from those products to log2-unit logits. For 16-bit queries ``q_op`` is
-    float16 after a per-row power-of-two scaling, exact for float16 and bfloat16 alike (no overflow)."""
+    float16 after a per-row power-of-two scaling, exact for float16 and bfloat16 alike (no overflow).
+    With ``RELATIVE`` the query is Transformer-XL's content query ``scale q + u`` rounded once to q's dtype
+    (``u`` at ``content_bias_head``, float32), as the dense kernel forms it; the logit scale is then in it."""
     offs_dk = tl.arange(0, DK_PAD)
     q = tl.load(
         q_rows[:, None] + (offs_dk * stride_qd)[None, :],
         mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
         other=0.0,
     )
+    if RELATIVE:
+        content_bias = tl.load(content_bias_head + offs_dk, mask=offs_dk < HEAD_DIM_K, other=0.0)
+        q = (q.to(tl.float32) * query_scale + content_bias[None, :]).to(q.dtype)
     if FP32:
         q_op = q.to(tl.float32)
         q_res_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
@@ -436,6 +449,15 @@ def _compressed_tile(
     PREDICATED: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    q_position,
+    relative_head,
+    stride_rel_row,
+    stride_rel_d,
+    row_start,
+    N_Q,
+    N_REL,
+    logit_mult,
+    RELATIVE: tl.constexpr,
     K_UNIFORM_BITS: tl.constexpr = 0,
     V_UNIFORM_BITS: tl.constexpr = 0,
 ):
@@ -551,6 +573,23 @@ def _compressed_tile(
                     FP32,
                     PRECISION,
                 )
+    if RELATIVE:
+        # (scale q_i + w) . R[N_Q - 1 + j - i] in natural units; x is in units of row_mult (log2 units / row_mult).
+        relative = relative_logits_tile(
+            q_position,
+            relative_head,
+            stride_rel_row,
+            stride_rel_d,
+            row_start,
+            start_n,
+            N_Q,
+            N_REL,
+            HEAD_DIM_K,
+            DK_PAD,
+            BLOCK_N,
+            PRECISION,
+        )
+        x += relative * (logit_mult / row_mult)[:, None]
     p, alpha, running_max, running_sum = softmax_step(
         x,
         row_mult,
@@ -797,6 +836,15 @@ def _attention_compressed_inner(
     PREDICATED: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    q_position,
+    relative_head,
+    stride_rel_row,
+    stride_rel_d,
+    row_start,
+    N_Q,
+    N_REL,
+    logit_mult,
+    RELATIVE: tl.constexpr,
     K_UNIFORM_BITS: tl.constexpr = 0,
     V_UNIFORM_BITS: tl.constexpr = 0,
 ):
@@ -874,6 +922,15 @@ def _attention_compressed_inner(
             PREDICATED,
             BIAS_TILE,
             FIXED_MAX,
+            q_position,
+            relative_head,
+            stride_rel_row,
+            stride_rel_d,
+            row_start,
+            N_Q,
+            N_REL,
+            logit_mult,
+            RELATIVE,
             K_UNIFORM_BITS,
             V_UNIFORM_BITS,
         )
@@ -881,21 +938,32 @@ def _attention_compressed_inner(
 
 
 # ----------------------------------------------------------------------------------------------- autotune
+# Tile shapes of the relative-position variant, (BLOCK_M, BLOCK_N, warps, stages): its [BLOCK_M, 2 max(BLOCK_M,
+# BLOCK_N)] float32 relative table and the live position query need 64 rows on two warpgroups to stay clear of
+# spills (kernels/README.md has the register counts). Those not in the general list are relative-only.
+_RELATIVE_SHAPES = frozenset({(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3)})
+_GENERAL_SHAPES = (
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (64, 64, 8, 3),
+    (64, 32, 4, 3),
+    (64, 16, 4, 3),
+)
+
+
+def _shape_of(config: triton.Config) -> tuple[int, int, int, int]:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
 def compressed_configs(interpret: bool) -> list[triton.Config]:
     """Tile shapes to search; BLOCK_N must divide the codec's block size (the prune function enforces it)."""
     if interpret:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # The tile shapes that won on an H200 (Triton 3.6; kernels/README.md has the numbers). A key tile wider
     # than 64 was slower at every shape measured; narrower ones exist for codec blocks of 16 or 32 keys.
-    shapes = [
-        # (BLOCK_M, BLOCK_N, warps, stages)
-        (64, 64, 4, 3),
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (64, 64, 8, 3),
-        (64, 32, 4, 3),
-        (64, 16, 4, 3),
-    ]
+    # (BLOCK_M, BLOCK_N, warps, stages)
+    shapes = list(_GENERAL_SHAPES) + sorted(_RELATIVE_SHAPES - set(_GENERAL_SHAPES), reverse=True)
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -906,10 +974,19 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
     residual = args["K_RESIDUAL"] or args["V_RESIDUAL"]
     # The widest key tile (up to 64) that divides the codec block; every block size is a power of two >= 16.
     block_n = min(64, block_size)
+    relative = bool(args.get("RELATIVE"))
     keep = []
     for config in configs:
         block_m = config.kwargs["BLOCK_M"]
         if config.kwargs["BLOCK_N"] != block_n:
+            continue
+        shape = _shape_of(config)
+        if relative:
+            # The interpreter's one configuration, or the relative shapes only.
+            if _KERNELS_INTERPRETED or shape in _RELATIVE_SHAPES:
+                keep.append(config)
+            continue
+        if not _KERNELS_INTERPRETED and shape not in _GENERAL_SHAPES:
             continue
         if block_m * dv_pad > 128 * 128 and config.num_warps < 8:
             continue
@@ -921,6 +998,8 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
             # versions spill (d=128: 936 -> 16 bytes of stack; AlphaGenome's dv 192: 1520 -> 160).
             continue
         keep.append(config)
+    if relative:
+        return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=8, num_stages=3)]
     return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=3)]
 
 
@@ -948,6 +1027,7 @@ COMPRESSED_TUNE_KEY = [
     "SOFTCAP",
     "FIXED_MAX",
     "CAUSAL",
+    "RELATIVE",
 ]
 
 
@@ -980,6 +1060,9 @@ def _attention_compressed_fwd(
     V_raw,
     Runs,
     RunCounts,
+    RelKeys,
+    RelContentBias,
+    RelPositionBias,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -1000,6 +1083,9 @@ def _attention_compressed_fwd(
     stride_vch,
     stride_vcn,
     stride_vcr,
+    stride_rh,
+    stride_rh_row,
+    stride_rh_d,
     N_Q,
     N_K,
     H_KV,
@@ -1010,6 +1096,7 @@ def _attention_compressed_fwd(
     bias_mult,
     softcap_log2,
     fixed_max,
+    query_scale,
     TUNE_N_Q,
     TUNE_N_K,
     HEAD_DIM_K: tl.constexpr,
@@ -1038,12 +1125,15 @@ def _attention_compressed_fwd(
     SOFTCAP: tl.constexpr,
     FIXED_MAX: tl.constexpr,
     CAUSAL: tl.constexpr,
+    RELATIVE: tl.constexpr,
     FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    if RELATIVE:
+        tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
     tl.static_assert(
         BLOCK_SIZE_K % BLOCK_N == 0 and BLOCK_SIZE_V % BLOCK_N == 0, "a key tile must lie inside one codec block"
     )
@@ -1062,7 +1152,37 @@ def _attention_compressed_fwd(
 
     # ---- queries: q_op is the operand of every product with K factors/codes ----
     q_rows = Q + batch * stride_qb + row_head * stride_qh + row_query.to(tl.int64) * stride_qn
-    q_op, q_res_mult = _query_operand(q_rows, stride_qd, row_valid, logit_mult, HEAD_DIM_K, DK_PAD, BLOCK_M, FP32)
+    if RELATIVE:
+        # Transformer-XL: q_op is built from the content query scale q + u (through the basis and the residual
+        # codes alike), q_position = scale q + w reads the relative keys; both rounded once to q's dtype, as in
+        # the dense kernel; the logit scale is in them (logit_mult holds log2(e) only).
+        content_bias_head = RelContentBias + kv_head * HEAD_DIM_K
+        offs_dk = tl.arange(0, DK_PAD)
+        q_raw = tl.load(
+            q_rows[:, None] + (offs_dk * stride_qd)[None, :],
+            mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
+            other=0.0,
+        )
+        position_bias = tl.load(RelPositionBias + kv_head * HEAD_DIM_K + offs_dk, mask=offs_dk < HEAD_DIM_K, other=0.0)
+        q_position = (q_raw.to(tl.float32) * query_scale + position_bias[None, :]).to(q_raw.dtype)
+        relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
+    else:
+        content_bias_head = RelContentBias  # unused placeholders (None)
+        q_position = RelKeys
+        relative_head = RelKeys
+    q_op, q_res_mult = _query_operand(
+        q_rows,
+        stride_qd,
+        row_valid,
+        logit_mult,
+        HEAD_DIM_K,
+        DK_PAD,
+        BLOCK_M,
+        FP32,
+        query_scale,
+        content_bias_head,
+        RELATIVE,
+    )
 
     k_meta_base = (batch * H_KV + kv_head) * NB_K
     v_meta_base = (batch * H_KV + kv_head) * NB_V
@@ -1207,6 +1327,15 @@ def _attention_compressed_fwd(
                 False,
                 BIAS_TILE,
                 FIXED_MAX,
+                q_position,
+                relative_head,
+                stride_rh_row,
+                stride_rh_d,
+                row_start,
+                N_Q,
+                N_Q + N_K - 1,
+                logit_mult,
+                RELATIVE,
             )
     else:
         # Nothing to skip: one plain loop over every full super-block.
@@ -1281,12 +1410,31 @@ def _attention_compressed_fwd(
             False,
             BIAS_TILE,
             FIXED_MAX,
+            q_position,
+            relative_head,
+            stride_rh_row,
+            stride_rh_d,
+            row_start,
+            N_Q,
+            N_Q + N_K - 1,
+            logit_mult,
+            RELATIVE,
         )
     if K_RESIDUAL or V_RESIDUAL:
         if K_RESIDUAL and not K_PER_BLOCK:
             # Rebuilt here rather than kept live through loop A, which does not need it.
             q_op, q_res_mult = _query_operand(
-                q_rows, stride_qd, row_valid, logit_mult, HEAD_DIM_K, DK_PAD, BLOCK_M, FP32
+                q_rows,
+                stride_qd,
+                row_valid,
+                logit_mult,
+                HEAD_DIM_K,
+                DK_PAD,
+                BLOCK_M,
+                FP32,
+                query_scale,
+                content_bias_head,
+                RELATIVE,
             )
         if RUN_KINDS == 3:
             # Uniform runs: every block low-rank or packed at the compile-time widths, decoded from compact
@@ -1365,6 +1513,15 @@ def _attention_compressed_fwd(
                     False,
                     BIAS_TILE,
                     FIXED_MAX,
+                    q_position,
+                    relative_head,
+                    stride_rh_row,
+                    stride_rh_d,
+                    row_start,
+                    N_Q,
+                    N_Q + N_K - 1,
+                    logit_mult,
+                    RELATIVE,
                     FAST_BITS_K,
                     FAST_BITS_V,
                 )
@@ -1442,6 +1599,15 @@ def _attention_compressed_fwd(
                 PREDICATED_RESIDUAL,
                 BIAS_TILE,
                 FIXED_MAX,
+                q_position,
+                relative_head,
+                stride_rh_row,
+                stride_rh_d,
+                row_start,
+                N_Q,
+                N_Q + N_K - 1,
+                logit_mult,
+                RELATIVE,
             )
     accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
         accumulator,
@@ -1514,6 +1680,15 @@ def _attention_compressed_fwd(
         False,
         BIAS_TILE,
         FIXED_MAX,
+        q_position,
+        relative_head,
+        stride_rh_row,
+        stride_rh_d,
+        row_start,
+        N_Q,
+        N_Q + N_K - 1,
+        logit_mult,
+        RELATIVE,
     )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
@@ -1818,6 +1993,7 @@ def attention_compressed_fwd(
     bias_tile: int = 1,
     fixed_max: bool = True,
     uniform: bool = True,
+    relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -1834,16 +2010,33 @@ def attention_compressed_fwd(
     autotuner. ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
     ``uniform``: walk super-blocks whose residual blocks all use the operand's configured width (2, 4 or 8 bits)
     in a branch-free loop with compact decoding (False: every residual super-block takes the general loop).
+    ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
+    float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
+    of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
+    j - i]`` (+ bias), with ``k_j`` the decoded key.
     """
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
     group = q_heads // kv_heads
+    if relative is not None and group != 1:
+        raise ValueError(
+            f"relative: relative positions need one query head per K/V head, got Hq={q_heads}, Hkv={kv_heads}"
+        )
     out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
-    logit_mult, bias_mult, softcap_log2 = logit_multipliers(scale, softcap)
+    # With relative positions the scale is applied to q in the kernel, before the two biases.
+    logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
     bias_arg = bias if bias is not None else q
+    if relative is not None:
+        relative_keys, content_bias, position_bias = relative
+        relative_strides = relative_keys.stride()
+    else:
+        # None arguments become constexpr: without relative positions the kernel's signature and code are the
+        # same as a kernel that never had them.
+        relative_keys = content_bias = position_bias = None
+        relative_strides = (None, None, None)
     k_rank, v_rank = k.rank, v.rank
     fp32 = q.dtype == torch.float32 or k.coeffs.dtype == torch.float32 or v.coeffs.dtype == torch.float32
     super_block = max(k.block_size, v.block_size)
@@ -1879,6 +2072,7 @@ def attention_compressed_fwd(
         *out.stride(),
         *(k.coeffs.stride() if k_rank else (0, 0, 0, 0)),
         *(v.coeffs.stride() if v_rank else (0, 0, 0, 0)),
+        *relative_strides,
         n_q,
         n_k,
         kv_heads,
@@ -1889,6 +2083,7 @@ def attention_compressed_fwd(
         bias_mult,
         softcap_log2,
         0.0 if max_value is None else max_value,
+        float(scale) if relative is not None else None,
         next_power_of_2(n_q * group),
         next_power_of_2(n_k),
     )
@@ -1914,6 +2109,7 @@ def attention_compressed_fwd(
         SOFTCAP=softcap is not None,
         FIXED_MAX=max_value is not None,
         CAUSAL=causal,
+        RELATIVE=relative is not None,
         FP32=fp32,
         PRECISION="ieee" if fp32 else "tf32",
         USE_TMA=(k_rank == 0 or tma_ready(k.coeffs)) and (v_rank == 0 or tma_ready(v.coeffs)),
@@ -1931,7 +2127,7 @@ def attention_compressed_fwd(
         runs, run_counts = block_runs(k, v, super_block, (fast_k, fast_v) if fast_k or fast_v else None)
     else:
         runs = run_counts = _placeholder(q.device, torch.int32)
-    args = (*args, runs, run_counts, *sizes)
+    args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, *sizes)
     tune_key = (
         sizes[-2],
         sizes[-1],

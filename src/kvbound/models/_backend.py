@@ -3,8 +3,8 @@
 Both lean paths (relative positions, tile bias) reduce every query chunk to
 ``softmax(softcap(scale * q k^T + bias)) v`` with a ``[B, Hq, Bq, Nk]`` bias, which is exactly what
 ``kvbound.attention`` takes (the tile bias also in its compact form, ``bias_tile``, over all queries at once).
-Relative positions over dense K/V go to ``kvbound.attention`` whole (``attend_relative``): the kernel forms
-each tile's relative term on chip, so no query chunking and no bias tensor at all.
+Relative positions go to ``kvbound.attention`` whole (``attend_relative``), over dense or compressed K/V: the
+kernels form each tile's relative term on chip, so no query chunking and no bias tensor at all.
 The eager form below is the same formula in the caller's dtype with float32 logits, chunk by chunk; it is what
 runs on the CPU and whenever ``kvbound.attention`` is not importable.
 """
@@ -117,16 +117,15 @@ def attend_chunk(
 
 
 def fuses_relative(k: torch.Tensor | CompressedKV, v: torch.Tensor | CompressedKV) -> bool:
-    """Whether ``kvbound.attention`` takes relative positions for these K/V in one fused call: dense tensors.
-    Compressed K/V still go chunk by chunk with a skewed bias (the compressed kernel has no relative tile yet;
-    when it has, this is the one place to widen)."""
-    return not isinstance(k, CompressedKV) and not isinstance(v, CompressedKV)
+    """Whether ``kvbound.attention`` takes relative positions for these K/V in one fused call: both dense
+    tensors or both ``CompressedKV`` (the dense and the compressed kernels each have a relative tile)."""
+    return isinstance(k, CompressedKV) == isinstance(v, CompressedKV)
 
 
 def attend_relative(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | CompressedKV,
+    v: torch.Tensor | CompressedKV,
     relative_keys: torch.Tensor,
     content_bias: torch.Tensor,
     position_bias: torch.Tensor,
@@ -136,7 +135,8 @@ def attend_relative(
     """Transformer-XL relative-position attention over all queries in one ``kvbound.attention`` call.
 
     Args:
-        q: ``[B, H, N, Dk]`` before scaling; k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (dense, q's dtype).
+        q: ``[B, H, N, Dk]`` before scaling; k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (dense in q's dtype, or
+            both ``CompressedKV``: then the logits use the decoded keys, read in place by the compressed kernel).
         relative_keys: ``[H, 2N - 1, Dk]`` (cast to q's dtype, the kernel's operand type).
         content_bias, position_bias: ``u``, ``v`` broadcastable to ``[1, H, 1, Dk]``.
 

@@ -9,9 +9,9 @@ with a strided view, and hands ``scale q + u`` with that bias to one attention c
 
 The content term is a plain ``q' k^T`` with ``q' = scale q + u`` and scale 1, so K and V may be compressed.
 
-On the ``kvbound`` backend with dense K/V there is no chunking: one ``kvbound.attention(..., relative_keys=...)``
-call per layer, whose kernel forms each tile's relative term on chip from the ``BM + BN - 1`` relative keys the
-tile needs (``kvbound.kernels._common.relative_logits_tile``).
+On the ``kvbound`` backend there is no chunking, for dense and compressed K/V alike: one
+``kvbound.attention(..., relative_keys=...)`` call per layer, whose kernel forms each tile's relative term on chip
+from the ``BM + BN - 1`` relative keys the tile needs (``kvbound.kernels._common.relative_logits_tile``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def relative_position_attention(
         content_bias, position_bias: ``u`` and ``v`` of Transformer-XL, broadcastable to ``[1, H, 1, Dk]``.
         scale: applied to ``q`` before the biases (``Dk ** -0.5`` in the ports).
         query_chunk: rows per chunk (default: float32 logits of one chunk stay under 128 MiB). Not used on the
-            ``kvbound`` backend with dense K/V: that is one fused call over all queries.
+            ``kvbound`` backend: that is one fused call over all queries (dense or compressed K/V).
         backend: ``auto``, ``eager`` or ``kvbound`` (see ``kvbound.models._backend``).
 
     Returns:

@@ -1,0 +1,200 @@
+"""Transformer-XL relative positions (Enformer, Borzoi) inside the compressed kernel:
+``kvbound.attention(q, ckv_k, ckv_v, relative_keys=...)`` against the float64 reference on the decompressed K/V,
+through every loop of the kernel (low-rank runs, uniform residual runs, general residual runs, masked tail).
+K/V are built in the storage format with chosen block modes (``test_kernels_residual.build``).
+CPU: the kernel runs in Triton's interpreter (conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbound.attention import attention
+from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+from kvbound.models.reference import relative_position_attention_reference
+from test_attention import FLOOR  # tests/ is on sys.path (rootdir conftest)
+from test_kernels_residual import L, P, R, W, build, run_kinds
+from test_models_ports import borzoi, enformer  # noqa: F401 (the ports' fixtures; they skip when not installed)
+from test_relpos import _port_style
+
+
+def _relative_inputs(h, n, dk, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, n, dk, generator=g).to(dtype)
+    relative_keys = (torch.randn(h, 2 * n - 1, dk, generator=g) * 0.5).to(dtype)
+    u = torch.randn(1, h, 1, dk, generator=g) * 0.5
+    w = torch.randn(1, h, 1, dk, generator=g) * 0.5
+    return q, relative_keys, u, w
+
+
+CASES = {
+    # name: (K modes per head, V modes per head, n, dk, dv, shared basis, dtype, runs (low-rank, uniform, general))
+    "n1-packed-k": ([[P(4)]], [[L]], 1, 64, 192, True, torch.float16, [0, 1, 0]),
+    "n37-lowrank-only": ([[L, L, L]] * 2, [[L, L, L]] * 2, 37, 40, 48, True, torch.float32, None),
+    "n37-mixed-fp32": ([[L, P(4), R]] * 2, [[P(4), L, W(6)]] * 2, 37, 40, 48, True, torch.float32, [0, 2, 2]),
+    "n37-per-block-basis": ([[P(4), L, W(5)]], [[L, R, P(4)]], 37, 64, 192, False, torch.float16, [0, 1, 1]),
+    "n130-all-kinds": (
+        [[L, L, P(4), P(4), L, R, W(8), L, P(4)]],
+        [[L, L, L, P(4), L, L, L, L, W(6)]],
+        130,
+        64,
+        192,
+        True,
+        torch.float16,
+        [3, 1, 2],
+    ),
+    "n130-fp32-dk40": (
+        [[P(4), L, L, L, L, L, R, L, L]] * 2,
+        [[L, L, P(4), P(4), L, L, L, L, L]] * 2,
+        130,
+        40,
+        48,
+        True,
+        torch.float32,
+        [6, 4, 2],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compressed_relative_matches_float64_reference(name):
+    k_modes, v_modes, n, dk, dv, shared, dtype, kinds = CASES[name]
+    ck = build(k_modes, n=n, d=dk, bits=4, block=16, dtype=dtype, shared=shared, seed=1)
+    cv = build(v_modes, n=n, d=dv, bits=4, block=16, dtype=dtype, shared=shared, seed=2)
+    if kinds is not None:
+        assert run_kinds(ck, cv) == kinds  # the loops this case is meant to reach
+    h = len(k_modes)
+    q, rk, u, w = _relative_inputs(h, n, dk, dtype, seed=n + dk)
+    copies = [t.clone() for t in (q, rk, u, w, ck.coeffs, ck.codes, cv.coeffs, cv.codes)]
+    scale = dk**-0.5
+    out = attention(q, ck, cv, scale=scale, relative_keys=rk, relative_content_bias=u, relative_position_bias=w)
+    k_ref, v_ref = ck.decompress(), cv.decompress()
+    expected = relative_position_attention_reference(q, k_ref, v_ref, rk, u, w, scale=scale)
+    plain = _port_style(q, k_ref.to(dtype), v_ref.to(dtype), rk, u, w, scale)
+    err = (out.double() - expected).abs().max().item()
+    plain_err = (plain.double() - expected).abs().max().item()
+    print(f"compressed relpos {name}: max err {err:.2e}, port-style {dtype} on the decoded K/V {plain_err:.2e}")
+    assert out.shape == (1, h, n, dv) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert err <= 2 * plain_err + FLOOR[dtype]
+    for before, after in zip(copies, (q, rk, u, w, ck.coeffs, ck.codes, cv.coeffs, cv.codes), strict=True):
+        assert torch.equal(before, after)
+
+
+def test_compressed_relative_composes_with_bias_softcap_causal():
+    """Relative logits + an additive bias + soft-cap + causal mask, against the formula in float64 with the
+    relative logits materialised (kernel order: relative logits, bias, soft-cap, mask)."""
+    n, dk, dv, h = 45, 40, 24, 2
+    ck = build([[L, P(4), L]] * h, n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=3)
+    cv = build([[R, L, P(4)]] * h, n=n, d=dv, bits=4, block=16, dtype=torch.float32, seed=4)
+    q, rk, u, w = _relative_inputs(h, n, dk, torch.float32, seed=5)
+    bias = torch.randn(n, n, generator=torch.Generator().manual_seed(6))
+    scale = 0.3
+    out = attention(
+        q,
+        ck,
+        cv,
+        scale=scale,
+        causal=True,
+        bias=bias,
+        softcap=4.0,
+        relative_keys=rk,
+        relative_content_bias=u[0, :, 0],
+        relative_position_bias=w,
+    )
+    k_ref, v_ref = ck.decompress().double(), cv.decompress().double()
+    qs = q.double() * scale
+    table = (qs + w.double()) @ rk.double().transpose(-1, -2)
+    rows = (n - 1 + torch.arange(n)[None, :] - torch.arange(n)[:, None]).expand(1, h, n, n)
+    logits = (qs + u.double()) @ k_ref.transpose(-1, -2) + torch.gather(table, -1, rows) + bias.double()
+    logits = 4.0 * torch.tanh(logits / 4.0)
+    logits = logits.masked_fill(torch.arange(n)[None, :] > torch.arange(n)[:, None], float("-inf"))
+    expected = torch.softmax(logits, dim=-1) @ v_ref
+    err = (out.double() - expected).abs().max().item()
+    print(f"compressed relpos + bias + softcap + causal: max err {err:.2e}")
+    assert err < 2e-5
+
+
+def test_compressed_relative_traces_under_torch_compile():
+    n, dk, dv = 19, 16, 24
+    ck = build([[P(4), L]] * 2, n=n, d=dk, bits=4, block=16, dtype=torch.float16, seed=7)
+    cv = build([[L, P(4)]] * 2, n=n, d=dv, bits=4, block=16, dtype=torch.float16, seed=8)
+    q, rk, u, w = _relative_inputs(2, n, dk, torch.float16, seed=9)
+    fn = torch.compile(
+        lambda q, r, u, w: attention(q, ck, cv, relative_keys=r, relative_content_bias=u, relative_position_bias=w),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    out = fn(q, rk, u, w)
+    expected = relative_position_attention_reference(q, ck.decompress(), cv.decompress(), rk, u, w, scale=dk**-0.5)
+    err = (out.double() - expected).abs().max().item()
+    print(f"compressed relpos under torch.compile: max err {err:.2e}")
+    assert err < 2e-3
+
+
+def test_compressed_relative_needs_one_query_head_per_kv_head():
+    n, dk = 20, 16
+    ck = build([[L, L]], n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=10)
+    cv = build([[L, L]], n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=11)
+    q, rk, u, w = _relative_inputs(2, n, dk, torch.float32, seed=12)
+    with pytest.raises(ValueError, match="one query head per K/V head, got Hq=2, Hkv=1"):
+        attention(q, ck, cv, relative_keys=rk)
+    zeros = torch.zeros(2, dk)
+    with pytest.raises(ValueError, match="relative: relative positions need one query head per K/V head"):
+        attention_compressed_fwd(
+            q,
+            CompressedOperand.from_compressed(ck),
+            CompressedOperand.from_compressed(cv),
+            None,
+            0.25,
+            False,
+            None,
+            relative=(rk, zeros, zeros),
+        )
+    bad = rk.clone()
+    bad[0, 1, 2] = float("inf")
+    ck2 = build([[L, L]] * 2, n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=13)
+    with pytest.raises(ValueError, match="relative_keys"):
+        attention(q, ck2, ck2, relative_keys=bad)
+
+
+# ------------------------------------------------------------------------------------ patched ports
+@pytest.mark.parametrize("port_name", ["enformer", "borzoi"])
+def test_compressed_ports_take_one_fused_call_per_layer_within_bound(port_name, request, monkeypatch):
+    """compress=True on the kvbound backend: one relative-position call per layer over all queries on the
+    compressed K/V, each layer's output within the certified bound of the float64 reference (as the eager
+    compressed path in test_models_ports)."""
+    import test_models_ports as ports
+    from kvbound.models import attention_output_bound, linear_output_bound, patch
+    from kvbound.models.reference import borzoi_attention_module_reference, enformer_attention_module_reference
+
+    fixture = request.getfixturevalue(port_name)
+    model, attention_cls = fixture[:2]
+    x = ports._enformer_input(43) if port_name == "enformer" else fixture[2]
+    reference = enformer_attention_module_reference if port_name == "enformer" else borzoi_attention_module_reference
+    modules = ports._attention_modules(model, attention_cls)
+    with torch.no_grad():
+        seen, hooks = ports._capture_inputs(modules)
+        try:
+            model(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        handle = patch(model, ports.CONFIG, calibrate_on=x, backend="kvbound", query_chunk=16)
+        try:
+            calls = ports._count_relative_calls(monkeypatch)
+            for i, module in enumerate(modules):
+                inp = seen[i][0]
+                out = module(inp)
+                ref = reference(module, inp)
+                b, h, n, _ = ref["q"].shape
+                assert calls[i] == (n, True)
+                effective = ref["q"] * module.scale + module.rel_content_bias.double()
+                core = attention_output_bound(effective, ref["v"], tau_k=ports.CONFIG.tau, tau_v=ports.CONFIG.tau)
+                bound = linear_output_bound(core.transpose(1, 2).reshape(b, n, -1), module.to_out.weight)
+                err = (out.double() - ref["out"]).abs()
+                print(f"{port_name} layer {i} fused compressed: max err {err.max():.2e}, bound max {bound.max():.2e}")
+                assert (err <= bound + 1e-5 * (1 + ref["out"].abs())).all()
+            assert len(calls) == len(modules)
+        finally:
+            handle.undo()
