@@ -120,6 +120,10 @@ def test_report_flags_breaches_and_chooses_tau(tmp_path):
     assert "- enformer minus enformer_noattn: Pearson mean +0.000" in text
     assert "Not run yet: `bash eval/gpu_eval.sh fidelity`" in text and "x scaling x4" in text
     assert "RANDOM" not in text
+    assert "AUROC is not informative" not in text  # exact AUROC 0.9
+    at_chance = [dict(r, auroc_all=0.52) if r["model"] == "alphagenome" and r["method"] == "exact" else r for r in rows]
+    _write(tmp_path / "quality.csv", at_chance)
+    assert "**AUROC is not informative for alphagenome**" in report.render(tmp_path)
     tau, reason = report.choose_tau(rows)
     assert tau == 2.0**-4 and "largest" in reason
     # no tau within target: the least worst-case loss, and the reason says so
