@@ -1,5 +1,6 @@
 """kvbound: compressed K/V with a certified element-wise error bound, and fused attention over it."""
 
+from kvbound._checks import deferred_checks
 from kvbound.attention import attention
 from kvbound.codec import Basis, CompressedKV, calibrate, load
 from kvbound.compress import compress_kv
@@ -16,6 +17,7 @@ __all__ = [
     "CompressionConfig",
     "calibrate",
     "compress_kv",
+    "deferred_checks",
     "load",
     "patch",
     "reference_attention",

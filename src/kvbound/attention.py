@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvbound import _checks
 from kvbound._validate import check_finite_values, check_tensor
 from kvbound.codec.format import CompressedKV
 
@@ -297,6 +298,12 @@ def _queue_checks(
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias."""
     present = [(name, t) for name, t in tensors.items() if t is not None and t.is_floating_point() and t.numel()]
+    deferred = _checks.active()
+    if deferred is not None and not flags:
+        # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end.
+        q = tensors.get("q")
+        deferred.queue(f"q {list(q.shape)}" if q is not None else "", dict(present))
+        return lambda: []
     sums = [torch.sum(t, dtype=torch.float32) for _, t in present]
     sums += [torch.sum(f, dtype=torch.float32) for f in flags]
     stacked = torch.stack(sums) if sums else None

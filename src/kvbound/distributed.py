@@ -7,6 +7,9 @@ so the result equals single-device attention over the same (decompressed) K/V up
 
 What crosses the link is ``CompressedKV.nbytes`` per shard instead of the dense ``K`` and ``V``; ``RingStats``
 reports both. With NCCL on GPUs and gloo on CPUs.
+
+Transformer-XL relative positions (Enformer, Borzoi) take one global table ``relative_keys`` ``[H, 2N - 1, Dk]`` over
+the whole sequence; each (query shard, key shard) call reads the view of it that covers that pair's distances.
 """
 
 from __future__ import annotations
@@ -73,6 +76,50 @@ def _ckv_from(template: dict, tensors: list[torch.Tensor]) -> CompressedKV:
     return CompressedKV(**template, **dict(zip(_FIELDS, tensors, strict=True)))
 
 
+def _relative_rows(
+    relative_keys: torch.Tensor | None, total: int, q_start: int, q_len: int, k_start: int, k_len: int
+) -> torch.Tensor | None:
+    """The rows of the global table ``[H, 2 total - 1, Dk]`` that a block of ``q_len`` queries at global ``q_start``
+    against ``k_len`` keys at ``k_start`` reads: distances ``k_start - q_start - (q_len - 1)`` .. ``k_start - q_start +
+    k_len - 1``, i.e. ``kvbound.attention``'s local table ``[H, q_len + k_len - 1, Dk]``. A view (the kernels read
+    the table through its strides)."""
+    if relative_keys is None:
+        return None
+    first = total - 1 + k_start - q_start - (q_len - 1)
+    return relative_keys[:, first : first + q_len + k_len - 1]
+
+
+def _check_relative(
+    relative_keys: object,
+    content_bias: object,
+    position_bias: object,
+    q: torch.Tensor,
+    kv_heads: int,
+    total: int,
+) -> None:
+    """The global table's shape (``[Hq, 2 total - 1, Dk]``) before any communication, so that every rank raises the
+    same error at the same point; ``kvbound.attention`` checks the rest (the biases' shapes, devices)."""
+    if relative_keys is None:
+        for name, t in (("relative_content_bias", content_bias), ("relative_position_bias", position_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: given without relative_keys (it only applies to relative positions)")
+        return
+    check_tensor(relative_keys, "relative_keys", ndim=3, dtypes=(q.dtype,))
+    heads, head_dim = q.shape[1], q.shape[3]
+    if heads != kv_heads:
+        raise ValueError(
+            f"relative_keys: relative positions need one query head per K/V head, got Hq={heads}, Hkv={kv_heads}"
+        )
+    expected = (heads, 2 * total - 1, head_dim)
+    if tuple(relative_keys.shape) != expected:
+        raise ValueError(
+            f"relative_keys: expected the global table [Hq, 2N - 1, Dk] = {list(expected)} (N = {total}, the whole "
+            f"sequence), got {list(relative_keys.shape)}"
+        )
+    if relative_keys.device != q.device:
+        raise ValueError(f"relative_keys: expected device {q.device} (q's), got {relative_keys.device}")
+
+
 def _merge(out, lse, part_out, part_lse):
     """Exact merge of two softmax partial results given their natural-log sum-exp."""
     if out is None:
@@ -98,6 +145,9 @@ def context_parallel_attention(
     softcap: float | None = None,
     bias: BiasFn | None = None,
     bias_tile: int = 1,
+    relative_keys: torch.Tensor | None = None,
+    relative_content_bias: torch.Tensor | None = None,
+    relative_position_bias: torch.Tensor | None = None,
     return_stats: bool = False,
 ):
     """Attention of this rank's queries over the whole sequence, sharded contiguously across ``group``.
@@ -114,6 +164,14 @@ def context_parallel_attention(
             positions. With ``bias_tile=T > 1`` it returns the compact form, ``[B, Hq, ceil(q_len/T),
             ceil(k_len/T)]`` (e.g. a slice of AlphaGenome's 16x16-tile pair bias); shard starts must then be
             multiples of ``T``.
+        relative_keys: Transformer-XL relative positions with global distances: ``[Hq, 2N - 1, Dk]`` of q's dtype
+            over the whole sequence (``N`` the sum of the shard lengths, the same tensor on every rank); row ``m``
+            is the key of distance ``m - (N - 1)`` (key position minus query position), as
+            :func:`kvbound.attention`'s table for ``Nq = Nk = N``. The block of this rank's queries (global start
+            ``qo``, length ``nq``) against a key shard (start ``ko``, length ``nk``) reads the view of rows
+            ``N - 1 + ko - qo - (nq - 1)`` .. ``N - 1 + ko - qo + nk - 1``. ``Hq == Hkv`` only; dense or compressed
+            K/V; composes with ``causal``, ``bias`` and ``softcap``.
+        relative_content_bias, relative_position_bias: ``u`` and ``w``, as in :func:`kvbound.attention`.
         return_stats: also return :class:`RingStats`.
 
     Returns:
@@ -135,6 +193,8 @@ def context_parallel_attention(
         starts.append(starts[-1] + qn)
     if bias is not None and bias_tile > 1 and any(s % bias_tile for s in starts):
         raise ValueError(f"bias_tile: shard starts {starts} must be multiples of bias_tile={bias_tile}")
+    total = starts[-1] + lengths[-1][0]
+    _check_relative(relative_keys, relative_content_bias, relative_position_bias, q, k.shape[1], total)
 
     stats = RingStats()
     stats.dense_bytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) * (world - 1)
@@ -184,6 +244,8 @@ def context_parallel_attention(
             part, part_lse = attention(
                 q, k_s, v_s, scale=scale, causal=causal and src == rank, bias=block_bias, bias_tile=bias_tile,
                 softcap=softcap, return_lse=True,
+                relative_keys=_relative_rows(relative_keys, total, starts[rank], q.shape[2], starts[src], k_len),
+                relative_content_bias=relative_content_bias, relative_position_bias=relative_position_bias,
             )
             out, lse = _merge(out, lse, part, part_lse)
         for work in pending:
@@ -204,14 +266,33 @@ def allgather_attention(
     group: dist.ProcessGroup | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    relative_keys: torch.Tensor | None = None,
+    relative_content_bias: torch.Tensor | None = None,
+    relative_position_bias: torch.Tensor | None = None,
 ):
-    """The dense baseline: all-gather K/V shards (equal lengths), then local attention over the whole sequence."""
+    """The dense baseline: all-gather K/V shards (equal lengths), then local attention over the whole sequence.
+
+    ``relative_keys`` (the global table ``[Hq, 2N - 1, Dk]``, ``N = world * n_r``), ``relative_content_bias`` and
+    ``relative_position_bias`` as in :func:`context_parallel_attention`."""
     from kvbound.attention import attention
 
     world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    shard = q.shape[2]
+    total = world * shard
+    if relative_keys is not None:
+        check_tensor(q, "q", ndim=4, check_finite=False)
+        check_tensor(k, "k", ndim=4, check_finite=False)
+        if k.shape[2] != shard:
+            raise ValueError(f"q, k: expected shards of equal length, got q {q.shape[2]} and k {k.shape[2]}")
+    _check_relative(relative_keys, relative_content_bias, relative_position_bias, q, k.shape[1], total)
     ks = [torch.empty_like(k) for _ in range(world)]
     vs = [torch.empty_like(v) for _ in range(world)]
     dist.all_gather(ks, k.contiguous(), group=group)
     dist.all_gather(vs, v.contiguous(), group=group)
-    return attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), scale=scale, softcap=softcap)
+    return attention(
+        q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), scale=scale, softcap=softcap,
+        relative_keys=_relative_rows(relative_keys, total, rank * shard, shard, 0, total),
+        relative_content_bias=relative_content_bias, relative_position_bias=relative_position_bias,
+    )
 

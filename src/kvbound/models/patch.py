@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvbound import _checks
 from kvbound.codec.basis import Basis, calibrate
 from kvbound.codec.format import CompressedKV
 from kvbound.compress import compress_kv
@@ -119,6 +120,7 @@ class PatchHandle:
         self.calibration_forward_seconds = 0.0
         self._capturing = False
         self._attention_ids: set[int] = set()
+        self._hooks: list = []
         self.active = True
 
     # ------------------------------------------------------------------------------------- used by forwards
@@ -164,6 +166,9 @@ class PatchHandle:
                 del module.__dict__[record.method]
             else:
                 module.__dict__[record.method] = record._original
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self.active = False
         self._attention_ids.clear()
         if problems:
@@ -263,6 +268,8 @@ def patch(
         a :class:`PatchHandle`; ``handle.undo()`` (or leaving ``with patch(...)``) restores the model exactly.
 
     The patched forwards are for inference: Enformer/Borzoi modules in training mode with dropout raise.
+    Each forward of ``model`` runs inside :func:`kvbound.deferred_checks`: the NaN/Inf checks of its dense attention
+    calls are read once, when the forward returns (two forward hooks on ``model``, removed by ``undo``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -337,6 +344,9 @@ def patch(
                 _install(module, record, handle, port)
                 handle.helpers.append(record)
 
+    if handle.modules:
+        # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
+        handle._hooks = _checks.install_model_hooks(model)
     if handle.skipped:
         listed = "; ".join(f"{name}: {reason}" for name, reason in handle.skipped)
         warnings.warn(f"kvbound.patch left these modules unpatched: {listed}", stacklevel=2)

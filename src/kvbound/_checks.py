@@ -1,0 +1,134 @@
+"""Deferred NaN/Inf checks: one host synchronisation per block of attention calls instead of one per call.
+
+Every ``kvbound.attention`` call checks its floating-point inputs for NaN and Inf. Reading that check back to the
+host synchronises with the device; in a model forward with one attention call per layer, each synchronisation
+drains the device queue and leaves it idle while the host queues the next layer. Inside
+:func:`deferred_checks`, calls whose kernel does not depend on the data (dense K/V) queue their checks on the
+device and return at once; the block's exit reads all of them in one synchronisation and raises ``ValueError``
+naming the first call and tensor that held NaN or Inf. Compressed K/V still read their checks at the call: which
+kernel variant runs depends on whether the blocks carry a residual.
+
+The check per tensor is its largest magnitude (``vector_norm(ord=inf)`` in float32, one pass, no temporary):
+NaN and Inf propagate through it and a finite tensor always gives a finite value, so it never raises for
+finite data. Outputs computed from non-finite inputs inside the block are garbage; the error arrives at the
+block's end instead of at the call.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["deferred_checks", "DeferredChecks", "active"]
+
+_LOCAL = threading.local()
+
+
+class DeferredChecks:
+    """The checks queued inside one :func:`deferred_checks` block (``len`` = calls queued)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, list[str], torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def queue(self, label: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Queue the finite check of ``tensors`` (name -> tensor) for the call described by ``label``."""
+        names = [name for name, t in tensors.items() if t.numel()]
+        if not names:
+            return
+        peaks = [torch.linalg.vector_norm(tensors[name], ord=math.inf, dtype=torch.float32) for name in names]
+        self._pending.append((label, names, torch.stack(peaks)))
+
+    def read(self) -> None:
+        """One host read of every queued check; raise ``ValueError`` for the first call with NaN or Inf."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, peaks in pending:
+            by_device.setdefault(peaks.device, []).append(peaks)
+        values = {device: iter(torch.cat(parts).tolist()) for device, parts in by_device.items()}
+        for index, (label, names, peaks) in enumerate(pending):
+            row = [next(values[peaks.device]) for _ in names]
+            for name, value in zip(names, row, strict=True):
+                if not math.isfinite(value):
+                    raise ValueError(
+                        f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} "
+                        f"(kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: "
+                        f"{label})"
+                    )
+
+
+def _stack() -> list[DeferredChecks]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def active() -> DeferredChecks | None:
+    """The innermost open block of this thread, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def _open() -> DeferredChecks:
+    scope = DeferredChecks()
+    _stack().append(scope)
+    return scope
+
+
+def _close(scope: DeferredChecks, *, read: bool) -> None:
+    stack = _stack()
+    if scope in stack:
+        del stack[stack.index(scope) :]
+    if read:
+        scope.read()
+
+
+@contextmanager
+def deferred_checks() -> Iterator[DeferredChecks]:
+    """Defer the NaN/Inf checks of dense ``kvbound.attention`` calls to the end of the block (one host read).
+
+    ``kvbound.patch`` opens one such block around each forward of the model it patched. When the block is left
+    by an exception, the queued checks are dropped and the exception propagates unchanged."""
+    scope = _open()
+    try:
+        yield scope
+    except BaseException:
+        _close(scope, read=False)
+        raise
+    _close(scope, read=True)
+
+
+def _forward_pre_hook(module, args) -> None:
+    if torch.compiler.is_compiling():
+        return
+    _LOCAL.model_scopes = getattr(_LOCAL, "model_scopes", {})
+    _LOCAL.model_scopes.setdefault(id(module), []).append(_open())
+
+
+def _forward_hook(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
+    scopes = getattr(_LOCAL, "model_scopes", {}).get(id(module))
+    if not scopes:
+        return
+    scope = scopes.pop()
+    # Called by torch also when the forward raised (always_call): drop the checks, keep that error.
+    _close(scope, read=sys.exc_info()[0] is None)
+
+
+def install_model_hooks(model: torch.nn.Module) -> list:
+    """Open a deferred-check block around every forward of ``model``; returns the hook handles to remove."""
+    return [
+        model.register_forward_pre_hook(_forward_pre_hook),
+        model.register_forward_hook(_forward_hook, always_call=True),
+    ]

@@ -1,0 +1,125 @@
+"""kvbound.deferred_checks: NaN/Inf checks of dense attention calls read once at the end of a block."""
+
+import pytest
+import torch
+from torch import nn
+
+import kvbound
+from kvbound import _checks
+from kvbound.config import CompressionConfig
+
+
+def _qkv(seed: int = 0, n: int = 24, d: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, d, generator=g) for _ in range(3)]
+
+
+def test_finite_inputs_give_the_same_output_and_no_error():
+    q, k, v = _qkv()
+    immediate = kvbound.attention(q, k, v)
+    with kvbound.deferred_checks() as scope:
+        deferred = kvbound.attention(q, k, v)
+        assert len(scope) == 1  # queued, not read
+    torch.testing.assert_close(deferred, immediate, rtol=0, atol=0)
+    assert _checks.active() is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises_at_the_end_naming_call_and_tensor(bad):
+    q, k, v = _qkv()
+    v_bad = v.clone()
+    v_bad[0, 1, 5, 3] = bad
+    with pytest.raises(ValueError, match=r"^v: expected finite values, found (NaN|Inf) .*call 2 of 3"):
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)
+            kvbound.attention(q, k, v_bad)  # does not raise here
+            kvbound.attention(q, k, v)
+    # and without the block the same call raises at once
+    with pytest.raises(ValueError, match=r"^v: expected finite values"):
+        kvbound.attention(q, k, v_bad)
+
+
+def test_huge_finite_values_do_not_raise():
+    q, k, v = _qkv()
+    v = v.clone()
+    v[0, 0, :, :] = 3e38  # a float32 sum of these overflows; the largest magnitude does not
+    with kvbound.deferred_checks():
+        kvbound.attention(q, k, v)
+
+
+def test_an_exception_inside_the_block_propagates_unchanged():
+    q, k, v = _qkv()
+    v[0, 0, 0, 0] = float("nan")
+    with pytest.raises(KeyError, match="inner"):
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)
+            raise KeyError("inner")
+    assert _checks.active() is None
+
+
+def test_compressed_kv_is_still_checked_at_the_call():
+    q, k, v = _qkv(n=32)
+    config = CompressionConfig(block_size=16, rank=2, bits=4, tau=2**-4)
+    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    q_bad = q.clone()
+    q_bad[0, 0, 2, 2] = float("nan")
+    with kvbound.deferred_checks() as scope:
+        with pytest.raises(ValueError, match=r"^q: expected finite values"):
+            kvbound.attention(q_bad, ck, cv)
+        assert len(scope) == 0
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.fail = fail
+
+    def forward(self, q, k, v):
+        out = kvbound.attention(q, k, v)
+        out = kvbound.attention(out, k, v)
+        if self.fail:
+            raise RuntimeError("forward failed")
+        return out
+
+
+def test_model_hooks_read_once_per_forward_and_are_removable():
+    q, k, v = _qkv()
+    model = _TwoLayers()
+    hooks = _checks.install_model_hooks(model)
+    reads = []
+    original = _checks.DeferredChecks.read
+
+    def counting_read(self):
+        reads.append(len(self))
+        return original(self)
+
+    _checks.DeferredChecks.read = counting_read
+    try:
+        model(q, k, v)
+        assert reads == [2]  # two calls, one read
+        k_bad = k.clone()
+        k_bad[0, 0, 1, 1] = float("nan")
+        with pytest.raises(ValueError, match=r"^k: expected finite values.*call 1 of 2"):
+            model(q, k_bad, v)
+        model.fail = True
+        with pytest.raises(RuntimeError, match="forward failed"):
+            model(q, k_bad, v)  # the forward's own error, not the deferred one
+    finally:
+        _checks.DeferredChecks.read = original
+    assert _checks.active() is None
+    for hook in hooks:
+        hook.remove()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_patch_installs_and_undo_removes_the_hooks():
+    port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
+    model = port.Enformer.from_hparams(
+        dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
+        output_heads=dict(human=8),
+    ).eval()
+    before = (dict(model._forward_hooks), dict(model._forward_pre_hooks))
+    handle = kvbound.patch(model, compress=False, backend="eager")
+    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    handle.undo()
+    assert (dict(model._forward_hooks), dict(model._forward_pre_hooks)) == before
