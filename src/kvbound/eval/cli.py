@@ -36,6 +36,7 @@ import csv
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -209,8 +210,12 @@ def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device
     half = config.window_bins // 2
     out_index = half - (config.window_bins - config.target_bins) // 2
 
+    # Variant effects are differences of two predictions of one bin; in bf16 (8 significant bits) a single SNV's
+    # change mostly rounds away and ties the scores, so they are computed in float32 unless asked otherwise.
+    variant_autocast = autocast and args.variant_dtype == "bfloat16"
+
     def centre_expression(batch: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=variant_autocast):
             return model(batch).float()[:, out_index, expression]
 
     # the reference window of a TSS is shared by all of its variants: predict it once
@@ -281,6 +286,9 @@ def _metrics(run: dict, targets: np.ndarray, tss_index: np.ndarray, variants: li
 
 
 def _git_commit() -> str:
+    """``KVBOUND_COMMIT`` when set (machines that get a copy of the sources without their git history), else git's."""
+    if os.environ.get("KVBOUND_COMMIT"):
+        return os.environ["KVBOUND_COMMIT"]
     try:
         result = subprocess.run(
             ["git", "-C", str(REPOSITORY), "rev-parse", "--short", "HEAD"],
@@ -309,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", default="enformer,alphagenome")
     parser.add_argument("--windows", type=int, default=32, help="held-out windows for Pearson")
     parser.add_argument("--max-variants", type=int, default=300)
+    parser.add_argument(
+        "--variant-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="precision of the forwards that score variants (default float32: bf16 rounding ties small effects)",
+    )
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument(
         "--settings",
@@ -748,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulator_fingerprint": benchmark.simulator.fingerprint(),
         "basis": args.basis,
         "codec_impl": args.codec_impl,
+        "variant_dtype": args.variant_dtype,
         "seconds": round(time.perf_counter() - started, 2),
         "time_budget_s": budget,
         "skipped": skipped,

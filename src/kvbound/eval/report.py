@@ -148,7 +148,7 @@ def render(results: Path) -> str:
             f"torch {run.get('torch', '?')}, data: {run.get('data', '?')}, low-rank basis: {run.get('basis', '?')}, "
             f"encoder: {run.get('codec_impl', 'eager')}, {run.get('seconds', '?')} s"
             + (f" (budget {run['time_budget_s']} s)" if run.get("time_budget_s") else "")
-            + "."
+            + f"; variant effects scored in {run.get('variant_dtype', 'bfloat16 (under autocast, as the tracks)')}."
         )
         add("")
     random_models = sorted({row["model"] for row in quality if row["weights"].startswith("random")})
