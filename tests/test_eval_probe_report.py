@@ -124,6 +124,14 @@ def test_report_flags_breaches_and_chooses_tau(tmp_path):
     at_chance = [dict(r, auroc_all=0.52) if r["model"] == "alphagenome" and r["method"] == "exact" else r for r in rows]
     _write(tmp_path / "quality.csv", at_chance)
     assert "**AUROC is not informative for alphagenome**" in report.render(tmp_path)
+    assert "float32 (shorter rerun)" not in report.render(tmp_path)
+    (tmp_path / "variants_fp32").mkdir()
+    _write(tmp_path / "variants_fp32" / "quality.csv", at_chance)
+    text = report.render(tmp_path)
+    assert "## Variant effects scored in float32 (shorter rerun)" in text
+    assert "Still at chance level in float32" not in text  # enformer's exact AUROC is 0.9 there
+    _write(tmp_path / "variants_fp32" / "quality.csv", [dict(r, auroc_all=0.5) for r in rows])
+    assert "Still at chance level in float32" in report.render(tmp_path)
     tau, reason = report.choose_tau(rows)
     assert tau == 2.0**-4 and "largest" in reason
     # no tau within target: the least worst-case loss, and the reason says so
