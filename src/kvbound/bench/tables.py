@@ -474,6 +474,45 @@ def ring_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, table
 
 
+RING_TIME_TARGET = 0.6  # 2-GPU time per layer at most 0.6x the 1-GPU time ...
+RING_TIME_TARGET_MIN_N = 131_072  # ... at N >= 131,072
+RING_BYTES_TARGET = 3.5  # compressed ring: at least 3.5x fewer bytes on the wire than dense
+
+
+def ring_scaling_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """``--suite ring``: 2-process time over 1-process time per (N, provider), and bytes on the wire, with targets."""
+    headers = ["N", "d", "provider", "1 process p50 ms", "2 processes p50 ms", "2 / 1", "time target",
+               "dense / sent", "bytes target"]
+    latest = [r for r in latest_rows(rows, "ring", ("provider", "shape", "world_size")) if r["status"] == "ok"]
+    by_key = {(r.get("q_len"), r.get("head_dim_qk"), r["provider"], r.get("world_size")): r for r in latest}
+    table = []
+    for (n, d, provider, world), two in sorted(by_key.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0] or 0,
+                                                                                  str(kv[0][2]))):
+        if world != 2:
+            continue
+        one = by_key.get((n, d, provider, 1))
+        ratio = two["ms_p50"] / one["ms_p50"] if one and one.get("ms_p50") and two.get("ms_p50") else None
+        if ratio is None:
+            time_verdict = "no 1-process row"
+        elif (n or 0) < RING_TIME_TARGET_MIN_N:
+            time_verdict = "- (below the target's N)"
+        else:
+            time_verdict = "met" if ratio <= RING_TIME_TARGET else "MISSED"
+        sent, dense = two.get("bytes_sent"), two.get("dense_bytes_sent")
+        reduction = dense / sent if sent and dense else None
+        if provider != "ring-compressed" or reduction is None:
+            bytes_verdict = "-"
+        else:
+            bytes_verdict = "met" if reduction >= RING_BYTES_TARGET else "MISSED"
+        table.append([str(n), str(d), provider, _f(one.get("ms_p50") if one else None, ".4g"),
+                      _f(two.get("ms_p50"), ".4g"), "-" if ratio is None else f"{ratio:.2f}x",
+                      f"{time_verdict} (<= {RING_TIME_TARGET}x at N >= {RING_TIME_TARGET_MIN_N})"
+                      if ratio is not None and (n or 0) >= RING_TIME_TARGET_MIN_N else time_verdict,
+                      "-" if reduction is None else f"{reduction:.2f}x",
+                      f"{bytes_verdict} (>= {RING_BYTES_TARGET}x)" if bytes_verdict != "-" else "-"])
+    return headers, table
+
+
 # ------------------------------------------------------------------------------------------- older schemas
 LEGACY_ENCODER_COLUMNS = ("encoder", "shape", "ms", "input_GBps", "copy_ms", "ratio", "max_err_over_tau")
 LEGACY_PUBLIC_API_COLUMNS = ("N", "heads", "d", "cudnn_ms", "kvbound_compressed_ms", "kvbound_dense_ms")
