@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -33,18 +33,23 @@ class DeferredChecks:
     """The checks queued inside one :func:`deferred_checks` block (``len`` = calls queued)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[str, list[str], torch.Tensor]] = []
+        self._pending: list[tuple[object, list[str], torch.Tensor]] = []
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def queue(self, label: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Queue the finite check of ``tensors`` (name -> tensor) for the call described by ``label``."""
-        names = [name for name, t in tensors.items() if t.numel()]
-        if not names:
-            return
-        peaks = [torch.linalg.vector_norm(tensors[name], ord=math.inf, dtype=torch.float32) for name in names]
-        self._pending.append((label, names, torch.stack(peaks)))
+    def queue(self, label: object, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
+        described by ``label`` (anything; formatted with ``str`` only in an error)."""
+        pairs = tensors.items() if isinstance(tensors, dict) else tensors
+        names = []
+        peaks = []
+        for name, t in pairs:
+            if t.numel():
+                names.append(name)
+                peaks.append(torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32))
+        if names:
+            self._pending.append((label, names, torch.stack(peaks)))
 
     def read(self) -> None:
         """One host read of every queued check; raise ``ValueError`` for the first call with NaN or Inf."""

@@ -138,7 +138,10 @@ def attention(
     relative = _relative_operands(relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads)
 
     softcap = None if softcap is None else float(softcap)
-    if compressed:
+    if not compressed and _plain_eager((q, k, v, bias4, *relative)):
+        # Same function the op runs, without the dispatcher's wrapping (nothing would observe the op).
+        out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative)
+    elif compressed:
         out, lse = torch.ops.kvbound.attention_compressed(
             q,
             k.coeffs,
@@ -175,6 +178,29 @@ def attention(
             q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative
         )
     return (out, lse) if return_lse else out
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(tensors: tuple) -> bool:
+    """Whether calling an op's implementation directly is indistinguishable from calling the op: eager mode
+    (not traced by ``torch.compile``), no dispatch or function mode (fake tensors, ``FlopCounterMode``, device
+    contexts), no functorch transform, no profiler (which records the op by name), plain tensors only (no
+    subclass), and no input that requires grad while grad mode is on (the op gives those its autograd error)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch.autograd.profiler._is_profiler_enabled
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 def _check_device(device: torch.device, q: torch.Tensor, name: str) -> None:
@@ -226,7 +252,23 @@ def _relative_bias(t: object, name: str, heads: int, head_dim: int, q: torch.Ten
             f"{name}: expected shape [{heads}, {head_dim}], [{head_dim}] or one broadcastable to "
             f"[1, {heads}, 1, {head_dim}] (Hq, Dk from q), got {list(shape)}"
         )
-    return t.to(torch.float32).expand(heads, head_dim).contiguous()
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    if tuple(t.shape) != (heads, head_dim):
+        t = t.expand(heads, head_dim)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# Zero [H, Dk] float32 biases by (H, Dk, device): read-only kernel operands, so one per signature serves every call.
+_ZERO_BIASES: dict[tuple, torch.Tensor] = {}
+
+
+def _zero_bias(heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    key = (heads, head_dim, device)
+    zeros = _ZERO_BIASES.get(key)
+    if zeros is None:
+        zeros = _ZERO_BIASES[key] = torch.zeros(heads, head_dim, dtype=torch.float32, device=device)
+    return zeros
 
 
 def _relative_operands(
@@ -256,9 +298,14 @@ def _relative_operands(
         raise ValueError(
             f"relative_keys: expected shape [Hq, Nq + Nk - 1, Dk] = {list(expected)}, got {list(relative_keys.shape)}"
         )
-    zeros = torch.zeros(heads, head_dim, dtype=torch.float32, device=q.device)
-    u = zeros if content_bias is None else _relative_bias(content_bias, "relative_content_bias", heads, head_dim, q)
-    w = zeros if position_bias is None else _relative_bias(position_bias, "relative_position_bias", heads, head_dim, q)
+    if content_bias is None:
+        u = _zero_bias(heads, head_dim, q.device)
+    else:
+        u = _relative_bias(content_bias, "relative_content_bias", heads, head_dim, q)
+    if position_bias is None:
+        w = _zero_bias(heads, head_dim, q.device)
+    else:
+        w = _relative_bias(position_bias, "relative_position_bias", heads, head_dim, q)
     return relative_keys, u, w
 
 
@@ -278,18 +325,19 @@ def _bias_4d(bias: object, shape: tuple[int, int, int, int], bias_tile: int, q: 
                 f"{list(shape)} for bias_tile={bias_tile}, got {list(bias.shape)}"
             )
         raise ValueError(f"bias: expected a shape broadcastable to {list(shape)}, got {list(bias.shape)}")
-    return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    return bias if bias.dim() == 4 else bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
 
 
 # -------------------------------------------------------------------------------------------- custom ops
 def _queue_checks(
-    tensors: dict[str, torch.Tensor | None],
+    tensors: dict[str, torch.Tensor | None] | tuple[tuple[str, torch.Tensor | None], ...],
     flags: tuple[torch.Tensor, ...] = (),
     full_bias_shape: tuple[int, ...] | None = None,
 ) -> Callable[[], list[bool]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
-    and returns, for each nonnegative integer tensor in ``flags`` (modes), whether it has a nonzero element.
+    (name -> tensor, a dict or ``(name, tensor)`` pairs; None entries are skipped) and returns, for each
+    nonnegative integer tensor in ``flags`` (modes), whether it has a nonzero element.
 
     One float32 sum per tensor (NaN and Inf propagate through a sum; 16-bit inputs are summed in one pass with
     float32 accumulation), all stacked into one tensor and read back at once. A finite tensor whose sum
@@ -297,13 +345,15 @@ def _queue_checks(
     their host-side preparation, so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias."""
-    present = [(name, t) for name, t in tensors.items() if t is not None and t.is_floating_point() and t.numel()]
+    pairs = tensors.items() if isinstance(tensors, dict) else tensors
+    present = [(name, t) for name, t in pairs if t is not None and t.is_floating_point() and t.numel()]
     deferred = _checks.active()
     if deferred is not None and not flags:
-        # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end.
-        q = tensors.get("q")
-        deferred.queue(f"q {list(q.shape)}" if q is not None else "", dict(present))
-        return lambda: []
+        # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end. The call's label
+        # is only formatted for an error.
+        q = next((t for name, t in present if name == "q"), None)
+        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present)
+        return _no_flags
     sums = [torch.sum(t, dtype=torch.float32) for _, t in present]
     sums += [torch.sum(f, dtype=torch.float32) for f in flags]
     stacked = torch.stack(sums) if sums else None
@@ -322,14 +372,29 @@ def _queue_checks(
     return read
 
 
+def _no_flags() -> list[bool]:
+    return []
+
+
+class _ShapeLabel:
+    """``"q [B, H, N, D]"``, formatted only when printed."""
+
+    __slots__ = ("name", "shape")
+
+    def __init__(self, name: str, shape: torch.Size) -> None:
+        self.name, self.shape = name, shape
+
+    def __str__(self) -> str:
+        return f"{self.name} {list(self.shape)}"
+
+
 def _full_bias_shape(bias: torch.Tensor | None, bias_tile: int, q: torch.Tensor, n_k: int) -> tuple | None:
     if bias is None or bias_tile > 1:
         return None
     return (q.shape[0], q.shape[1], q.shape[2], n_k)
 
 
-@torch.library.custom_op("kvbound::attention_dense", mutates_args=())
-def _attention_dense_op(
+def _attention_dense(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -342,19 +407,21 @@ def _attention_dense_op(
     relative_content_bias: torch.Tensor | None = None,
     relative_position_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The implementation of ``kvbound::attention_dense`` (``kvbound.attention`` calls it directly in plain
+    eager mode, see ``_plain_eager``)."""
     from kvbound.kernels.attention_dense import attention_dense_fwd
 
     checks = _queue_checks(
-        {
-            "q": q,
-            "k": k,
-            "v": v,
-            "bias": bias,
-            "relative_keys": relative_keys,
-            "relative_content_bias": relative_content_bias,
-            "relative_position_bias": relative_position_bias,
-        },
-        full_bias_shape=_full_bias_shape(bias, bias_tile, q, k.shape[2]),
+        (
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("bias", bias),
+            ("relative_keys", relative_keys),
+            ("relative_content_bias", relative_content_bias),
+            ("relative_position_bias", relative_position_bias),
+        ),
+        full_bias_shape=None if bias is None or bias_tile > 1 else (*q.shape[:3], k.shape[2]),
     )
     relative = None
     if relative_keys is not None:
@@ -362,6 +429,9 @@ def _attention_dense_op(
     return attention_dense_fwd(
         q, k, v, bias, scale, causal, softcap, bias_tile=bias_tile, relative=relative, before_launch=checks
     )
+
+
+_attention_dense_op = torch.library.custom_op("kvbound::attention_dense", mutates_args=())(_attention_dense)
 
 
 @_attention_dense_op.register_fake

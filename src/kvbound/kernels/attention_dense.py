@@ -495,42 +495,108 @@ def attention_dense_fwd(
     ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 + j - i]`` (+ bias).
     ``before_launch``: called once after all host-side preparation, right before the launch (``kvbound.attention``
     reads its input checks there, so that the preparation overlaps the device work queued before it)."""
-    batch, q_heads, n_q, head_dim_k = q.shape
-    kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
-    group = q_heads // kv_heads
-    out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
-    # With relative positions the scale is applied to q in the kernel, before the two biases.
-    logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
-    max_value = fixed_softmax_max(softcap) if fixed_max else None
-    bias_arg = bias if bias is not None else q
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     if relative is not None:
         relative_keys, content_bias, position_bias = relative
-        relative_strides = relative_keys.stride()
+        relative_layout = (relative_keys.stride(), relative_keys.dtype)
     else:
         # None arguments become constexpr: without relative positions the kernel's signature and code are the
         # same as a kernel that never had them.
         relative_keys = content_bias = position_bias = None
-        relative_strides = (None, None, None)
-
-    def grid(meta):
-        return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
-
+        relative_layout = None
+    plan_key = (
+        q_shape,
+        q.stride(),
+        k_shape,
+        k.stride(),
+        v_shape,
+        v.stride(),
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype),
+        q.dtype,
+        relative_layout,
+        scale,
+        causal,
+        softcap,
+        bias_tile,
+        fixed_max,
+    )
+    plan = _PLANS.get(plan_key) if config is None else None
+    if plan is None:
+        plan = _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative)
+        if config is None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[plan_key] = plan
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     args = (
         q,
         k,
         v,
-        bias_arg,
+        q if bias is None else bias,
         out,
         lse,
         relative_keys,
         content_bias,
         position_bias,
+        *plan.scalar_args,
+    )
+    use_tma = tma_ready(k, v)
+    if before_launch is not None:
+        before_launch()
+    if config is None and plan.launch is not None:
+        grid, constexprs = plan.launch[use_tma]
+        _attention_dense_fwd.fn[grid](*args, **constexprs)
+        return out, lse
+    constexprs = {**plan.constexprs, "USE_TMA": use_tma}
+    launch_tuned(_attention_dense_fwd, _TUNED, plan.grid, args, constexprs, plan.tune_key, config)
+    if config is None:
+        plan.set_winner(_TUNED[plan.tune_key])
+    return out, lse
+
+
+# Launch plans by call signature (shapes, strides, dtypes, scalars: everything the kernel's arguments derive from
+# except the data pointers), so that repeated calls of one signature skip the argument building.
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+class _Plan:
+    """Everything of one launch that depends only on the call signature (``attention_dense_fwd``'s plan key)."""
+
+    __slots__ = ("out_shape", "lse_shape", "scalar_args", "constexprs", "tune_key", "grid", "launch")
+
+    def __init__(self, out_shape, lse_shape, scalar_args, constexprs, tune_key, grid) -> None:
+        self.out_shape, self.lse_shape, self.scalar_args = out_shape, lse_shape, scalar_args
+        self.constexprs, self.tune_key, self.grid = constexprs, tune_key, grid
+        # (grid, constexprs with the winning configuration) for USE_TMA False / True, once the winner is known.
+        self.launch: tuple | None = None
+
+    def set_winner(self, best: dict) -> None:
+        grid = self.grid({**self.constexprs, **best})
+        self.launch = tuple((grid, {**self.constexprs, "USE_TMA": use_tma, **best}) for use_tma in (False, True))
+
+
+def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative) -> _Plan:
+    batch, q_heads, n_q, head_dim_k = q.shape
+    kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = q_heads // kv_heads
+    out_shape = (batch, q_heads, n_q, head_dim_v)
+    out_strides = (q_heads * n_q * head_dim_v, n_q * head_dim_v, head_dim_v, 1)  # a new contiguous tensor
+    # With relative positions the scale is applied to q in the kernel, before the two biases.
+    logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
+    max_value = fixed_softmax_max(softcap) if fixed_max else None
+    relative_strides = relative[0].stride() if relative is not None else (None, None, None)
+
+    def grid(meta):
+        return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
+
+    scalar_args = (
         *q.stride(),
         *k.stride(),
         *v.stride(),
         *broadcast_strides(bias),
-        *out.stride(),
+        *out_strides,
         *relative_strides,
         n_q,
         n_k,
@@ -556,10 +622,13 @@ def attention_dense_fwd(
         CAUSAL=causal,
         RELATIVE=relative is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_TMA=tma_ready(k, v),
     )
-    tune_key = (args[-2], args[-1], *[constexprs[name] for name in DENSE_TUNE_KEY[2:]], q.dtype, bias_arg.dtype)
-    if before_launch is not None:
-        before_launch()
-    launch_tuned(_attention_dense_fwd, _TUNED, grid, args, constexprs, tune_key, config)
-    return out, lse
+    bias_dtype = q.dtype if bias is None else bias.dtype
+    tune_key = (
+        scalar_args[-2],
+        scalar_args[-1],
+        *[constexprs[name] for name in DENSE_TUNE_KEY[2:]],
+        q.dtype,
+        bias_dtype,
+    )
+    return _Plan(out_shape, (batch, q_heads, n_q), scalar_args, constexprs, tune_key, grid)
