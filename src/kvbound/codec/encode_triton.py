@@ -1,14 +1,15 @@
 """Triton encoder of the compressed K/V format, for a calibrated (shared) basis.
 
-Three passes over ``x``, one program per block of ``block_size`` rows of one head:
+Passes over ``x``, one program per block of ``block_size`` rows of one head:
 
-1. ``_coefficients_kernel``: ``C = x @ P^T`` in float32; the host rounds C to the stored dtype (float16 unless a
-   coefficient exceeds 2**15, as the eager encoder does).
+1. ``_coefficients_kernel``: ``C = x @ P^T`` in float32, stored as float16 (float32 when a coefficient exceeds 2**15,
+   as the eager encoder does: the kernel flags it and the host encodes again with float32); also flags NaN/Inf.
 2. ``_modes_kernel``: rebuilds ``L = C @ P`` from the stored coefficients, takes the block's largest residual, and
    picks the first storage that passes an in-kernel version of the certificate (low-rank only, ``bits``-bit codes,
-   wider codes, exact): mode, code width and step per block. The host turns widths into offsets (a cumsum).
+   wider codes, exact): mode, code width and step per block. ``_layout_kernel`` (one program) turns widths into
+   offsets and totals (a running cumsum).
 3. ``_write_kernel``: writes the packed words (loading the columns of each word directly, so no code tile is ever
-   written out), copies exact blocks, and zeroes the coefficients of exact blocks.
+   written out) into a workspace sized from the shapes, copies exact blocks, and zeroes their coefficients.
 
 The in-kernel check uses float32 arithmetic with a generous rounding allowance, so it almost never accepts what the
 exact check rejects; the float64 certificate of ``kvbound.codec.eager.uncertified_blocks`` then runs on the stored
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbound._validate import check_tensor
+from kvbound._validate import check_finite_values, check_tensor
 from kvbound.codec.basis import Basis
 from kvbound.codec.eager import _check_basis, encode, promotion_widths
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
@@ -35,6 +36,8 @@ __all__ = ["certify_triton", "encode_triton"]
 
 _STEP_MARGIN = 1.0 - 2.0**-10
 _COEFF_FP16_LIMIT = 2.0**15
+_COEFF_FP16_LIMIT_C = tl.constexpr(_COEFF_FP16_LIMIT)
+_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -74,10 +77,11 @@ def _lowrank_rows(c_ptr, p_tile, row0, rows_left, R, ROWS: tl.constexpr, R_PAD: 
 
 @triton.jit
 def _coefficients_kernel(
-    x_ptr, p_ptr, c_ptr, N, H, D, R,
+    x_ptr, p_ptr, c_ptr, summary_ptr, N, H, D, R,
     stride_xb, stride_xh, stride_xn, stride_xd,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr,
 ):
+    """C = x @ P^T, stored in C's dtype; flags non-finite x (summary[2]) and |C| > 2**15 (summary[3])."""
     k = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -87,13 +91,21 @@ def _coefficients_kernel(
     cols = tl.arange(0, D_PAD)
     p = tl.load(p_ptr + h * R * D + ranks[None, :] * D + cols[:, None],
                 mask=(ranks < R)[None, :] & (cols < D)[:, None], other=0.0).to(tl.float32)  # P^T [D_PAD, R_PAD]
+    nonfinite = 0
+    beyond_fp16 = 0
     for t in range(0, BLOCK, ROWS):
         row0 = k * BLOCK + t
-        x, _ = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, D_PAD)
+        x, x_mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, D_PAD)
         c = tl.dot(x, p, input_precision="ieee")
         rows = tl.arange(0, ROWS)
         mask = ((row0 + rows) < N)[:, None] & (ranks < R)[None, :]
-        tl.store(c_ptr + bh * N * R + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], c, mask=mask)
+        tl.store(c_ptr + bh * N * R + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :],
+                 c.to(c_ptr.dtype.element_ty), mask=mask)
+        # NaN fails every comparison, so both flags catch it.
+        nonfinite = nonfinite | tl.max(tl.max((x_mask & ~(tl.abs(x) <= _FLOAT32_MAX)).to(tl.int32), 1), 0)
+        beyond_fp16 = beyond_fp16 | tl.max(tl.max((mask & ~(tl.abs(c) <= _COEFF_FP16_LIMIT_C)).to(tl.int32), 1), 0)
+    tl.atomic_max(summary_ptr + 2, nonfinite.to(tl.int64), mask=nonfinite > 0)
+    tl.atomic_max(summary_ptr + 3, beyond_fp16.to(tl.int64), mask=beyond_fp16 > 0)
 
 
 @triton.jit
@@ -158,8 +170,38 @@ def _modes_kernel(
 
 
 @triton.jit
+def _layout_kernel(
+    mode_ptr, width_ptr, offset_ptr, summary_ptr, TOTAL, NB, N, D,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Offsets of every block in ``codes``/``raw`` (block order b, h, k) and both totals (summary[0], summary[1]).
+
+    One program scans all blocks CHUNK at a time: the running totals carry from chunk to chunk."""
+    code_total = tl.full((), 0, tl.int64)
+    raw_total = tl.full((), 0, tl.int64)
+    for start in range(0, TOTAL, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        ok = index < TOTAL
+        mode = tl.load(mode_ptr + index, mask=ok, other=0).to(tl.int32)
+        width = tl.load(width_ptr + index, mask=ok, other=0).to(tl.int32)
+        rows = tl.minimum(N - (index % NB) * BLOCK, BLOCK).to(tl.int64)  # the last block may be short
+        per_word = 32 // tl.maximum(width, 1)
+        code_words = tl.where(width > 0, rows * ((D + per_word - 1) // per_word), 0)
+        raw_elems = tl.where(mode == 3, rows * D, 0)
+        code_end = tl.cumsum(code_words, 0) + code_total
+        raw_end = tl.cumsum(raw_elems, 0) + raw_total
+        offset = tl.where(mode == 3, raw_end - raw_elems, tl.where(width > 0, code_end - code_words, -1))
+        tl.store(offset_ptr + index, offset, mask=ok)
+        code_total += tl.sum(code_words, 0)
+        raw_total += tl.sum(raw_elems, 0)
+    tl.store(summary_ptr, code_total)
+    tl.store(summary_ptr + 1, raw_total)
+
+
+@triton.jit
 def _write_kernel(
     x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, N, H, D, R, NB,
+    codes_capacity, raw_capacity,
     stride_xb, stride_xh, stride_xn, stride_xd,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, WPR_PAD: tl.constexpr,
     IEEE: tl.constexpr,
@@ -202,7 +244,7 @@ def _write_kernel(
                 u = tl.where(col_ok[None, :], q.to(tl.int32) + (1 << (width - 1)), 0)
                 packed = packed | (u << (i * width))
             dest = offset + (t + rows)[:, None].to(tl.int64) * wpr + words[None, :]
-            tl.store(codes_ptr + dest, packed, mask=row_ok[:, None] & (words < wpr)[None, :])
+            tl.store(codes_ptr + dest, packed, mask=row_ok[:, None] & (words < wpr)[None, :] & (dest < codes_capacity))
     if mode == 3:
         cols = tl.arange(0, D_PAD)
         for t in range(0, BLOCK, ROWS):
@@ -211,7 +253,8 @@ def _write_kernel(
             mask = row_ok[:, None] & (cols < D)[None, :]
             x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
                         mask=mask, other=0.0)
-            tl.store(raw_ptr + offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :], x, mask=mask)
+            dest = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
+            tl.store(raw_ptr + dest, x, mask=mask & (dest < raw_capacity))
             zero = tl.zeros((ROWS, R_PAD), dtype=c_ptr.dtype.element_ty)
             tl.store(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], zero,
                      mask=row_ok[:, None] & (ranks < R)[None, :])
@@ -219,12 +262,13 @@ def _write_kernel(
 
 @triton.jit
 def _certify_kernel(
-    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, bad_ptr,
-    N, H, D, R, NB, tau, gamma,
+    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, bad_ptr, any_bad_ptr,
+    N, H, D, R, NB, tau, gamma, codes_capacity, raw_capacity,
     stride_xb, stride_xh, stride_xn, stride_xd,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """The float64 certificate of ``uncertified_blocks`` for one block, evaluated in-kernel."""
+    """The float64 certificate of ``uncertified_blocks`` for one block, evaluated in-kernel: per block in ``bad``,
+    and any failure raises ``any_bad`` to 1. Reads stay below the capacities (a block beyond them fails)."""
     k = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -245,9 +289,10 @@ def _certify_kernel(
         x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
                     mask=mask, other=0.0)
         if mode == 3:
-            stored = tl.load(raw_ptr + offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :], mask=mask,
-                             other=0.0)
-            bad = bad | tl.max(tl.max((mask & (stored != x)).to(tl.int32), 1), 0)
+            source = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
+            inside = source < raw_capacity
+            stored = tl.load(raw_ptr + source, mask=mask & inside, other=0.0)
+            bad = bad | tl.max(tl.max((mask & ((stored != x) | ~inside)).to(tl.int32), 1), 0)
         else:
             x64 = x.to(tl.float64)
             low = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
@@ -261,8 +306,10 @@ def _certify_kernel(
             if width > 0:
                 per_word = 32 // width
                 wpr = (D + per_word - 1) // per_word
-                word_index = (t + rows)[:, None].to(tl.int64) * wpr + (cols // per_word)[None, :]
-                word = tl.load(codes_ptr + offset + word_index, mask=mask, other=0)
+                source = offset + (t + rows)[:, None].to(tl.int64) * wpr + (cols // per_word)[None, :]
+                inside = source < codes_capacity
+                word = tl.load(codes_ptr + source, mask=mask & inside, other=0)
+                bad = bad | tl.max(tl.max((mask & ~inside).to(tl.int32), 1), 0)
                 u = (word >> ((cols % per_word) * width)[None, :]) & ((1 << width) - 1)
                 qs = (u - (1 << (width - 1))).to(tl.float64) * step
                 y = low + qs
@@ -271,6 +318,7 @@ def _certify_kernel(
             err = tl.abs(x64 - y32.to(tl.float64)) + _ulp(y32).to(tl.float64) + gamma * low_abs
             bad = bad | tl.max(tl.max((mask & ~(err <= tau)).to(tl.int32), 1), 0)
     tl.store(bad_ptr + bh * NB + k, bad.to(tl.int8))
+    tl.atomic_max(any_bad_ptr, bad.to(tl.int64), mask=bad > 0)
 
 
 def certify_triton(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
@@ -282,22 +330,42 @@ def certify_triton(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("ckv: certify_triton reads a shared basis; use uncertified_blocks for per-block bases")
     if tuple(x.shape) != ckv.shape:
         raise ValueError(f"x: expected shape {ckv.shape}, got {tuple(x.shape)}")
-    batch, heads, n, d = ckv.shape
-    nb, r, block = ckv.num_blocks, ckv.rank, ckv.config.block_size
-    d_pad = max(16, triton.next_power_of_2(d))
-    bad = torch.empty(batch, heads, nb, dtype=torch.int8, device=ckv.device)
+    bad = torch.empty(ckv.shape[:2] + (ckv.num_blocks,), dtype=torch.int8, device=ckv.device)
+    any_bad = torch.zeros(1, dtype=torch.int64, device=ckv.device)
     # an empty coefficient tensor (rank 0) still needs a valid pointer
     coeffs = ckv.coeffs if ckv.coeffs.numel() else ckv.scale
-    _certify_kernel[(nb, batch * heads)](
-        x, ckv.basis, coeffs, ckv.mode, ckv.bits, ckv.scale, ckv.offset, ckv.codes, ckv.raw, bad, n, heads, d, r, nb,
-        ckv.config.tau, (r + 2) * 2.0**-52, *x.stride(), BLOCK=block, ROWS=_rows_per_tile(block, d_pad), D_PAD=d_pad,
-    )
+    _launch_certify(x, ckv.basis, coeffs, ckv.mode, ckv.bits, ckv.scale, ckv.offset, ckv.codes, ckv.raw, bad, any_bad,
+                    ckv.config)
     return bad.bool()
+
+
+def _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, config) -> None:
+    batch, heads, n, d = x.shape
+    nb, r, block = mode.shape[-1], projection.shape[1], config.block_size
+    d_pad = max(16, triton.next_power_of_2(d))
+    _certify_kernel[(nb, batch * heads)](
+        x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, n, heads, d, r, nb,
+        config.tau, (r + 2) * 2.0**-52, codes.numel(), raw.numel(), *x.stride(),
+        BLOCK=block, ROWS=_certify_rows_per_tile(block, d_pad), D_PAD=d_pad,
+    )
 
 
 def _rows_per_tile(block: int, d_pad: int) -> int:
     # Keep a [ROWS, D_PAD] float32 tile around 8K elements.
     return max(16, min(block, 8192 // d_pad))
+
+
+def _certify_rows_per_tile(block: int, d_pad: int) -> int:
+    # The certificate holds three float64 [ROWS, D_PAD] tiles; 2K elements each compile for sm_90 with no spills
+    # (Triton 3.6: 8K elements spilled 1.5 KB per thread). The verdict per element does not depend on the tiling.
+    return max(16, min(block, 2048 // d_pad))
+
+
+# summary[i]: what the single host read of an encode returns (int64 each).
+_CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED = range(5)
+# Exact blocks are rare; a workspace for an eighth of the tensor covers them without a second read.
+_RAW_WORKSPACE_FRACTION = 8
+_LAYOUT_CHUNK = 1024
 
 
 def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, verify: bool = True) -> CompressedKV:
@@ -309,10 +377,16 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
     is allowed twice the error of round-to-nearest), and the value ``decompress`` returns differs from the exact one
     by at most one more half ulp; the check charges ``2 ulp + 4 (r + 3) u (sum|c p| + |q s|)`` and tests against
     ``tau (1 - 2**-16)``. The default keeps the exact float64 certificate on the stored numbers.
+
+    One host read per call: every kernel is queued first (codes and exact values go to workspaces sized from the
+    shapes), then the sizes of ``codes`` and ``raw``, the NaN/Inf and float16-range flags and the certificate's
+    verdict come back together. A second read happens only when coefficients exceed float16 (the tensor is encoded
+    again with float32 coefficients) or when more than an eighth of the tensor is stored exactly.
     """
     if not isinstance(config, CompressionConfig):
         raise TypeError(f"config: expected kvbound.CompressionConfig, got {type(config).__name__}")
-    check_tensor(x, "x", ndim=4)
+    # NaN/Inf are flagged by the first kernel and raised after the one host read (same error as check_tensor).
+    check_tensor(x, "x", ndim=4, check_finite=False)
     batch, heads, n, d = x.shape
     config.check_head_dim(d, "x")
     if basis is None:
@@ -321,6 +395,20 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
     if config.rank == 0:
         raise ValueError("config: the Triton encoder needs rank >= 1; use impl='eager' for rank 0")
     start = time.perf_counter()
+    ckv = _encode(x, config, basis, torch.float16, verify)
+    if ckv is None:  # coefficients beyond float16: the eager encoder's rule is float32 for the whole tensor
+        ckv = _encode(x, config, basis, torch.float32, verify)
+    if ckv is None:  # the float64 certificate rejected a block
+        return encode(x, config, basis)
+    ckv.encode_seconds = time.perf_counter() - start
+    return ckv
+
+
+def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtype: torch.dtype,
+            verify: bool) -> CompressedKV | None:
+    """One pass of the four kernels with ``coeff_dtype`` coefficients; None when the result cannot be returned
+    (float16 coefficients out of range, or a block failed the certificate)."""
+    batch, heads, n, d = x.shape
     device = x.device
     r, block, tau = config.rank, config.block_size, config.tau
     nb = -(-n // block)
@@ -331,14 +419,12 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
     projection = basis.projection.to(device).contiguous()
     grid = (nb, bh)
     strides = x.stride()
+    ieee = coeff_dtype != torch.float16
 
-    coeff32 = torch.empty(batch, heads, n, r, dtype=torch.float32, device=device)
-    _coefficients_kernel[grid](x, projection, coeff32, n, heads, d, r, *strides,
+    summary = torch.zeros(5, dtype=torch.int64, device=device)
+    coeffs = torch.empty(batch, heads, n, r, dtype=coeff_dtype, device=device)
+    _coefficients_kernel[grid](x, projection, coeffs, summary, n, heads, d, r, *strides,
                                BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad)
-    small = bool(coeff32.abs().max() <= _COEFF_FP16_LIMIT) if coeff32.numel() else True
-    coeffs = coeff32.to(torch.float16 if small else torch.float32)
-    del coeff32
-    ieee = not small
 
     mode = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
     width = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
@@ -349,31 +435,45 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
                         tau * (1.0 - 2.0**-16), 2.0 * tau * _STEP_MARGIN, gamma, *strides,
                         BITS=config.bits, BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad, IEEE=ieee)
 
-    rows_in_block = torch.full((nb,), block, dtype=torch.int64, device=device)
-    rows_in_block[-1] = n - (nb - 1) * block
-    wpr_of = torch.zeros(9, dtype=torch.int64, device=device)
-    for w in promotion_widths(config.bits):
-        wpr_of[w] = words_per_row(w, d)
-    code_words = (rows_in_block * wpr_of[width.long()]).reshape(-1)
-    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, 0).reshape(-1)
-    code_offset = torch.cumsum(code_words, 0) - code_words
-    raw_offset = torch.cumsum(raw_elems, 0) - raw_elems
-    offset = torch.where(width.reshape(-1) > 0, code_offset, -1)
-    offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(batch, heads, nb)
-    codes = torch.empty(int(code_words.sum()), dtype=torch.int32, device=device)
-    raw = torch.empty(int(raw_elems.sum()), dtype=x.dtype, device=device)
-    # the widest promotion (8 bits) has the most words per row
-    wpr_pad = max(16, triton.next_power_of_2(max(words_per_row(w, d) for w in promotion_widths(config.bits))))
-    _write_kernel[grid](x, projection, coeffs, mode, width, step, offset, codes, raw, n, heads, d, r, nb, *strides,
-                        BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad, WPR_PAD=wpr_pad, IEEE=ieee)
-    ckv = CompressedKV(
+    offset = torch.empty(batch, heads, nb, dtype=torch.int64, device=device)
+    _layout_kernel[(1,)](mode, width, offset, summary, bh * nb, nb, n, d, BLOCK=block, CHUNK=_LAYOUT_CHUNK)
+
+    # Workspaces sized from the shapes: every block at the widest code, and an eighth of the tensor exact.
+    widest = max(words_per_row(w, d) for w in promotion_widths(config.bits))
+    codes = torch.empty(bh * n * widest, dtype=torch.int32, device=device)
+    raw = torch.empty(max(block * d, bh * n * d // _RAW_WORKSPACE_FRACTION), dtype=x.dtype, device=device)
+    bad = torch.empty(batch, heads, nb, dtype=torch.int8, device=device) if verify else None
+
+    def write_and_certify(codes, raw, any_bad):
+        _write_kernel[grid](x, projection, coeffs, mode, width, step, offset, codes, raw, n, heads, d, r, nb,
+                            codes.numel(), raw.numel(), *strides,
+                            BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad,
+                            WPR_PAD=max(16, triton.next_power_of_2(widest)), IEEE=ieee)
+        if verify:
+            _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, config)
+
+    write_and_certify(codes, raw, summary[_UNCERTIFIED:])
+    code_words, raw_elements, nonfinite, beyond_fp16, uncertified = summary.tolist()  # the one host read
+    if nonfinite:
+        check_finite_values(x, "x")
+    if beyond_fp16 and not ieee:
+        return None
+    if raw_elements > raw.numel():  # more exact blocks than the workspace holds: write again at the exact size
+        codes = torch.empty(code_words, dtype=torch.int32, device=device)
+        raw = torch.empty(raw_elements, dtype=x.dtype, device=device)
+        any_bad = torch.zeros(1, dtype=torch.int64, device=device)
+        write_and_certify(codes, raw, any_bad)
+        uncertified = int(any_bad.item()) if verify else 0
+    else:
+        # Copy out what was written so that the workspaces go back to the allocator.
+        codes = codes[:code_words].clone() if code_words < codes.numel() else codes
+        raw = raw[:raw_elements].clone()
+    if uncertified:
+        return None
+    return CompressedKV(
         shape=(batch, heads, n, d), dtype=x.dtype, config=config, coeffs=coeffs, basis=projection, mode=mode,
         scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
     )
-    if verify and bool(certify_triton(ckv, x).any()):
-        return encode(x, config, basis)
-    ckv.encode_seconds = time.perf_counter() - start
-    return ckv
 
 
 # Mode numbers the kernels above write, spelled out for readers of the format.
