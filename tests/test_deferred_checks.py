@@ -1,5 +1,7 @@
 """kvbound.deferred_checks: NaN/Inf checks of dense attention calls read once at the end of a block."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -82,10 +84,10 @@ class _TwoLayers(nn.Module):
         return out
 
 
-def test_model_hooks_read_once_per_forward_and_are_removable():
+def test_deferred_forward_reads_once_per_forward():
     q, k, v = _qkv()
     model = _TwoLayers()
-    hooks = _checks.install_model_hooks(model)
+    model.forward = _checks.DeferredForward(model.forward)
     reads = []
     original = _checks.DeferredChecks.read
 
@@ -101,25 +103,63 @@ def test_model_hooks_read_once_per_forward_and_are_removable():
         k_bad[0, 0, 1, 1] = float("nan")
         with pytest.raises(ValueError, match=r"^k: expected finite values.*call 1 of 2"):
             model(q, k_bad, v)
+        # a forward called while the caller handles another exception still reads its checks
+        try:
+            raise RuntimeError("outer")
+        except RuntimeError:
+            with pytest.raises(ValueError, match=r"^k: expected finite values"):
+                model(q, k_bad, v)
         model.fail = True
         with pytest.raises(RuntimeError, match="forward failed"):
             model(q, k_bad, v)  # the forward's own error, not the deferred one
     finally:
         _checks.DeferredChecks.read = original
     assert _checks.active() is None
-    for hook in hooks:
-        hook.remove()
-    assert not model._forward_hooks and not model._forward_pre_hooks
 
 
-def test_patch_installs_and_undo_removes_the_hooks():
+def test_interrupted_forward_leaves_no_open_block():
+    q, k, v = _qkv()
+
+    class Interrupted(nn.Module):
+        def forward(self, q, k, v):
+            kvbound.attention(q, k, v)
+            raise KeyboardInterrupt
+
+    model = Interrupted()
+    model.forward = _checks.DeferredForward(model.forward)
+    with pytest.raises(KeyboardInterrupt):
+        model(q, k, v)
+    assert _checks.active() is None
+    v_bad = v.clone()
+    v_bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^v: expected finite values"):
+        kvbound.attention(q, k, v_bad)  # checked at the call again
+
+
+def test_patch_wraps_the_forward_and_undo_restores_it():
     port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
     model = port.Enformer.from_hparams(
         dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
         output_heads=dict(human=8),
     ).eval()
-    before = (dict(model._forward_hooks), dict(model._forward_pre_hooks))
+    assert "forward" not in vars(model)
     handle = kvbound.patch(model, compress=False, backend="eager")
-    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    assert isinstance(vars(model)["forward"], _checks.DeferredForward)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(model)
     handle.undo()
-    assert (dict(model._forward_hooks), dict(model._forward_pre_hooks)) == before
+    assert "forward" not in vars(model) and not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_patch_of_an_attention_module_itself_undoes_cleanly():
+    port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
+    from enformer_pytorch.modeling_enformer import Attention
+
+    module = Attention(dim=32, heads=2, dim_key=8, dim_value=16, num_rel_pos_features=12).eval()
+    assert port is not None
+    handle = kvbound.patch(module, compress=False, backend="eager")
+    assert isinstance(vars(module)["forward"], _checks.DeferredForward)
+    x = torch.randn(1, 10, 32)
+    module(x)
+    handle.undo()
+    assert "forward" not in vars(module)

@@ -156,3 +156,11 @@ def test_the_op_is_dispatched_whenever_something_could_observe_it():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         attention(q, k, v)
     assert any("kvbound::attention_dense" in e.name for e in prof.events())
+
+
+def test_meta_tensors_take_the_fake_implementation():
+    q = torch.empty(1, 2, 16, 16, device="meta")
+    k = torch.empty(1, 2, 24, 16, device="meta")
+    v = torch.empty(1, 2, 24, 8, device="meta")
+    out = kvbound.attention(q, k, v)
+    assert out.device.type == "meta" and tuple(out.shape) == (1, 2, 16, 8)

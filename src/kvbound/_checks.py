@@ -17,7 +17,6 @@ block's end instead of at the call.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ class DeferredChecks:
 
     def __init__(self) -> None:
         self._pending: list[tuple[object, list[str], torch.Tensor]] = []
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -49,13 +49,22 @@ class DeferredChecks:
                 names.append(name)
                 peaks.append(torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32))
         if names:
-            self._pending.append((label, names, torch.stack(peaks)))
+            stacked = torch.stack(peaks)
+            self._pending.append((label, names, stacked))
+            if stacked.is_cuda:  # the block's end may read on another stream: remember which one wrote
+                stream = torch.cuda.current_stream(stacked.device)
+                self._streams.setdefault((stacked.device, stream.cuda_stream), stream)
 
     def read(self) -> None:
         """One host read of every queued check; raise ``ValueError`` for the first call with NaN or Inf."""
         pending, self._pending = self._pending, []
+        streams, self._streams = self._streams, {}
         if not pending:
             return
+        for (device, _), stream in streams.items():
+            current = torch.cuda.current_stream(device)
+            if current.cuda_stream != stream.cuda_stream:
+                current.wait_stream(stream)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, _, peaks in pending:
             by_device.setdefault(peaks.device, []).append(peaks)
@@ -113,27 +122,34 @@ def deferred_checks() -> Iterator[DeferredChecks]:
     _close(scope, read=True)
 
 
-def _forward_pre_hook(module, args) -> None:
-    if torch.compiler.is_compiling():
-        return
-    _LOCAL.model_scopes = getattr(_LOCAL, "model_scopes", {})
-    _LOCAL.model_scopes.setdefault(id(module), []).append(_open())
+class DeferredForward:
+    """A module's ``forward`` run inside :func:`deferred_checks` (placed on the instance by ``kvbound.patch``).
 
+    The block is a ``with`` around the call, so an exception of any kind raised by the forward (also
+    ``KeyboardInterrupt``) closes it and propagates unchanged, and a forward called while the caller handles another
+    exception still reads its checks. Under ``torch.compile`` the forward runs as it is (the compiled attention
+    calls check their inputs at the call)."""
 
-def _forward_hook(module, args, output) -> None:
-    if torch.compiler.is_compiling():
-        return
-    scopes = getattr(_LOCAL, "model_scopes", {}).get(id(module))
-    if not scopes:
-        return
-    scope = scopes.pop()
-    # Called by torch also when the forward raised (always_call): drop the checks, keep that error.
-    _close(scope, read=sys.exc_info()[0] is None)
+    __slots__ = ("wrapped", "__weakref__")
 
+    def __init__(self, wrapped) -> None:
+        self.wrapped = wrapped
 
-def install_model_hooks(model: torch.nn.Module) -> list:
-    """Open a deferred-check block around every forward of ``model``; returns the hook handles to remove."""
-    return [
-        model.register_forward_pre_hook(_forward_pre_hook),
-        model.register_forward_hook(_forward_hook, always_call=True),
-    ]
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.wrapped(*args, **kwargs)
+        with deferred_checks():
+            return self.wrapped(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<forward inside kvbound.deferred_checks: {self.wrapped!r}>"
+
+    # Copying would keep calling the original module's bound forward; refuse as the patched methods do.
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "a kvbound-patched model cannot be copied or pickled; call handle.undo() first (state_dict() is "
+            "unaffected)"
+        )
+
+    def __reduce_ex__(self, protocol):
+        self.__deepcopy__(None)

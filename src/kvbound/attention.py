@@ -198,8 +198,8 @@ def _plain_eager(tensors: tuple) -> bool:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
-            return False
+        if t is not None and (type(t) not in _PLAIN_TENSORS or t.is_meta or (grad and t.requires_grad)):
+            return False  # meta tensors take the op's fake implementation
     return True
 
 
@@ -264,6 +264,8 @@ _ZERO_BIASES: dict[tuple, torch.Tensor] = {}
 
 
 def _zero_bias(heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a cached tensor stored from a traced graph could live in its memory pool
+        return torch.zeros(heads, head_dim, dtype=torch.float32, device=device)
     key = (heads, head_dim, device)
     zeros = _ZERO_BIASES.get(key)
     if zeros is None:

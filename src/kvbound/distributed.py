@@ -278,13 +278,16 @@ def allgather_attention(
 
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    check_tensor(q, "q", ndim=4, check_finite=False)
+    check_tensor(k, "k", ndim=4, check_finite=False)
     shard = q.shape[2]
     total = world * shard
-    if relative_keys is not None:
-        check_tensor(q, "q", ndim=4, check_finite=False)
-        check_tensor(k, "k", ndim=4, check_finite=False)
-        if k.shape[2] != shard:
-            raise ValueError(f"q, k: expected shards of equal length, got q {q.shape[2]} and k {k.shape[2]}")
+    # Every rank learns every shard's lengths before anything is gathered, so that all raise together (a rank that
+    # raised alone would leave the others waiting in the all-gather).
+    lengths: list = [None] * world
+    dist.all_gather_object(lengths, (q.shape[2], k.shape[2]), group=group)
+    if any(pair != (shard, shard) for pair in lengths):
+        raise ValueError(f"q, k: expected shards of one equal length on every rank, got (q, k) lengths {lengths}")
     _check_relative(relative_keys, relative_content_bias, relative_position_bias, q, k.shape[1], total)
     ks = [torch.empty_like(k) for _ in range(world)]
     vs = [torch.empty_like(v) for _ in range(world)]

@@ -382,6 +382,9 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
     shapes), then the sizes of ``codes`` and ``raw``, the NaN/Inf and float16-range flags and the certificate's
     verdict come back together. A second read happens only when coefficients exceed float16 (the tensor is encoded
     again with float32 coefficients) or when more than an eighth of the tensor is stored exactly.
+    Memory: the workspaces hold every block at the widest code (8 bits: a quarter of ``x``'s bytes for 32-bit
+    inputs, half for 16-bit ones) plus an eighth of ``x`` for exact blocks, until the used parts are copied out;
+    that is the transient peak above ``x`` and the output (the eager encoder allocates exact sizes, after a read).
     """
     if not isinstance(config, CompressionConfig):
         raise TypeError(f"config: expected kvbound.CompressionConfig, got {type(config).__name__}")

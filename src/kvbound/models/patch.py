@@ -120,7 +120,10 @@ class PatchHandle:
         self.calibration_forward_seconds = 0.0
         self._capturing = False
         self._attention_ids: set[int] = set()
-        self._hooks: list = []
+        # The model's forward wrapped in kvbound.deferred_checks (set by patch when it patched anything).
+        self._root: nn.Module | None = None
+        self._root_original: object = _MISSING
+        self._root_installed: object = None
         self.active = True
 
     # ------------------------------------------------------------------------------------- used by forwards
@@ -154,6 +157,15 @@ class PatchHandle:
         if not self.active:
             return
         problems = []
+        # First the model's deferred-check wrapper: it may wrap a patched forward (a patched module as the model).
+        root, self._root = self._root, None
+        if root is not None:
+            if root.__dict__.get("forward", _MISSING) is not self._root_installed:
+                problems.append("the model's forward was replaced after kvbound.patch; left as it is")
+            elif self._root_original is _MISSING:
+                del root.__dict__["forward"]
+            else:
+                root.__dict__["forward"] = self._root_original
         for record in [*self.helpers, *self.modules]:
             module = record.module
             if _ACTIVE.get(module) is self:
@@ -166,9 +178,6 @@ class PatchHandle:
                 del module.__dict__[record.method]
             else:
                 module.__dict__[record.method] = record._original
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
         self.active = False
         self._attention_ids.clear()
         if problems:
@@ -269,7 +278,8 @@ def patch(
 
     The patched forwards are for inference: Enformer/Borzoi modules in training mode with dropout raise.
     Each forward of ``model`` runs inside :func:`kvbound.deferred_checks`: the NaN/Inf checks of its dense attention
-    calls are read once, when the forward returns (two forward hooks on ``model``, removed by ``undo``).
+    calls are read once, when the forward returns (``model.forward`` is wrapped on the instance; ``undo`` restores
+    it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -346,7 +356,10 @@ def patch(
 
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
-        handle._hooks = _checks.install_model_hooks(model)
+        handle._root = model
+        handle._root_original = model.__dict__.get("forward", _MISSING)
+        handle._root_installed = _checks.DeferredForward(model.forward)
+        model.__dict__["forward"] = handle._root_installed
     if handle.skipped:
         listed = "; ".join(f"{name}: {reason}" for name, reason in handle.skipped)
         warnings.warn(f"kvbound.patch left these modules unpatched: {listed}", stacklevel=2)
