@@ -1,0 +1,79 @@
+"""GPU checks (bf16, real sizes) of the relative-position kernels, the plan cache and the deferred checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvbound
+from kvbound import CompressionConfig, calibrate, compress_kv
+from kvbound.attention import attention
+from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
+
+pytestmark = pytest.mark.gpu
+
+
+def _relative_case(n: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, dk, dv = 8, 64, 192
+    q = torch.randn(1, h, n, dk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, h, n, dk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, h, n, dv, device="cuda", generator=g).bfloat16()
+    table = (0.5 * torch.randn(h, 2 * n - 1, dk, device="cuda", generator=g)).bfloat16()
+    u = 0.1 * torch.randn(h, dk, device="cuda", generator=g)
+    w = 0.1 * torch.randn(h, dk, device="cuda", generator=g)
+    return q, k, v, table, u, w
+
+
+def _relative_reference_inputs(q, table, u, w, scale: float, rows: int):
+    """The first ``rows`` queries as plain attention sees them: content query ``scale q + u`` rounded to q's dtype
+    (as the kernel forms it) and the relative logits ``(scale q + w) . R[N - 1 + j - i]`` as an additive bias."""
+    n = q.shape[2]
+    content = (scale * q[:, :, :rows].float() + u[None, :, None, :]).to(q.dtype)
+    position = scale * q[0, :, :rows].double() + w[:, None, :].double()  # [H, rows, Dk]
+    index = (n - 1) + torch.arange(n, device=q.device)[None, :] - torch.arange(rows, device=q.device)[:, None]
+    bias = torch.stack(
+        [torch.einsum("id,ijd->ij", position[h], table[h].double()[index]) for h in range(q.shape[1])]
+    )
+    return content.contiguous(), bias[None]
+
+
+@pytest.mark.parametrize("n", [1536, 4096])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_gpu_relative_positions_bf16(n, compressed):
+    q, k, v, table, u, w = _relative_case(n, 7 + n)
+    scale = 64**-0.5
+    if compressed:
+        config = CompressionConfig()
+        k, v = compress_kv(k, config, calibrate(k, config)), compress_kv(v, config, calibrate(v, config))
+    out = attention(q, k, v, scale=scale, relative_keys=table, relative_content_bias=u, relative_position_bias=w)
+    k_ref, v_ref = (k.decompress(), v.decompress()) if compressed else (k, v)
+    rows = 64
+    content, bias = _relative_reference_inputs(q, table, u, w, scale, rows)
+    check_against_reference(out[:, :, :rows].contiguous(), content, k_ref, v_ref, bias=bias, scale=1.0)
+
+
+def test_gpu_plan_cache_with_other_strides_bf16():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 8, 4096, 64, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, 8, 4096, 64, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, 8, 4096, 64, device="cuda", generator=g).bfloat16()
+    first = attention(q, k, v)
+    k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    second = attention(q, k_strided, v)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    check_against_reference(second[:, :, :64].contiguous(), q[:, :, :64].contiguous(), k, v)
+
+
+def test_gpu_deferred_checks_raise_at_the_end():
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(1, 8, 2048, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
+    v_bad = v.clone()
+    v_bad[0, 3, 100, 7] = float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(ValueError, match=r"^v: expected finite values.*call 2 of 2"):
+        with kvbound.deferred_checks():
+            attention(q, k, v)
+            with torch.cuda.stream(side):  # queued on another stream than the one that reads
+                attention(q, k, v_bad)
