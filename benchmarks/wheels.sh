@@ -25,3 +25,36 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
     polars==1.20.0 pyfaidx==0.9.2.2 intervaltree==3.2.1
 ls -l .whl
 du -sh .whl
+
+# .whl_lite/: the same without polars (33 MB), replaced by an import-only stand-in package, for calls that must also
+# carry the evaluation data (eval/.cache, 39 MB) under the 64 MiB limit. enformer_pytorch imports polars only for
+# its BED-file dataset helper (enformer_pytorch.data), which no benchmark uses; any use of the stand-in raises.
+# On the GPU machine install .whl_lite/*.whl exactly as .whl/*.whl.
+rm -rf .whl_lite
+mkdir -p .whl_lite
+cp .whl/*.whl .whl_lite/
+rm .whl_lite/polars-*.whl
+stub="$(mktemp -d)"
+mkdir -p "$stub/polars"
+cat > "$stub/polars/__init__.py" <<'PY'
+"""Import-only stand-in for polars on machines without it: enformer_pytorch imports polars for its BED-file
+dataset helper (enformer_pytorch.data), which attention benchmarks never use. Any use raises."""
+
+
+def __getattr__(name):
+    raise ImportError(f"polars is not installed here (stand-in module); polars.{name} is unavailable")
+PY
+cat > "$stub/pyproject.toml" <<'TOML'
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "polars"
+version = "0.0.0+stub"
+[tool.setuptools]
+packages = ["polars"]
+TOML
+python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl_lite "$stub"
+rm -rf "$stub"
+ls -l .whl_lite
+du -sh .whl_lite
