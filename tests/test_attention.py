@@ -417,8 +417,8 @@ def test_non_finite_broadcast_bias_is_reported_as_expanded():
 
 
 def test_large_finite_inputs_pass_the_finite_check():
-    """The finite check sums each tensor in float32: a sum that overflows on finite values falls back to the exact
-    element-wise check, which passes."""
+    """Finite values whose float32 sum overflows pass the finite check (it reads each tensor's largest
+    magnitude)."""
     g = torch.Generator().manual_seed(29)
     q = torch.randn(1, 2, 9, 16, generator=g)
     k = torch.randn(1, 2, 12, 16, generator=g)

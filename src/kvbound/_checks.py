@@ -8,7 +8,7 @@ device and return at once; the block's exit reads all of them in one synchronisa
 naming the first call and tensor that held NaN or Inf. Compressed K/V still read their checks at the call: which
 kernel variant runs depends on whether the blocks carry a residual.
 
-The check per tensor is its largest magnitude (``vector_norm(ord=inf)`` in float32, one pass, no temporary):
+The check per tensor is its largest magnitude (``vector_norm(ord=inf)`` as float64, one pass, no temporary):
 NaN and Inf propagate through it and a finite tensor always gives a finite value, so it never raises for
 finite data. Outputs computed from non-finite inputs inside the block are garbage; the error arrives at the
 block's end instead of at the call.
@@ -26,6 +26,12 @@ import torch
 __all__ = ["deferred_checks", "DeferredChecks", "active"]
 
 _LOCAL = threading.local()
+
+
+def largest_magnitude(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` as a float64 scalar (one reduction pass): NaN or Inf exactly when ``t`` holds one, for every
+    floating dtype (float64 inputs included)."""
+    return torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float64)
 
 
 class DeferredChecks:
@@ -47,7 +53,7 @@ class DeferredChecks:
         for name, t in pairs:
             if t.numel():
                 names.append(name)
-                peaks.append(torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32))
+                peaks.append(largest_magnitude(t))
         if names:
             stacked = torch.stack(peaks)
             self._pending.append((label, names, stacked))

@@ -341,9 +341,9 @@ def _queue_checks(
     (name -> tensor, a dict or ``(name, tensor)`` pairs; None entries are skipped) and returns, for each
     nonnegative integer tensor in ``flags`` (modes), whether it has a nonzero element.
 
-    One float32 sum per tensor (NaN and Inf propagate through a sum; 16-bit inputs are summed in one pass with
-    float32 accumulation), all stacked into one tensor and read back at once. A finite tensor whose sum
-    overflows only takes the exact per-tensor check, which then passes. The launchers read the result after
+    One float64 largest magnitude per tensor (``_checks.largest_magnitude``: NaN or Inf exactly when the tensor
+    holds one; the element-wise check then names the first), plus one sum per flag tensor, all stacked into one
+    tensor and read back at once. The launchers read the result after
     their host-side preparation, so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias."""
@@ -356,9 +356,9 @@ def _queue_checks(
         q = next((t for name, t in present if name == "q"), None)
         deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present)
         return _no_flags
-    sums = [torch.sum(t, dtype=torch.float32) for _, t in present]
-    sums += [torch.sum(f, dtype=torch.float32) for f in flags]
-    stacked = torch.stack(sums) if sums else None
+    checks = [_checks.largest_magnitude(t) for _, t in present]
+    checks += [torch.sum(f, dtype=torch.float64) for f in flags]
+    stacked = torch.stack(checks) if checks else None
 
     def read() -> list[bool]:
         if stacked is None:
