@@ -9,6 +9,7 @@ import kvbound
 from kvbound import CompressionConfig, calibrate, compress_kv
 from kvbound.attention import attention
 from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
+from test_relpos import relative_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -28,14 +29,9 @@ def _relative_case(n: int, seed: int):
 def _relative_reference_inputs(q, table, u, w, scale: float, rows: int):
     """The first ``rows`` queries as plain attention sees them: content query ``scale q + u`` rounded to q's dtype
     (as the kernel forms it) and the relative logits ``(scale q + w) . R[N - 1 + j - i]`` as an additive bias."""
-    n = q.shape[2]
     content = (scale * q[:, :, :rows].float() + u[None, :, None, :]).to(q.dtype)
-    position = scale * q[0, :, :rows].double() + w[:, None, :].double()  # [H, rows, Dk]
-    index = (n - 1) + torch.arange(n, device=q.device)[None, :] - torch.arange(rows, device=q.device)[:, None]
-    bias = torch.stack(
-        [torch.einsum("id,ijd->ij", position[h], table[h].double()[index]) for h in range(q.shape[1])]
-    )
-    return content.contiguous(), bias[None]
+    position = scale * q[:, :, :rows].double() + w[None, :, None, :].double()
+    return content.contiguous(), relative_logits(position, table, q.shape[2])
 
 
 @pytest.mark.parametrize("n", [1536, 4096])

@@ -25,6 +25,17 @@ def _inputs(b, h, n_q, dk, dv, dtype, seed=0, n_k=None):
     return [t.to(dtype) for t in (q, k, v, relative_keys)] + [u, w]
 
 
+def relative_logits(position_query: torch.Tensor, relative_keys: torch.Tensor, n_q: int) -> torch.Tensor:
+    """``position_query[i] . R[n_q - 1 + j - i]`` in float64 for the queries ``i`` given (the first ones of ``n_q``)
+    and every key ``j`` (``R`` has ``n_q + n_k - 1`` rows): ``[B, H, rows, n_k]``."""
+    rows = position_query.shape[2]
+    n_k = relative_keys.shape[-2] - n_q + 1
+    table = position_query.double() @ relative_keys.double().transpose(-1, -2)
+    device = table.device
+    index = n_q - 1 + torch.arange(n_k, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+    return torch.gather(table, -1, index.expand(*table.shape[:2], rows, n_k))
+
+
 def _port_style(q, k, v, relative_keys, u, w, scale):
     """The ports' own formulation in the inputs' dtype: [B, H, N, 2N - 1] table, Transformer-XL pad/reshape shift."""
     qs = q * scale
@@ -85,9 +96,7 @@ def test_fused_relative_composes_with_bias_softcap_causal_and_cross_lengths():
         return_lse=True,
     )
     qs = q.double() * scale
-    table = (qs + w.double()) @ rk.double().transpose(-1, -2)  # [B, H, Nq, Nq + Nk - 1]
-    rows = (n_q - 1 + torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None]).expand(1, 2, n_q, n_k)
-    relative = torch.gather(table, -1, rows)
+    relative = relative_logits(qs + w.double(), rk, n_q)
     logits = (qs + u.double()) @ k.double().transpose(-1, -2) + relative + bias.double()
     logits = 4.0 * torch.tanh(logits / 4.0)
     logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))

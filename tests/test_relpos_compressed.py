@@ -15,7 +15,7 @@ from kvbound.models.reference import relative_position_attention_reference
 from test_attention import FLOOR  # tests/ is on sys.path (rootdir conftest)
 from test_kernels_residual import L, P, R, W, build, run_kinds
 from test_models_ports import borzoi, enformer  # noqa: F401 (the ports' fixtures; they skip when not installed)
-from test_relpos import _port_style
+from test_relpos import _port_style, relative_logits
 
 
 def _relative_inputs(h, n, dk, dtype, seed):
@@ -104,9 +104,7 @@ def test_compressed_relative_composes_with_bias_softcap_causal():
     )
     k_ref, v_ref = ck.decompress().double(), cv.decompress().double()
     qs = q.double() * scale
-    table = (qs + w.double()) @ rk.double().transpose(-1, -2)
-    rows = (n - 1 + torch.arange(n)[None, :] - torch.arange(n)[:, None]).expand(1, h, n, n)
-    logits = (qs + u.double()) @ k_ref.transpose(-1, -2) + torch.gather(table, -1, rows) + bias.double()
+    logits = (qs + u.double()) @ k_ref.transpose(-1, -2) + relative_logits(qs + w.double(), rk, n) + bias.double()
     logits = 4.0 * torch.tanh(logits / 4.0)
     logits = logits.masked_fill(torch.arange(n)[None, :] > torch.arange(n)[:, None], float("-inf"))
     expected = torch.softmax(logits, dim=-1) @ v_ref
