@@ -73,3 +73,49 @@ def test_gpu_deferred_checks_raise_at_the_end():
             attention(q, k, v)
             with torch.cuda.stream(side):  # queued on another stream than the one that reads
                 attention(q, k, v_bad)
+
+
+def _tile_shapes(d: int, dv: int, residual: bool) -> list[tuple[int, int, int, int]]:
+    """Every (BLOCK_M, BLOCK_N, warps, stages) the compressed kernel's autotuner may pick for these head dims."""
+    from kvbound.kernels.attention_compressed import _prune_compressed_configs, _shape_of, compressed_configs
+
+    dv_pad = max(16, 1 << (dv - 1).bit_length())
+    args = dict(BLOCK_SIZE_K=128, BLOCK_SIZE_V=128, DV_PAD=dv_pad, K_RESIDUAL=residual, V_RESIDUAL=residual)
+    return [_shape_of(c) for c in _prune_compressed_configs(compressed_configs(False), args)]
+
+
+@pytest.mark.parametrize("dk, dv", [(64, 64), (128, 128), (128, 192)])
+def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
+    """Each tile shape the autotuner may keep, pinned, on K/V whose super-blocks drive all three loops: uniform
+    (blocks packed at the configured 4 bits, some beside low-rank ones), general (promoted 5, 6, 8 bits) and
+    residual-free; bf16, block 128, GQA, outputs against the float64 oracle. The compact [BLOCK_N, words] decode
+    that these shapes once ran miscompiled at d = 128 (NaN, wrong values or illegal addresses by tile)."""
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    from test_kernels_residual import L, P, W, build, run_kinds
+
+    n, heads, block, bits = 1024, 2, 128, 4
+    # super-block classes: uniform, uniform, low-rank, general, general, uniform, general, uniform
+    k_modes = [[P(4), P(4), L, W(6), P(4), L, W(8), P(4)]] * heads
+    v_modes = [[P(4), L, L, P(4), W(5), P(4), L, P(4)]] * heads
+    ck = build(k_modes, n=n, d=dk, bits=bits, block=block, dtype=torch.bfloat16, seed=21).to("cuda")
+    cv = build(v_modes, n=n, d=dv, bits=bits, block=block, dtype=torch.bfloat16, seed=22).to("cuda")
+    q = torch.randn(1, heads * 2, n, dk, device="cuda", generator=torch.Generator(device="cuda").manual_seed(23))
+    q = (q * 1.5).bfloat16()
+    assert all(count > 0 for count in run_kinds(ck, cv)), run_kinds(ck, cv)
+    k_ref, v_ref = ck.decompress(), cv.decompress()
+    shapes = _tile_shapes(dk, dv, residual=True)
+    assert shapes
+    for m, bn, warps, stages in shapes:
+        out, _ = attention_compressed_fwd(
+            q,
+            CompressedOperand.from_compressed(ck),
+            CompressedOperand.from_compressed(cv),
+            None,
+            dk**-0.5,
+            False,
+            None,
+            config=dict(BLOCK_M=m, BLOCK_N=bn, num_warps=warps, num_stages=stages),
+        )
+        torch.cuda.synchronize()
+        print(f"tile {(m, bn, warps, stages)}:", end=" ")
+        check_against_reference(out[:, :, :256].contiguous(), q[:, :, :256].contiguous(), k_ref, v_ref, scale=dk**-0.5)

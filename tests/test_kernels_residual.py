@@ -1,5 +1,5 @@
 """Residual tiles of the compressed kernel: every decode path (packed at 2, 3, 4, 8 bits; promoted to 4, 5, 6,
-8 bits; exact blocks), the uniform runs (compact word tiles, no branch per tile) and the general runs, mixtures
+8 bits; exact blocks), the uniform runs (compile-time width, no branch per tile) and the general runs, mixtures
 within one head, ragged N, GQA, dk != dv. K/V are built directly in the storage format with chosen modes and
 large residual terms (a wrong code or step moves the output far beyond the tolerance); every result is compared
 with the float64 oracle on the decompressed K/V."""
@@ -16,7 +16,7 @@ from kvbound.codec.eager import _pack, _unpack
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
 from kvbound.kernels.attention_compressed import (
     CompressedOperand,
-    _load_codes_compact,
+    _load_codes_uniform,
     attention_compressed_fwd,
     block_runs,
     uniform_width,
@@ -24,20 +24,22 @@ from kvbound.kernels.attention_compressed import (
 from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
 
 
-# --------------------------------------------------------------------------------------- compact decoder
+# --------------------------------------------------------------------------------------- uniform decoder
 @triton.jit
-def _compact_probe(
+def _uniform_probe(
     Codes, Out, ROWS, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP32: tl.constexpr
 ):
     offs_n = tl.arange(0, 16)
-    codes = _load_codes_compact(Codes, 0, 0, offs_n, offs_n < ROWS, WIDTH, HEAD_DIM, D_PAD, 16, FP32)
+    codes = _load_codes_uniform(Codes, 0, 0, offs_n, offs_n < ROWS, WIDTH, HEAD_DIM, D_PAD, FP32)
     offs_d = tl.arange(0, D_PAD)
     tl.store(Out + (offs_n * D_PAD)[:, None] + offs_d[None, :], codes.to(tl.float32))
 
 
-@pytest.mark.parametrize("bits, d", [(2, 64), (4, 64), (8, 64), (4, 40), (2, 192), (8, 24)])
-def test_compact_decoder_matches_the_format(bits, d):
-    """Element (n, d) of the compact decoder is the format's code: word d // per_word, slot d % per_word; rows
+@pytest.mark.parametrize(
+    "bits, d", [(1, 64), (2, 64), (3, 64), (4, 64), (5, 128), (6, 40), (7, 64), (8, 64), (4, 40), (2, 192), (8, 24)]
+)
+def test_uniform_decoder_matches_the_format(bits, d):
+    """Element (n, d) of the uniform decoder is the format's code: word d // per_word, slot d % per_word; rows
     beyond the stored ones decode as if their words were zero (the kernel gives them step 0 or mask them)."""
     g = torch.Generator().manual_seed(bits * 1000 + d)
     rows = 11
@@ -47,17 +49,17 @@ def test_compact_decoder_matches_the_format(bits, d):
     d_pad = max(16, triton.next_power_of_2(d))
     for fp32 in (False, True):
         out = torch.full((16, d_pad), 12345.0, dtype=torch.float32)
-        _compact_probe[(1,)](words.reshape(-1).contiguous(), out, rows, WIDTH=bits, HEAD_DIM=d, D_PAD=d_pad, FP32=fp32)
+        _uniform_probe[(1,)](words.reshape(-1).contiguous(), out, rows, WIDTH=bits, HEAD_DIM=d, D_PAD=d_pad, FP32=fp32)
         assert torch.equal(out[:rows, :d].long(), _unpack(words, bits, d))
         assert torch.equal(out[:rows, :d].long(), q)
         assert (out[rows:] == -(1 << (bits - 1))).all()
 
 
-def test_uniform_width_only_for_power_of_two_codes_per_word():
-    assert [uniform_width(b, 64) for b in (2, 3, 4, 5, 6, 8)] == [2, 0, 4, 0, 0, 8]
+def test_uniform_width_every_width_up_to_8_bits():
+    assert [uniform_width(b, 64) for b in (1, 2, 3, 4, 5, 6, 7, 8)] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert uniform_width(None, 64) == 0
-    assert uniform_width(2, 8) == 2  # 16 codes per word fit the padded width 16
-    assert uniform_width(1, 8) == 0  # 32 codes per word do not
+    assert uniform_width(0, 64) == 0
+    assert uniform_width(1, 8) == 1  # 32 codes per word, wider than the head: still one word per row
     assert uniform_width(16, 64) == 0  # wider than the float16 mantissa trick allows
 
 
@@ -174,6 +176,30 @@ CASES = {
         64,
         32,
         4,
+        torch.float16,
+    ),
+    "packed3-uniform-only-d128": (
+        [[P(3), L, P(3), P(3)], [L, P(3), P(3), L]],
+        [[P(3), P(3), P(3), L], [P(3), L, L, P(3)]],
+        3,
+        3,
+        61,
+        128,
+        128,
+        16,
+        2,
+        torch.float16,
+    ),
+    "packed8-2-uniform-only-dk128-dv192": (
+        [[P(8), P(8), L, P(8)]],
+        [[L, P(2), P(2), P(2)]],
+        8,
+        2,
+        64,
+        128,
+        192,
+        16,
+        3,
         torch.float16,
     ),
     "packed2-and-promoted4": (

@@ -11,10 +11,10 @@ tile follows what the tile holds:
   low-rank-only blocks first, with no residual code compiled into that loop (the rank-space fast path),
   then runs of blocks with a residual in K or V, where ``S += Q R_tile^T`` is added, then the masked tail.
   Residual runs come in two kinds (``block_runs``): uniform runs, where every block is low-rank or packed at
-  the operand's configured width with ``32 // bits`` a power of two (2, 4, 8 bits: nearly every residual
-  block), are a branch-free loop that loads each tile's codes as one dense [BLOCK_N, words] int32 tile
-  (prefetched by the software pipeliner like the coefficients) and expands it in registers with shifts and a
-  float16 mantissa trick (no integer-to-float conversion); low-rank blocks there have step 0. General runs
+  the operand's configured width, are a branch-free loop with that width compiled in: each element's word is
+  loaded in the tile's final [BLOCK_N, D] shape (neighbouring columns share a word), shifted out and turned
+  into a float16 operand by a mantissa trick (no integer-to-float conversion); low-rank blocks there have
+  step 0. General runs
   (other widths, promoted or exact blocks) branch per tile on the mode and gather codes with a run-time
   width. Packed codes are exact small integers, so the product uses them as float16 operands and applies
   the block's step once per tile. ``MODE_RAW`` tiles are the stored
@@ -159,7 +159,7 @@ def _load_codes_tile(
 
 
 @triton.jit
-def _load_codes_compact(
+def _load_codes_uniform(
     codes_ptr,
     word_offset,
     first_row,
@@ -168,37 +168,29 @@ def _load_codes_compact(
     WIDTH: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
 ):
     """Residual codes q [BLOCK_N, D_PAD] as exact float16 (float32 if ``FP32``) operands of block rows
-    ``first_row + offs_n``, for a compile-time width whose ``PER_WORD = 32 // WIDTH`` is a power of two.
+    ``first_row + offs_n``, for a compile-time width.
 
-    The tile's words are one dense [BLOCK_N, words] load (contiguous rows, prefetched by the software
-    pipeliner), expanded in registers to column ``d = word * PER_WORD + slot`` as in the format. Rows outside
-    ``rows_ok`` load zero words; columns at or beyond ``HEAD_DIM`` hold arbitrary codes (every caller
-    multiplies them by zero operand columns or drops them at the store)."""
+    Element (n, d) is read from word ``d // PER_WORD`` of its row and shifted by ``(d % PER_WORD) * WIDTH``: the
+    tile is loaded directly in its final shape (neighbouring columns read the same word, served by one cache
+    line), so nothing is reshaped in registers. Rows outside ``rows_ok`` and columns at or beyond ``HEAD_DIM``
+    read zero words (code ``-2**(WIDTH - 1)``; every caller multiplies them by zero steps or zero operand
+    columns). A compact ``[BLOCK_N, words]`` load expanded in registers by join and reshape was tried first: on
+    sm_90 with Triton 3.6 it miscompiled at d = 128 (wrong outputs, NaN, illegal addresses that depended on the
+    tile shape; kernels/README.md)."""
     PER_WORD: tl.constexpr = 32 // WIDTH
     WORDS: tl.constexpr = (HEAD_DIM + PER_WORD - 1) // PER_WORD
-    WORDS_PAD: tl.constexpr = D_PAD // PER_WORD
-    offs_w = tl.arange(0, WORDS_PAD)
-    ptrs = codes_ptr + word_offset + ((first_row + offs_n) * WORDS)[:, None] + offs_w[None, :]
-    if WORDS == WORDS_PAD:
+    offs_d = tl.arange(0, D_PAD)
+    column_word = offs_d // PER_WORD
+    column_shift = (offs_d % PER_WORD) * WIDTH
+    ptrs = codes_ptr + word_offset + ((first_row + offs_n) * WORDS)[:, None] + column_word[None, :]
+    if HEAD_DIM == D_PAD:
         words = tl.load(ptrs, mask=rows_ok[:, None], other=0)
     else:
-        words = tl.load(ptrs, mask=rows_ok[:, None] & (offs_w < WORDS)[None, :], other=0)
-    # Halve each element (a word, then its 16-bit halves, ...) into a low and a high part joined as a new
-    # innermost dimension: after log2(PER_WORD) steps element (n, d) holds the code of column
-    # d = word * PER_WORD + slot (the high half holds the higher slots). Join + reshape keep every value in
-    # its thread's registers, so the tile needs no layout conversion.
-    unsigned = words
-    for level in tl.static_range(0, 5):
-        if (32 >> level) > WIDTH:
-            half = (32 >> level) // 2
-            low = unsigned & ((1 << half) - 1)
-            high = (unsigned >> half) & ((1 << half) - 1)
-            joined = tl.join(low, high)
-            unsigned = tl.reshape(joined, [BLOCK_N, WORDS_PAD * (2 << level)])
+        words = tl.load(ptrs, mask=rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+    unsigned = (words >> column_shift[None, :]) & ((1 << WIDTH) - 1)
     # No integer-to-float conversion instruction per code (I2F): ``u`` (< 2**10) is placed in
     # the mantissa of 2**10 (float16) or 2**23 (float32) and the exact float value 2**10 + u (2**23 + u) is
     # shifted by 2**10 + 2**(WIDTH - 1) (2**23 + ...), so q = u - 2**(WIDTH - 1) exactly.
@@ -234,9 +226,7 @@ def _uniform_residual_tile(
     offset = tl.load(Offset + meta_index)
     # Compare a broadcast copy: a scalar-and-vector boolean mask trips Triton's interpreter.
     rows = row_ok & ((tl.zeros_like(offs_n) + offset) >= 0)
-    codes = _load_codes_compact(
-        Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, BLOCK_N, FP32
-    )
+    codes = _load_codes_uniform(Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32)
     return codes, tl.where(offset >= 0, step, 0.0)
 
 
@@ -1244,7 +1234,7 @@ def _attention_compressed_fwd(
     # consecutive low-rank-only super-blocks and runs of super-blocks with a residual in K or V (Runs holds
     # the starts and ends of each kind, RunCounts the run counts; RUN_KINDS 3 splits residual runs into
     # uniform and general ones, see block_runs). Loop A walks the low-rank runs with no residual code
-    # compiled in (the rank-space fast path); loop B1 the uniform runs (compact decoding, no branch per
+    # compiled in (the rank-space fast path); loop B1 the uniform runs (compile-time width, no branch per
     # tile); loop B2 the general residual runs; loop C the masked tail (ragged last tile, causal diagonal).
     # Softmax accumulation is order-independent, and each run is a plain range loop that the software
     # pipeliner can prefetch. ----
@@ -1437,8 +1427,8 @@ def _attention_compressed_fwd(
                 RELATIVE,
             )
         if RUN_KINDS == 3:
-            # Uniform runs: every block low-rank or packed at the compile-time widths, decoded from compact
-            # word tiles with no branch per tile.
+            # Uniform runs: every block low-rank or packed at the compile-time widths, decoded with no branch
+            # per tile.
             for run in range(0, tl.load(counts_row + 1)):
                 run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
                 run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
@@ -1877,7 +1867,7 @@ class CompressedOperand:
         self.seq_len, self.head_dim = seq_len, head_dim
         self.block_size, self.shared_basis = block_size, shared_basis
         # The configured code width (``config.bits``), the width of most packed blocks: uniform runs decode it
-        # with compact word tiles. None: assume the default configuration's width (only speed depends on it).
+        # with the width compiled in. None: assume the default configuration's width (only speed depends on it).
         self.packed_bits = packed_bits
 
     @classmethod
@@ -1963,13 +1953,11 @@ def block_runs(
 
 
 def uniform_width(bits: int | None, head_dim: int) -> int:
-    """The code width that uniform runs decode with compact word tiles: ``bits`` when ``32 // bits`` codes per
-    word is a power of two no wider than the padded head dimension (2, 4, 8 bits), else 0 (no uniform path)."""
+    """The code width that uniform runs decode with a compile-time width: the configured ``bits`` (1 to 8; the
+    float16 operand trick holds codes up to 10 bits), else 0 (no uniform path). ``head_dim`` is not limiting."""
     if bits is None or bits <= 0 or bits > 8:
         return 0
-    per_word = 32 // bits
-    pad = max(16, next_power_of_2(head_dim))
-    return bits if per_word & (per_word - 1) == 0 and per_word <= pad and 32 % bits == 0 else 0
+    return int(bits)
 
 
 # Winning configurations by tuning key (COMPRESSED_TUNE_KEY's values and the dtypes that vary): after the first
@@ -2008,8 +1996,8 @@ def attention_compressed_fwd(
     the residual-block loop unconditionally, masked by mode, instead of under a branch (measured slower on H200:
     see kernels/README.md). ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the
     autotuner. ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
-    ``uniform``: walk super-blocks whose residual blocks all use the operand's configured width (2, 4 or 8 bits)
-    in a branch-free loop with compact decoding (False: every residual super-block takes the general loop).
+    ``uniform``: walk super-blocks whose residual blocks all use the operand's configured width (1 to 8 bits)
+    in a branch-free loop with that width compiled in (False: every residual super-block takes the general loop).
     ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
     of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
