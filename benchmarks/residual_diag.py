@@ -560,7 +560,7 @@ def kernel_variant(case: Case, provider: str) -> tuple | None:
         return ("dense", case.d, case.dtype)
     if provider == "cudnn":
         return None
-    fast = uniform_width(layout.config_bits, case.d) if residual and provider != "general" else 0
+    fast = uniform_width(layout.config_bits, case.d) if residual and provider == "uniform" else 0
     return ("compressed", case.d, case.dtype, residual, fast)
 
 
@@ -570,7 +570,8 @@ def run_info(case: Case, provider: str, inputs: Inputs) -> tuple[list[int], list
         return None
     layout = LAYOUTS[case.layout]
     fast = None
-    if provider != "general":
+    # kvbound.attention ("public") takes the general loop (attention_compressed_fwd's default).
+    if provider == "uniform":
         widths = (uniform_width(layout.config_bits, case.d), uniform_width(layout.config_bits, case.d))
         fast = widths if any(widths) else None
     return kernel_runs(inputs.k_op, inputs.v_op, fast), expected_runs(inputs.ck, inputs.cv, fast)

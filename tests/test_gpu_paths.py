@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -105,7 +107,7 @@ def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
     k_ref, v_ref = ck.decompress(), cv.decompress()
     shapes = _tile_shapes(dk, dv, residual=True)
     assert shapes
-    for m, bn, warps, stages in shapes:
+    for (m, bn, warps, stages), uniform in itertools.product(shapes, (False, True)):
         out, _ = attention_compressed_fwd(
             q,
             CompressedOperand.from_compressed(ck),
@@ -115,7 +117,8 @@ def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
             False,
             None,
             config=dict(BLOCK_M=m, BLOCK_N=bn, num_warps=warps, num_stages=stages),
+            uniform=uniform,
         )
         torch.cuda.synchronize()
-        print(f"tile {(m, bn, warps, stages)}:", end=" ")
+        print(f"tile {(m, bn, warps, stages)} uniform={uniform}:", end=" ")
         check_against_reference(out[:, :, :256].contiguous(), q[:, :, :256].contiguous(), k_ref, v_ref, scale=dk**-0.5)

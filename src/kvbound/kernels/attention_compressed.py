@@ -1980,7 +1980,7 @@ def attention_compressed_fwd(
     *,
     bias_tile: int = 1,
     fixed_max: bool = True,
-    uniform: bool = True,
+    uniform: bool = False,
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
@@ -1997,7 +1997,9 @@ def attention_compressed_fwd(
     see kernels/README.md). ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the
     autotuner. ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
     ``uniform``: walk super-blocks whose residual blocks all use the operand's configured width (1 to 8 bits)
-    in a branch-free loop with that width compiled in (False: every residual super-block takes the general loop).
+    in a branch-free loop with that width compiled in. Off by default: on the H200 (Triton 3.6) that loop is
+    correct but 3-4x slower than the general loop (its gathered code loads go through the software pipeliner's
+    4-byte asynchronous copies), and the faster compact decode miscompiled at d = 128 (kernels/README.md).
     ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
     of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
