@@ -1,6 +1,7 @@
 """kvbound.deferred_checks: NaN/Inf checks of dense attention calls read once at the end of a block."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -163,3 +164,25 @@ def test_patch_of_an_attention_module_itself_undoes_cleanly():
     module(x)
     handle.undo()
     assert "forward" not in vars(module)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_largest_magnitude_flags_nan_and_inf_in_every_dtype_without_copying(dtype):
+    """NaN and Inf anywhere (non-contiguous views too) come out non-finite, the largest finite magnitude (even
+    the dtype's largest) comes out exact, and the reduction allocates nothing of the input's size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    largest_magnitude = _checks.largest_magnitude
+    x = torch.randn(64, 300, dtype=torch.float64).to(dtype)
+    x[17, 3] = -torch.finfo(dtype).max
+    assert largest_magnitude(x).item() == float(torch.finfo(dtype).max)
+    assert largest_magnitude(x).dtype == torch.float64
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = x.clone()
+        bad[40, 200] = value
+        assert not math.isfinite(largest_magnitude(bad).item())
+        assert not math.isfinite(largest_magnitude(bad.t()).item())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        largest_magnitude(x)
+    peak = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert peak < x.numel() * x.element_size() // 8, peak
