@@ -188,8 +188,15 @@ def test_ablation_sweep_and_overhead_tables():
     row = dict(zip(headers, body[0], strict=True))
     # (8 * 128 + 64 * 0.5 + 64 * 0.5) / (128 * 128) = 6.64%
     assert row["rebuild per head (BM=128)"] == "6.64%" and row["K coded tiles"] == "50%"
-    assert tables.calibration_table(fixture_rows())[1] == [["enformer", "0.812", "11 layers x (K, V)", "NVIDIA H200",
-                                                            "0.8 s"]]
+    commit = ENV["commit"]
+    assert tables.calibration_table(fixture_rows())[1] == [
+        ["enformer", "0.812", "0.812-0.812 (1)", "11 layers x (K, V)", "NVIDIA H200", commit, "0.8 s"]
+    ]
+    earlier = {**fixture_rows()[-4], "ms_p50": 950.0, "date": "2020-01-01"}  # an older run of the same model
+    assert earlier["mode"] == "calibrate"
+    assert tables.calibration_table([earlier, *fixture_rows()])[1] == [
+        ["enformer", "0.812", "0.812-0.950 (2)", "11 layers x (K, V)", "NVIDIA H200", commit, "0.8 s"]
+    ]
     assert "| a |" in tables.to_markdown(["x"], [["a"]]) and "no rows" in tables.to_markdown(["x"], [])
 
 

@@ -346,11 +346,16 @@ def overhead_table(rows: list[dict], config: str = DEFAULT_CONFIG, block_m: int 
 
 
 def calibration_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """``kvbound.calibrate`` over all layers of one model (the attention suite's ``calibrate`` rows)."""
-    headers = ["model", "seconds per model load", "what was calibrated", "device", "seed claim"]
-    table = [[r["shape"], f"{r['ms_p50'] / 1e3:.3f}", r.get("note") or "", r.get("gpu") or "",
-              f"{SEED_CALIBRATION_S:g} s"]
-             for r in rows if r["mode"] == "calibrate" and r["status"] == "ok" and r.get("suite") != "encoder"]
+    """``kvbound.calibrate`` over all layers of one model (the attention suite's ``calibrate`` rows): the latest
+    run per model, with the range over every run recorded."""
+    headers = ["model", "seconds per model load", "range over runs (runs)", "what was calibrated", "device",
+               "commit", "seed claim"]
+    ok = [r for r in rows if r["mode"] == "calibrate" and r["status"] == "ok" and r.get("suite") != "encoder"]
+    table = []
+    for r in latest_rows(ok, "calibrate", ("shape",)):
+        seconds = [x["ms_p50"] / 1e3 for x in ok if x["shape"] == r["shape"]]
+        table.append([r["shape"], f"{r['ms_p50'] / 1e3:.3f}", f"{min(seconds):.3f}-{max(seconds):.3f} ({len(seconds)})",
+                      r.get("note") or "", r.get("gpu") or "", r.get("commit") or "", f"{SEED_CALIBRATION_S:g} s"])
     return headers, table
 
 
