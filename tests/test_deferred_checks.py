@@ -60,16 +60,45 @@ def test_an_exception_inside_the_block_propagates_unchanged():
     assert _checks.active() is None
 
 
-def test_compressed_kv_is_still_checked_at_the_call():
+def test_compressed_kv_is_checked_at_the_call_and_q_at_the_end():
+    """Compressed K/V are checked at the call (the kernel variant depends on their modes), deferred block or not;
+    once checked, the result is kept on the object and q's check is deferred like a dense call's."""
     q, k, v = _qkv(n=32)
     config = CompressionConfig(block_size=16, rank=2, bits=4, tau=2**-4)
     ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    ck.coeffs[0, 1, 5, 0] = float("inf")
+    with kvbound.deferred_checks() as scope:
+        with pytest.raises(ValueError, match=r"^k\.coeffs: expected finite values"):
+            kvbound.attention(q, ck, cv)
+        assert len(scope) == 0
+    ck = kvbound.compress_kv(k, config)
     q_bad = q.clone()
     q_bad[0, 0, 2, 2] = float("nan")
-    with kvbound.deferred_checks() as scope:
-        with pytest.raises(ValueError, match=r"^q: expected finite values"):
+    with pytest.raises(ValueError, match=r"^q: expected finite values.*call 1 of 1"):
+        with kvbound.deferred_checks() as scope:
             kvbound.attention(q_bad, ck, cv)
-        assert len(scope) == 0
+            assert len(scope) == 1
+    with pytest.raises(ValueError, match=r"^q: expected finite values"):
+        kvbound.attention(q_bad, ck, cv)  # outside a block: at the call
+
+
+def test_the_check_record_follows_in_place_changes():
+    """A recorded check is reused only while no stored tensor changes: an in-place write (a NaN here) moves the
+    tensor's version counter and the next call checks again; a replaced tensor does the same."""
+    q, k, v = _qkv(n=48)
+    config = CompressionConfig(block_size=16, rank=2, bits=4, tau=2**-6)
+    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    first = kvbound.attention(q, ck, cv)
+    assert ck._checked_residual() is not None and cv._checked_residual() is not None
+    assert ck._checked_residual() == bool((ck.mode != 0).any())
+    torch.testing.assert_close(kvbound.attention(q, ck, cv), first, rtol=0, atol=0)
+    cv.scale[0, 0, 1] = float("nan")
+    assert cv._checked_residual() is None
+    with pytest.raises(ValueError, match=r"^v\.scale: expected finite values"):
+        kvbound.attention(q, ck, cv)
+    ck.raw = torch.full_like(ck.raw, float("nan")) if ck.raw.numel() else ck.raw
+    ck.basis = ck.basis.clone()
+    assert ck._checked_residual() is None
 
 
 class _TwoLayers(nn.Module):

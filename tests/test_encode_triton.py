@@ -1,5 +1,7 @@
 """The Triton encoder against the eager one (CPU: Triton interpreter; GPU: real sizes)."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -105,3 +107,35 @@ def test_int64_offsets_beyond_2_31_elements():
     err_c = (out_c.double() - ref_c).abs().max().item()
     print(f"dense error {err:.3g}, compressed error {err_c:.3g}")
     assert err_c < 2e-2, err_c
+
+
+@pytest.mark.parametrize("outlier", [True, False])
+def test_triton_encoder_records_its_check_and_attention_reuses_it(outlier, monkeypatch):
+    """The encoder records that its output is finite and whether any block holds a residual (here: with and
+    without the outlier's exact block); kvbound.attention then checks only q, and checks K/V again once a stored
+    tensor is written in place."""
+    attention_module = importlib.import_module("kvbound.attention")  # the module (kvbound.attention is the function)
+    gen = torch.Generator().manual_seed(5)
+    x = _data(64, 16, torch.float16, gen)
+    if not outlier:
+        x[0, 1, 32, 5] = 0.0
+    config = kvbound.CompressionConfig(rank=4, bits=8, tau=0.5, block_size=16)
+    ckv = kvbound.compress_kv(x, config, kvbound.calibrate(x, config), impl="triton")
+    assert ckv._checked_residual() is (bool((ckv.mode != 0).any()))
+    assert ckv._checked_residual() is outlier
+    seen = []
+    original = attention_module._queue_checks
+
+    def spy(tensors, *args, **kwargs):
+        seen.append(sorted(name for name, t in dict(tensors).items() if t is not None))
+        return original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "_queue_checks", spy)
+    q = torch.randn(1, 2, 8, 16, generator=gen).to(torch.float16)
+    first = kvbound.attention(q, ckv, ckv)
+    assert seen == [["q"]]
+    ckv.coeffs.mul_(1.0)
+    second = kvbound.attention(q, ckv, ckv)
+    # k and v are one object here: checked again once (as k), recorded, then reused for v.
+    assert seen[1:] == [["k.basis", "k.coeffs", "k.raw", "k.scale"], ["q"]]
+    torch.testing.assert_close(second, first, rtol=0, atol=0)

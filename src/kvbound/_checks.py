@@ -118,7 +118,12 @@ def _close(scope: DeferredChecks, *, read: bool) -> None:
 
 @contextmanager
 def deferred_checks() -> Iterator[DeferredChecks]:
-    """Defer the NaN/Inf checks of dense ``kvbound.attention`` calls to the end of the block (one host read).
+    """Defer the NaN/Inf checks of ``kvbound.attention`` calls to the end of the block (one host read).
+
+    Dense calls defer every check. Compressed calls defer the checks of q, the bias and the relative positions; the
+    compressed K/V themselves are checked at the first call that reads them (the kernel variant depends on their
+    block modes) and the result is kept on the object until a stored tensor changes; K/V fresh from the Triton
+    encoder carry it already, so such calls need no host read at all.
 
     ``kvbound.patch`` opens one such block around each forward of the model it patched. When the block is left
     by an exception, the queued checks are dropped and the exception propagates unchanged."""

@@ -142,6 +142,9 @@ def attention(
         # Same function the op runs, without the dispatcher's wrapping (nothing would observe the op).
         out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative)
     elif compressed:
+        known = (-1, -1)
+        if _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values())):
+            known = (_recorded_residual(k, "k"), _recorded_residual(v, "v"))
         out, lse = torch.ops.kvbound.attention_compressed(
             q,
             k.coeffs,
@@ -172,6 +175,8 @@ def attention(
             k.config.bits,
             v.config.bits,
             *relative,
+            k_residual=known[0],
+            v_residual=known[1],
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -206,6 +211,26 @@ def _plain_eager(tensors: tuple) -> bool:
 def _check_device(device: torch.device, q: torch.Tensor, name: str) -> None:
     if device != q.device:
         raise ValueError(f"{name}: expected device {q.device} (q's), got {device}")
+
+
+# The floating tensors of a CompressedKV that a call checks for NaN/Inf.
+_CHECKED_FIELDS = ("coeffs", "basis", "scale", "raw")
+
+
+def _recorded_residual(ckv: CompressedKV, name: str) -> int:
+    """1 / 0: ``ckv``'s stored tensors are finite and some / no block holds a residual, as recorded on the object
+    (``CompressedKV._record_checked``) and unchanged since. The first call on an object without a record checks
+    it here (one host synchronisation, under ``kvbound.deferred_checks()`` too) and records the result, so calls
+    that reuse compressed K/V, and K/V fresh from the Triton encoder (which records what it certified), skip the
+    check. -1: no record can be kept (inference tensors); the op checks on every call."""
+    residual = ckv._checked_residual()
+    if residual is None:
+        tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
+        (residual,) = _queue_checks(tensors, flags=(ckv.mode,))()  # with flags: never deferred
+        ckv._record_checked(residual)
+        if ckv._checked_residual() is None:
+            return -1
+    return int(residual)
 
 
 def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
@@ -475,30 +500,37 @@ def _attention_compressed_op(
     relative_keys: torch.Tensor | None = None,
     relative_content_bias: torch.Tensor | None = None,
     relative_position_bias: torch.Tensor | None = None,
+    k_residual: int = -1,
+    v_residual: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k_residual`` / ``v_residual``: -1, check that operand's stored tensors for NaN/Inf and read whether any
+    block holds a residual (which kernel variant runs); 1 / 0, already checked (``_recorded_residual``): with /
+    without residual blocks."""
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
     n_k = k_coeffs.shape[2]
-    # Finite check and "does K / V have a block with a residual" (which kernel variant to compile) in one sync.
-    checks = _queue_checks(
-        {
-            "q": q,
-            "bias": bias,
-            "k.coeffs": k_coeffs,
-            "k.basis": k_basis,
-            "k.scale": k_scale,
-            "k.raw": k_raw,
-            "v.coeffs": v_coeffs,
-            "v.basis": v_basis,
-            "v.scale": v_scale,
-            "v.raw": v_raw,
-            "relative_keys": relative_keys,
-            "relative_content_bias": relative_content_bias,
-            "relative_position_bias": relative_position_bias,
-        },
-        flags=(k_mode, v_mode),
-        full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k),
+    tensors = {"q": q, "bias": bias}
+    flags = []
+    for name, known, stored, mode in (
+        ("k", k_residual, (k_coeffs, k_basis, k_scale, k_raw), k_mode),
+        ("v", v_residual, (v_coeffs, v_basis, v_scale, v_raw), v_mode),
+    ):
+        if known < 0:
+            tensors.update({f"{name}.{field}": t for field, t in zip(_CHECKED_FIELDS, stored, strict=True)})
+            flags.append(mode)
+    tensors.update(
+        relative_keys=relative_keys,
+        relative_content_bias=relative_content_bias,
+        relative_position_bias=relative_position_bias,
     )
+    # Finite checks and "does K / V have a block with a residual" in one sync (none when both are known and the
+    # call is inside kvbound.deferred_checks()).
+    read = _queue_checks(tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k))
+
+    def checks() -> list[bool]:
+        found = iter(read())
+        return [bool(known) if known >= 0 else next(found) for known in (k_residual, v_residual)]
+
     # The kernel indexes the small per-block tensors and the flat buffers as contiguous (no-op when they are).
     k_op = CompressedOperand(
         k_coeffs,

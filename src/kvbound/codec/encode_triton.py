@@ -473,10 +473,16 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
         raw = raw[:raw_elements].clone()
     if uncertified:
         return None
-    return CompressedKV(
+    ckv = CompressedKV(
         shape=(batch, heads, n, d), dtype=x.dtype, config=config, coeffs=coeffs, basis=projection, mode=mode,
         scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
     )
+    if not beyond_fp16:
+        # Every coefficient is finite (the flag is raised by NaN too), hence so is the basis (each of its elements
+        # enters some coefficient, and 0 * Inf is NaN); steps come from finite residuals, raw values from x. Some
+        # block holds a residual exactly when there are codes or raw values. kvbound.attention reuses this record.
+        ckv._record_checked(code_words > 0 or raw_elements > 0)
+    return ckv
 
 
 # Mode numbers the kernels above write, spelled out for readers of the format.

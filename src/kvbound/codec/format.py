@@ -97,6 +97,8 @@ class CompressedKV:
     raw: torch.Tensor
     shared_basis: bool
     encode_seconds: float = field(default=0.0, compare=False)
+    # What the last complete check of the stored tensors found (see ``_record_checked``); not part of the data.
+    _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------------- shape
     @property
@@ -126,6 +128,29 @@ class CompressedKV:
     @property
     def device(self) -> torch.device:
         return self.coeffs.device
+
+    # ------------------------------------------------------------------------------------------ check record
+    def _stamps(self) -> tuple | None:
+        """``(data pointer, version counter)`` of every stored tensor; None where that cannot be read (inference
+        tensors track no version, fake tensors have no storage)."""
+        try:
+            return tuple((t.data_ptr(), t._version) for t in self._tensors().values())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def _record_checked(self, residual: bool) -> None:
+        """Record that the stored tensors, as they are now, are finite and that the blocks do (``residual``) or do
+        not all use low rank only. ``kvbound.attention`` then skips both checks (the call's host synchronisation)
+        until any stored tensor is replaced or modified in place (its version counter moves)."""
+        stamps = self._stamps()
+        self._checked = None if stamps is None else (stamps, bool(residual))
+
+    def _checked_residual(self) -> bool | None:
+        """What ``_record_checked`` recorded, if every stored tensor is unchanged since; else None."""
+        if self._checked is None:
+            return None
+        stamps, residual = self._checked
+        return residual if self._stamps() == stamps else None
 
     # ----------------------------------------------------------------------------------------------- bytes
     def _metadata(self) -> dict[str, str]:
