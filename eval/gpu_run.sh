@@ -17,6 +17,9 @@
 #   BATCH [8]             batch size of every training
 #   STEPS [1000000]       step cap (the time budget normally stops first)
 #   SEED [0]
+#   MODELS [enformer enformer_noattn alphagenome alphagenome_noattn]  which of the four to train
+#   TRAIN_ARGS            extra arguments of every training, e.g. "--track-weight enhancer=4 --rc-augment"
+#   INIT [0]              1: each training starts from its committed weights in eval/weights (when present)
 #   RUN_EVAL [0]          1: run `kvbound eval` after training (EVAL_BUDGET_S [330], EVAL_ARGS extra arguments)
 #   FIXTURE               a directory: train toy models on the synthetic fixture instead (CPU smoke test)
 #   DEVICE                passed as --device (default: cuda when present)
@@ -72,19 +75,31 @@ echo "gpu_run: preparation ${elapsed}s; the trainings have ${budget}s on ${n_gpu
 pids=()
 names=()
 index=0
+models="${MODELS:-enformer enformer_noattn alphagenome alphagenome_noattn}"
+read -r -a train_args <<< "${TRAIN_ARGS:-}"
 for model in enformer alphagenome; do
   for attention in "" "--no-attention"; do
     name="$model${attention:+_noattn}"
+    if [[ " $models " != *" $name "* ]]; then continue; fi
+    init_args=()
+    if [ "${INIT:-0}" = "1" ] && [ -f "eval/weights/$name.safetensors" ]; then
+      init_args=(--init "eval/weights/$name.safetensors")
+    fi
     gpu="${gpus[$(( index % n_gpus ))]}"
     CUDA_VISIBLE_DEVICES="$gpu" OMP_NUM_THREADS="$threads" \
       "$python_bin" -m kvbound.eval.train --model "$model" $attention --size "$size" --steps "$steps" \
       --deadline-unix "$deadline" --batch-size "$batch" --seed "$seed" "${data_args[@]}" "${device_args[@]}" \
-      "${train_extra[@]}" --weights-dir eval/weights --log-dir eval/results > "$logs/train_$name.log" 2>&1 &
+      "${train_extra[@]}" "${init_args[@]}" "${train_args[@]}" --weights-dir eval/weights --log-dir eval/results \
+      > "$logs/train_$name.log" 2>&1 &
     pids+=($!)
     names+=("$name")
     index=$(( index + 1 ))
   done
 done
+if [ "${#pids[@]}" -eq 0 ]; then
+  echo "gpu_run: MODELS='$models' names none of enformer enformer_noattn alphagenome alphagenome_noattn" >&2
+  exit 2
+fi
 failed=0
 for i in "${!pids[@]}"; do
   if wait "${pids[$i]}"; then

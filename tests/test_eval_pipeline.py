@@ -67,6 +67,38 @@ def test_train_toy_model_is_seeded_and_logged(fixture_dir, tmp_path):
     assert -1.0 <= float(runs[0][-1]["valid_pearson_mean"]) <= 1.0
 
 
+def test_track_weights_and_warm_start(fixture_dir, tmp_path):
+    """--track-weight changes the loss (normalised weights recorded), bad specs fail with the track names, and
+    --init continues from saved weights of the same configuration only."""
+    names = ["a", "enhancer", "expression"]
+    weights = train.track_weights(["enhancer=4", "expression=2"], names, "cpu")
+    assert torch.allclose(weights, torch.tensor([1.0, 4.0, 2.0]) * 3 / 7)
+    assert torch.equal(train.track_weights(None, names, "cpu"), torch.ones(3))
+    for bad in (["enhancer"], ["nope=2"], ["enhancer=-1"], ["enhancer=x"]):
+        with pytest.raises(ValueError, match="--track-weight"):
+            train.track_weights(bad, names, "cpu")
+    with pytest.raises(ValueError, match="at least one track"):
+        train.track_weights(["a=0", "enhancer=0", "expression=0"], names, "cpu")
+
+    def run(out, *extra):
+        argv = ["--model", "enformer", "--size", "toy", "--steps", "2", "--batch-size", "2", "--fixture",
+                str(fixture_dir), "--weights-dir", str(out), "--log-dir", str(out), "--log-every", "2",
+                "--eval-every", "2", "--eval-windows", "1", "--device", "cpu", *extra]
+        assert train.main(argv) == 0
+        return _rows(out / "train_enformer_toy.csv"), json.loads((out / "train_enformer_toy.json").read_text())
+
+    plain, _ = run(tmp_path / "plain")
+    weighted, summary = run(tmp_path / "weighted", "--track-weight", "enhancer=8")
+    assert weighted[0]["loss"] != plain[0]["loss"]
+    assert summary["optimizer"]["track_weights"]["enhancer"] > summary["optimizer"]["track_weights"]["expression"]
+    warm, summary = run(tmp_path / "warm", "--init", str(tmp_path / "plain" / "enformer_toy.safetensors"))
+    assert warm[0]["loss"] != plain[0]["loss"] and summary["optimizer"]["init"].endswith("enformer_toy.safetensors")
+    with pytest.raises(ValueError, match="--init: expected weights of the model being trained"):
+        train.main(["--model", "alphagenome", "--size", "toy", "--steps", "2", "--fixture", str(fixture_dir),
+                    "--weights-dir", str(tmp_path), "--log-dir", str(tmp_path), "--device", "cpu",
+                    "--init", str(tmp_path / "plain" / "enformer_toy.safetensors")])
+
+
 def test_train_stops_cleanly_at_its_time_budget(fixture_dir, tmp_path):
     from kvbound.eval.models import load_model
 

@@ -124,6 +124,12 @@ def test_report_flags_breaches_and_chooses_tau(tmp_path):
     at_chance = [dict(r, auroc_all=0.52) if r["model"] == "alphagenome" and r["method"] == "exact" else r for r in rows]
     _write(tmp_path / "quality.csv", at_chance)
     assert "**AUROC is not informative for alphagenome**" in report.render(tmp_path)
+    assert "Positive control" not in report.render(tmp_path)  # older quality.csv: no control columns
+    controls = [dict(r, effect_median_positives=6.5e-5, effect_median_negatives=4.5e-5, effect_pearson_positives=0.23)
+                for r in at_chance]  # fmt: skip
+    _write(tmp_path / "quality.csv", controls)
+    assert "| alphagenome | 6.50e-05 | 4.50e-05 | 0.230 | 0.5200 |" in report.render(tmp_path)
+    _write(tmp_path / "quality.csv", at_chance)
     assert "float32 (shorter rerun)" not in report.render(tmp_path)
     (tmp_path / "variants_fp32").mkdir()
     _write(tmp_path / "variants_fp32" / "quality.csv", at_chance)

@@ -90,3 +90,23 @@ def test_oracle_scores_rank_every_positive_first(fixture_benchmark):
     oracle = np.array(oracle)
     np.testing.assert_allclose(oracle, [v.true_effect for v in variants], atol=1e-12)
     assert labels.sum() >= 5 and auroc(labels, np.abs(oracle)) == 1.0
+
+
+def test_float32_scoring_turns_tf32_off_and_restores_it():
+    _float32_exact = cli._float32_exact
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        with _float32_exact(enabled=True):
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        with _float32_exact(enabled=False):  # bf16 scoring: left as it is
+            assert torch.backends.cudnn.allow_tf32
+        try:
+            with _float32_exact(enabled=True):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -40,6 +40,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +190,20 @@ def _hook_for(setting: Setting, bases: dict, impl: str):
     return kv_hooks.CompressedKVHook(config, bases.get(setting.rank), strict=False, impl=impl)
 
 
+@contextmanager
+def _float32_exact(enabled: bool) -> Iterator[None]:
+    """TF32 off for cuDNN convolutions and CUDA matmuls inside the block (restored after); a no-op when disabled."""
+    if not enabled:
+        yield
+        return
+    matmul, convolution = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, convolution
+
+
 @torch.no_grad()
 def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device, autocast) -> dict:
     """Predictions on the windows and predicted variant effects under whatever hook is installed."""
@@ -218,34 +234,30 @@ def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=variant_autocast):
             return model(batch).float()[:, out_index, expression]
 
-    # the reference window of a TSS is shared by all of its variants: predict it once
-    reference: dict[int, float] = {}
-    tss_list = sorted({v.tss for v in variants})
-    for offset in range(0, len(tss_list), args.batch_size):
-        chunk_tss = tss_list[offset : offset + args.batch_size]
-        starts_t = np.array([tss // size - half for tss in chunk_tss])
-        inputs, _ = make_batch(
-            benchmark.data.codes, None, starts_t, config.window_bins, config.target_bins, size, device=device
-        )
-        reference.update(zip(chunk_tss, centre_expression(inputs).cpu().tolist(), strict=True))
+    # Each batch holds the reference windows of its variants' TSSs next to the variants' windows, so that both sides
+    # of every difference go through the same kernels; in float32, TF32 is off while scoring (cuDNN convolutions
+    # default to TF32, whose rounding is the size of a single SNV's predicted change).
     effects = []
-    for offset in range(0, len(variants), args.batch_size):
-        chunk = variants[offset : offset + args.batch_size]
-        starts_v = np.array([v.tss // size - half for v in chunk])
-        alternative, _ = make_batch(
-            benchmark.data.codes, None, starts_v, config.window_bins, config.target_bins, size, device=device
-        )
-        for row, variant in enumerate(chunk):
-            column = variant.position - starts_v[row] * size
-            if not 0 <= column < config.window_bp:
-                raise ValueError(
-                    f"variant {variant.gene}:{variant.position}: outside the {config.window_bp} bp window centred "
-                    f"on its TSS {variant.tss}"
-                )
-            alternative[row, :, column] = 0.0
-            alternative[row, variant.alt_code, column] = 1.0
-        alt = centre_expression(alternative).cpu().numpy()
-        effects.append(alt - np.array([reference[v.tss] for v in chunk]))
+    with _float32_exact(enabled=not variant_autocast):
+        for offset in range(0, len(variants), args.batch_size):
+            chunk = variants[offset : offset + args.batch_size]
+            chunk_tss = sorted({v.tss for v in chunk})
+            firsts = np.array([tss // size - half for tss in chunk_tss] + [v.tss // size - half for v in chunk])
+            inputs, _ = make_batch(
+                benchmark.data.codes, None, firsts, config.window_bins, config.target_bins, size, device=device
+            )
+            for row, variant in enumerate(chunk, start=len(chunk_tss)):
+                column = variant.position - firsts[row] * size
+                if not 0 <= column < config.window_bp:
+                    raise ValueError(
+                        f"variant {variant.gene}:{variant.position}: outside the {config.window_bp} bp window centred "
+                        f"on its TSS {variant.tss}"
+                    )
+                inputs[row, :, column] = 0.0
+                inputs[row, variant.alt_code, column] = 1.0
+            values = centre_expression(inputs).cpu().numpy()
+            reference = dict(zip(chunk_tss, values[: len(chunk_tss)], strict=True))
+            effects.append(values[len(chunk_tss) :] - np.array([reference[v.tss] for v in chunk]))
     return {
         "predictions": np.concatenate(predictions)
         if predictions
@@ -282,6 +294,10 @@ def _metrics(run: dict, targets: np.ndarray, tss_index: np.ndarray, variants: li
     out["effect_pearson_positives"] = (
         pearson(run["effects"][positive], true_effect[positive]) if positive.sum() >= 3 else float("nan")
     )
+    # Positive control: the median |predicted change| of positives and of negatives (normalised expression units);
+    # a model that learned the enhancers puts the first far above the second.
+    for name, mask in (("positives", positive), ("negatives", ~positive)):
+        out[f"effect_median_{name}"] = float(np.median(scores[mask])) if mask.any() else float("nan")
     return out
 
 
@@ -489,6 +505,8 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
         "auroc_vs_random": metrics["auroc_vs_random"],
         "auroc_vs_motif": metrics["auroc_vs_motif"],
         "effect_pearson_positives": metrics["effect_pearson_positives"],
+        "effect_median_positives": metrics["effect_median_positives"],
+        "effect_median_negatives": metrics["effect_median_negatives"],
         "windows": len(context.starts),
         "variants": len(variants),
         "seconds": round(seconds, 3),

@@ -49,6 +49,11 @@ def _fmt(value, digits: int = 4, signed: bool = False) -> str:
     return f"{number:+.{digits}f}" if signed else f"{number:.{digits}f}"
 
 
+def _sci(value) -> str:
+    number = _float(value)
+    return "n/a" if math.isnan(number) else f"{number:.2e}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -197,6 +202,21 @@ def render(results: Path) -> str:
             "longer training before the AUROC target can be tested."
         )
         add("")
+        controls = [
+            [row["model"], _sci(row.get("effect_median_positives")), _sci(row.get("effect_median_negatives")),
+             _fmt(row.get("effect_pearson_positives"), 3), _fmt(row.get("auroc_all"))]
+            for row in quality
+            if row["method"] == "exact" and row.get("effect_median_positives") not in (None, "")
+        ]  # fmt: skip
+        if controls:
+            add(
+                "Positive control of the exact models (a model that learned the enhancers predicts far larger changes "
+                "for positives than for negatives, and changes that follow the true ones):"
+            )
+            add("")
+            add(_table(["model", "median |predicted change| positives", "negatives",
+                        "Pearson(predicted, true) on positives", "AUROC"], controls))  # fmt: skip
+            add("")
     if not headline:
         add("Not run yet: `kvbound eval` (quality.csv).")
     else:

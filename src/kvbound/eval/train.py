@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvbound.eval.metrics import pearson_per_track
-from kvbound.eval.models import ModelConfig, TrackModel, build_model, count_parameters, save_model
+from kvbound.eval.models import ModelConfig, TrackModel, build_model, count_parameters, load_model, save_model
 from kvbound.eval.windows import Benchmark, TrackNormalizer, load_benchmark, make_batch, split_intervals, window_starts
 
 __all__ = ["main", "predict_windows", "train"]
@@ -78,6 +78,27 @@ def evaluate_pearson(model, benchmark, normalized, starts, *, device, autocast) 
     return pearson_per_track(prediction.reshape(-1, config.n_tracks), target.reshape(-1, config.n_tracks))
 
 
+def track_weights(specs: list[str] | None, track_names, device) -> torch.Tensor:
+    """Per-track loss weights from ``NAME=WEIGHT`` items (1 for tracks not named), normalised to mean 1 so that
+    the learning rate means the same with and without them."""
+    weights = {name: 1.0 for name in track_names}
+    for spec in specs or []:
+        name, sep, value = spec.partition("=")
+        if not sep or name not in weights:
+            raise ValueError(f"--track-weight: expected NAME=WEIGHT with NAME one of {list(track_names)}, got {spec!r}")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"--track-weight: expected a finite weight >= 0 for {name}, got {value!r}")
+        weights[name] = weight
+    out = torch.tensor([weights[name] for name in track_names], dtype=torch.float32, device=device)
+    if not out.sum() > 0:
+        raise ValueError(f"--track-weight: expected at least one track with a weight > 0, got {specs}")
+    return out * (len(out) / out.sum())
+
+
 def train(args: argparse.Namespace) -> dict:
     clock_started = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -100,6 +121,16 @@ def train(args: argparse.Namespace) -> dict:
     else:
         config = ModelConfig(kind=args.model, n_tracks=len(track_names), attention=not args.no_attention, **sizes)
     model = build_model(config, seed=args.seed).to(device)
+    if args.init is not None:
+        # Continue from earlier weights of the same configuration (a new optimizer and schedule).
+        started_from, _ = load_model(str(args.init), device=device)
+        if started_from.config != config:
+            raise ValueError(
+                f"--init: expected weights of the model being trained ({config.as_dict()}), got "
+                f"{started_from.config.as_dict()} in {args.init}"
+            )
+        model.load_state_dict(started_from.state_dict())
+    weights = track_weights(args.track_weight, track_names, device)
     train_starts = window_starts(simulation, train_intervals, config.window_bins)
     valid_starts = window_starts(simulation, valid_intervals, config.window_bins, stride_bins=config.target_bins)
     if len(train_starts) == 0 or len(valid_starts) == 0:
@@ -148,6 +179,8 @@ def train(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "time_budget_s": budget,
         "trained": True,
+        "track_weights": weights.tolist(),
+        "init": None if args.init is None else str(args.init),
     }
     best = {"valid_pearson_mean": -math.inf}
     best_state: dict[str, torch.Tensor] | None = None
@@ -196,7 +229,7 @@ def train(args: argparse.Namespace) -> dict:
             )
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
                 prediction = model(inputs)
-            loss = torch.nn.functional.mse_loss(prediction.float(), targets)
+            loss = ((prediction.float() - targets) ** 2 * weights).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -267,6 +300,9 @@ def train(args: argparse.Namespace) -> dict:
             "grad_clip_norm": 1.0,
             "bf16_autocast": autocast,
             "rc_augment": args.rc_augment,
+            "loss": "mean squared error over bins and tracks, each track weighted (track_weights)",
+            "track_weights": dict(zip(track_names, weights.tolist(), strict=True)),
+            "init": None if args.init is None else str(args.init),
         },
         **{key: metadata[key] for key in ("data_source", "simulator_fingerprint", "seed", "steps", "batch_size")},
     }
@@ -302,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 on CUDA too")
     parser.add_argument("--rc-augment", action="store_true", help="random reverse complements")
+    parser.add_argument(
+        "--track-weight",
+        action="append",
+        default=None,
+        metavar="NAME=WEIGHT",
+        help="loss weight of one track (repeatable; others 1; normalised to mean 1), e.g. enhancer=4",
+    )
+    parser.add_argument("--init", type=Path, default=None, help="start from these weights (same model configuration)")
     parser.add_argument(
         "--cache", type=Path, default=None, help="data cache (default $KVBOUND_CACHE or ~/.cache/kvbound)"
     )
