@@ -28,7 +28,8 @@
 # a call at 96bd3af) cost a few seconds each. With a carried .cache/triton the compile share mostly disappears.
 #
 #   attention   ~7.5 min  roofline ceilings (0.3) | seed shapes N = 4096, 16384, 65536 x d = 64, 128, every
-#                         provider, configs r8b4, quant-r0b4, lowrank-r8, + kvbound.calibrate per model load
+#                         provider (kvbound also with deferred checks), configs r8b4, quant-r0b4, lowrank-r8,
+#                         + kvbound.calibrate per model load
 #                         (48 + 3 rows, 5.5: about 3 of them compiling 3 compressed variants x 5 tile configs)
 #                         | encoder suite on the seed and model shapes (1.5)
 #   traffic     ~7 min    Nsight Compute (--clock-control none) DRAM and L2->SM bytes on the seed shapes:

@@ -49,6 +49,11 @@ def test_cpu_smoke_runs_every_provider_through_the_gpu_code_path(tmp_path):
             assert r["compression_ratio"] > 1 and r["kv_max_abs_error"] <= r["tau"]
             assert 0.0 <= r["zero_residual_share"] <= 1.0 and r["err_vs_dense_rel"] < 3e-2
         assert by[("kvbound-compressed", "r8b4", "smoke-plain")]["zero_residual_share"] == 0.0
+        # the deferred-check variants: the same calls, checks read once per timing loop; default config only here
+        assert by[("kvbound-compressed-deferred", "r8b4", "smoke-plain")]["status"] == "ok"
+        assert ("kvbound-compressed-deferred", "quant-r0b4", "smoke-plain") not in by
+    for name in shapes:
+        assert by[("kvbound-dense-deferred", "", name)]["status"] == by[("kvbound-dense", "", name)]["status"]
     calibration = [r for r in rows if r["mode"] == "calibrate"]
     assert len(calibration) == 1 and calibration[0]["ms_p50"] > 0
 
@@ -64,8 +69,8 @@ def test_without_gpu_exits_nonzero_with_a_clear_message(tmp_path):
 def test_list_and_unknown_names(capsys):
     assert cli.main(["--list"]) == 0
     listed = capsys.readouterr().out
-    for name in ("kvbound-compressed", "kvbound-dense", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex",
-                 "sdpa-bias", "eager"):
+    for name in ("kvbound-compressed", "kvbound-dense", "kvbound-compressed-deferred", "kvbound-dense-deferred",
+                 "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex", "sdpa-bias", "eager"):
         assert name in listed
 
 

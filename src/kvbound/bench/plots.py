@@ -26,6 +26,8 @@ def provider_label(row: dict) -> str:
     config = row.get("config") or ""
     if row["provider"] == "kvbound-compressed":
         return f"kvbound[{config}]"
+    if row["provider"] == "kvbound-compressed-deferred":
+        return f"kvbound[{config}] deferred"
     return row["provider"]
 
 

@@ -7,6 +7,10 @@ Each provider turns a :class:`Case` (one shape's inputs) into a :class:`Prepared
                         the shape's full function (bias, soft-cap, GQA), checked against the float64
                         reference on the *decompressed* K/V.
 ``kvbound-dense``       ``kvbound.attention`` on dense K/V: the full function.
+``kvbound-dense-deferred``, ``kvbound-compressed-deferred`` (configs r8b4 and lowrank-r8)
+                        the same calls inside one ``kvbound.deferred_checks()`` block around the check and the
+                        timing loop (as ``kvbound.patch`` runs a model's forward): the NaN/Inf checks are read once
+                        at the end instead of one host synchronisation per call.
 ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``
                         ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced. On the
                         models' shapes they run plain attention without bias or soft-cap: the floor of what
@@ -312,8 +316,19 @@ def _run_kvbound(attention, q, k, v, case: Case) -> torch.Tensor:
         raise Unsupported(f"kvbound.attention: {err}") from err
 
 
+def _deferred_context() -> contextlib.AbstractContextManager:
+    import kvbound
+
+    return kvbound.deferred_checks()
+
+
 class KvboundDense(Provider):
     name = "kvbound-dense"
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
+        if deferred:
+            self.name = "kvbound-dense-deferred"
 
     def unavailable(self) -> str | None:
         try:
@@ -333,6 +348,7 @@ class KvboundDense(Provider):
             kv_bytes=_dense_kv_bytes(case.shape),
             kv_dense_bytes=_dense_kv_bytes(case.shape),
             note=note,
+            context=_deferred_context if self.deferred else contextlib.nullcontext,
         )
 
 
@@ -344,6 +360,11 @@ def _mode_shares(ckv) -> list[float]:
 
 class KvboundCompressed(Provider):
     name = "kvbound-compressed"
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
+        if deferred:
+            self.name = "kvbound-compressed-deferred"
 
     def unavailable(self) -> str | None:
         try:
@@ -357,6 +378,8 @@ class KvboundCompressed(Provider):
         return None
 
     def configs(self, sweep: bool) -> list[CompressedConfigSpec | None]:
+        if self.deferred:
+            return [c for c in DEFAULT_CONFIGS if c.label in ("r8b4", "lowrank-r8")]
         return list(DEFAULT_CONFIGS) + (list(SWEEP_CONFIGS) if sweep else [])
 
     def prepare(self, case: Case, config: CompressedConfigSpec | None) -> Prepared:
@@ -419,6 +442,7 @@ class KvboundCompressed(Provider):
                 "kv_max_abs_error": max(_max_abs_difference(case.k[0], k_ref), _max_abs_difference(case.v[0], v_ref)),
             },
             compressed=True,
+            context=_deferred_context if self.deferred else contextlib.nullcontext,
         )
 
 
@@ -722,6 +746,8 @@ def all_providers() -> list[Provider]:
     return [
         KvboundCompressed(),
         KvboundDense(),
+        KvboundCompressed(deferred=True),
+        KvboundDense(deferred=True),
         SdpaBackend("sdpa-cudnn", "CUDNN_ATTENTION"),
         SdpaBackend("sdpa-flash", "FLASH_ATTENTION"),
         SdpaBackend("sdpa-efficient", "EFFICIENT_ATTENTION"),
