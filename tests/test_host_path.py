@@ -158,6 +158,22 @@ def test_the_op_is_dispatched_whenever_something_could_observe_it():
     assert any("kvbound::attention_dense" in e.name for e in prof.events())
 
 
+def test_compressed_calls_take_the_same_paths():
+    """Compressed K/V: the implementation directly in plain eager mode, the op whenever something observes it
+    (which then checks K/V itself); both give the same output."""
+    q, k, v = _qkv()
+    config = kvbound.CompressionConfig(block_size=16, rank=2, bits=4, tau=2**-5)
+    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    direct = attention(q, ck, cv)
+    with _RecordOps() as mode:
+        observed = attention(q, ck, cv)
+    assert any("kvbound.attention_compressed" in op for op in mode.ops)
+    torch.testing.assert_close(observed, direct, rtol=0, atol=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention(q, ck, cv)
+    assert any("kvbound::attention_compressed" in e.name for e in prof.events())
+
+
 def test_meta_tensors_take_the_fake_implementation():
     q = torch.empty(1, 2, 16, 16, device="meta")
     k = torch.empty(1, 2, 24, 16, device="meta")

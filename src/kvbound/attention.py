@@ -143,9 +143,12 @@ def attention(
         out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative)
     elif compressed:
         known = (-1, -1)
-        if _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values())):
+        plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
+        if plain:
             known = (_recorded_residual(k, "k"), _recorded_residual(v, "v"))
-        out, lse = torch.ops.kvbound.attention_compressed(
+        # In plain eager mode the op's implementation is called directly, as for dense K/V (see _plain_eager).
+        run = _attention_compressed if plain else torch.ops.kvbound.attention_compressed
+        out, lse = run(
             q,
             k.coeffs,
             k.basis,
@@ -467,8 +470,7 @@ def _attention_dense_fake(q, k, v, bias, bias_tile, scale, causal, softcap, *rel
     return q.new_empty(b, hq, nq, v.shape[3]), q.new_empty(b, hq, nq, dtype=torch.float32)
 
 
-@torch.library.custom_op("kvbound::attention_compressed", mutates_args=())
-def _attention_compressed_op(
+def _attention_compressed(
     q: torch.Tensor,
     k_coeffs: torch.Tensor,
     k_basis: torch.Tensor,
@@ -568,6 +570,11 @@ def _attention_compressed_op(
     return attention_compressed_fwd(
         q, k_op, v_op, bias, scale, causal, softcap, residual=checks, bias_tile=bias_tile, relative=relative
     )
+
+
+_attention_compressed_op = torch.library.custom_op("kvbound::attention_compressed", mutates_args=())(
+    _attention_compressed
+)
 
 
 @_attention_compressed_op.register_fake
