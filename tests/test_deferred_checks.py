@@ -215,3 +215,17 @@ def test_largest_magnitude_flags_nan_and_inf_in_every_dtype_without_copying(dtyp
         largest_magnitude(x)
     peak = max((e.cpu_memory_usage for e in prof.events()), default=0)
     assert peak < x.numel() * x.element_size() // 8, peak
+
+
+def test_inference_tensors_are_checked_at_every_call():
+    """Inference tensors keep no version counter: nothing is recorded and every call checks K/V again."""
+    q, k, v = _qkv(n=32)
+    config = CompressionConfig(block_size=16, rank=2, bits=4, tau=2**-5)
+    with torch.inference_mode():
+        ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+        out = kvbound.attention(q, ck, cv)
+        assert ck._checked is None and ck._checked_residual() is None
+        ck.scale[0, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match=r"^k\.scale: expected finite values"):
+            kvbound.attention(q, ck, cv)
+    assert torch.isfinite(out).all()
