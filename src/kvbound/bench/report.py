@@ -375,7 +375,16 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         parts.append("## Plots\n")
         for name, path in shown.items():
             parts.append(f"![{name}]({_relative(path, root)})\n")
+            if name == "roofline":
+                parts.append(_ROOFLINE_NOTE)
     return "\n".join(parts) + "\n"
+
+
+_ROOFLINE_NOTE = """Every provider's FLOP count is that of dense attention at its shape (the `flops` column), so a
+point's TFLOP/s is the rate at which it delivers dense-attention work. Compressed rows that skip work (rank-space logits
+and values on residual-free tiles) therefore sit above the bf16 matmul roof: that is work not done, not a faster
+tensor core. Their FLOP per byte uses the same count over the bytes each one moved.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
