@@ -18,7 +18,7 @@
 #   STEPS [1000000]       step cap (the time budget normally stops first)
 #   SEED [0]
 #   MODELS [enformer enformer_noattn alphagenome alphagenome_noattn]  which of the four to train
-#   TRAIN_ARGS            extra arguments of every training, e.g. "--track-weight enhancer=4 --rc-augment"
+#   TRAIN_ARGS            extra arguments of every training, e.g. "--track-weight enhancer=4 --tss-share 0.75"
 #   INIT [0]              1: each training starts from its committed weights in eval/weights (when present)
 #   RUN_EVAL [0]          1: run `kvbound eval` after training (EVAL_BUDGET_S [330], EVAL_ARGS extra arguments)
 #   FIXTURE               a directory: train toy models on the synthetic fixture instead (CPU smoke test)

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,6 +98,29 @@ def test_track_weights_and_warm_start(fixture_dir, tmp_path):
         train.main(["--model", "alphagenome", "--size", "toy", "--steps", "2", "--fixture", str(fixture_dir),
                     "--weights-dir", str(tmp_path), "--log-dir", str(tmp_path), "--device", "cpu",
                     "--init", str(tmp_path / "plain" / "enformer_toy.safetensors")])
+
+
+def test_tss_windows_and_tss_share(fixture_dir, tmp_path):
+    """windows_with_tss picks the windows whose output bins (not the flanks) hold a TSS; --tss-share draws that
+    share of each batch from them, changes the run, and is recorded."""
+    from kvbound.eval.windows import windows_with_tss
+
+    mask = windows_with_tss(np.array([0, 10, 20, 30]), np.array([15, 40]), window_bins=20, target_bins=10)
+    assert mask.tolist() == [False, True, False, True]  # outputs [5, 15) [15, 25) [25, 35) [35, 45)
+
+    def run(out, *extra):
+        argv = ["--model", "enformer", "--size", "toy", "--steps", "2", "--batch-size", "4", "--fixture",
+                str(fixture_dir), "--weights-dir", str(out), "--log-dir", str(out), "--log-every", "2",
+                "--eval-every", "2", "--eval-windows", "1", "--device", "cpu", *extra]
+        assert train.main(argv) == 0
+        return _rows(out / "train_enformer_toy.csv"), json.loads((out / "train_enformer_toy.json").read_text())
+
+    plain, _ = run(tmp_path / "plain")
+    focused, summary = run(tmp_path / "tss", "--tss-share", "0.5")
+    assert summary["optimizer"]["tss_share"] == 0.5 and summary["optimizer"]["tss_windows"] > 0
+    assert focused[0]["loss"] != plain[0]["loss"]
+    with pytest.raises(SystemExit, match="--tss-share"):
+        train.main(["--model", "enformer", "--tss-share", "1.5"])
 
 
 def test_train_stops_cleanly_at_its_time_budget(fixture_dir, tmp_path):

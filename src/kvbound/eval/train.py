@@ -31,7 +31,15 @@ import torch
 
 from kvbound.eval.metrics import pearson_per_track
 from kvbound.eval.models import ModelConfig, TrackModel, build_model, count_parameters, load_model, save_model
-from kvbound.eval.windows import Benchmark, TrackNormalizer, load_benchmark, make_batch, split_intervals, window_starts
+from kvbound.eval.windows import (
+    Benchmark,
+    TrackNormalizer,
+    load_benchmark,
+    make_batch,
+    split_intervals,
+    window_starts,
+    windows_with_tss,
+)
 
 __all__ = ["main", "predict_windows", "train"]
 
@@ -132,6 +140,12 @@ def train(args: argparse.Namespace) -> dict:
         model.load_state_dict(started_from.state_dict())
     weights = track_weights(args.track_weight, track_names, device)
     train_starts = window_starts(simulation, train_intervals, config.window_bins)
+    # --tss-share: that share of every batch from windows whose output bins hold a TSS (expression is learned there).
+    tss_bins = np.array([gene.tss // benchmark.config.bin_size for gene in benchmark.data.genes], dtype=np.int64)
+    tss_starts = train_starts[windows_with_tss(train_starts, tss_bins, config.window_bins, config.target_bins)]
+    tss_count = int(round(args.tss_share * args.batch_size))
+    if tss_count and len(tss_starts) == 0:
+        raise ValueError(f"--tss-share {args.tss_share}: no training window holds a TSS in its output bins")
     valid_starts = window_starts(simulation, valid_intervals, config.window_bins, stride_bins=config.target_bins)
     if len(train_starts) == 0 or len(valid_starts) == 0:
         raise ValueError(
@@ -215,7 +229,12 @@ def train(args: argparse.Namespace) -> dict:
         running = 0.0
         for step in range(args.steps):
             model.train()
-            starts = rng.choice(train_starts, size=args.batch_size)
+            if tss_count:
+                starts = np.concatenate(
+                    [rng.choice(tss_starts, size=tss_count), rng.choice(train_starts, size=args.batch_size - tss_count)]
+                )
+            else:
+                starts = rng.choice(train_starts, size=args.batch_size)
             reverse = rng.random(args.batch_size) < 0.5 if args.rc_augment else None
             inputs, targets = make_batch(
                 benchmark.data.codes,
@@ -303,6 +322,8 @@ def train(args: argparse.Namespace) -> dict:
             "loss": "mean squared error over bins and tracks, each track weighted (track_weights)",
             "track_weights": dict(zip(track_names, weights.tolist(), strict=True)),
             "init": None if args.init is None else str(args.init),
+            "tss_share": args.tss_share,
+            "tss_windows": int(len(tss_starts)),
         },
         **{key: metadata[key] for key in ("data_source", "simulator_fingerprint", "seed", "steps", "batch_size")},
     }
@@ -347,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--init", type=Path, default=None, help="start from these weights (same model configuration)")
     parser.add_argument(
+        "--tss-share",
+        type=float,
+        default=0.0,
+        help="share of each batch drawn from windows whose output bins hold a TSS (0: uniform windows)",
+    )
+    parser.add_argument(
         "--cache", type=Path, default=None, help="data cache (default $KVBOUND_CACHE or ~/.cache/kvbound)"
     )
     parser.add_argument(
@@ -365,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.warmup >= args.steps:
         args.warmup = max(1, args.steps // 10)
+    if not 0.0 <= args.tss_share <= 1.0:
+        raise SystemExit(f"--tss-share: expected a share between 0 and 1, got {args.tss_share}")
     if args.time_budget_s is not None and not args.time_budget_s > 0:
         raise SystemExit(f"--time-budget-s: expected a positive number of seconds, got {args.time_budget_s}")
     summary = train(args)

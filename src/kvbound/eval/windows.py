@@ -102,6 +102,15 @@ def window_starts(
     return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
 
 
+def windows_with_tss(starts: np.ndarray, tss_bins: np.ndarray, window_bins: int, target_bins: int) -> np.ndarray:
+    """Mask of the windows (first bins ``starts``) whose central ``target_bins`` output bins hold a TSS bin."""
+    crop = (window_bins - target_bins) // 2
+    tss_bins = np.sort(np.asarray(tss_bins, dtype=np.int64))
+    first = np.searchsorted(tss_bins, np.asarray(starts) + crop, side="left")
+    last = np.searchsorted(tss_bins, np.asarray(starts) + crop + target_bins, side="left")
+    return last > first
+
+
 @dataclass(frozen=True)
 class TrackNormalizer:
     """Per-track standardisation fitted on N-free training bins."""
