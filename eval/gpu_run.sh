@@ -82,8 +82,10 @@ for model in enformer alphagenome; do
     name="$model${attention:+_noattn}"
     if [[ " $models " != *" $name "* ]]; then continue; fi
     init_args=()
-    if [ "${INIT:-0}" = "1" ] && [ -f "eval/weights/$name.safetensors" ]; then
-      init_args=(--init "eval/weights/$name.safetensors")
+    weights_name="$name"
+    if [ "$size" = "toy" ]; then weights_name="${name}_toy"; fi
+    if [ "${INIT:-0}" = "1" ] && [ -f "eval/weights/$weights_name.safetensors" ]; then
+      init_args=(--init "eval/weights/$weights_name.safetensors")
     fi
     gpu="${gpus[$(( index % n_gpus ))]}"
     CUDA_VISIBLE_DEVICES="$gpu" OMP_NUM_THREADS="$threads" \
