@@ -316,19 +316,25 @@ def _run_kvbound(attention, q, k, v, case: Case) -> torch.Tensor:
         raise Unsupported(f"kvbound.attention: {err}") from err
 
 
-def _deferred_context() -> contextlib.AbstractContextManager:
-    import kvbound
-
-    return kvbound.deferred_checks()
-
-
-class KvboundDense(Provider):
-    name = "kvbound-dense"
+class _Kvbound(Provider):
+    """kvbound.attention providers; ``deferred``: the ``-deferred`` variant, whose check and timing loop run inside
+    one ``kvbound.deferred_checks()`` block."""
 
     def __init__(self, deferred: bool = False) -> None:
         self.deferred = deferred
         if deferred:
-            self.name = "kvbound-dense-deferred"
+            self.name = f"{type(self).name}-deferred"
+
+    def context(self) -> contextlib.AbstractContextManager:
+        if not self.deferred:
+            return contextlib.nullcontext()
+        import kvbound
+
+        return kvbound.deferred_checks()
+
+
+class KvboundDense(_Kvbound):
+    name = "kvbound-dense"
 
     def unavailable(self) -> str | None:
         try:
@@ -348,7 +354,7 @@ class KvboundDense(Provider):
             kv_bytes=_dense_kv_bytes(case.shape),
             kv_dense_bytes=_dense_kv_bytes(case.shape),
             note=note,
-            context=_deferred_context if self.deferred else contextlib.nullcontext,
+            context=self.context,
         )
 
 
@@ -358,13 +364,8 @@ def _mode_shares(ckv) -> list[float]:
     return [c / total for c in counts[:4]]
 
 
-class KvboundCompressed(Provider):
+class KvboundCompressed(_Kvbound):
     name = "kvbound-compressed"
-
-    def __init__(self, deferred: bool = False) -> None:
-        self.deferred = deferred
-        if deferred:
-            self.name = "kvbound-compressed-deferred"
 
     def unavailable(self) -> str | None:
         try:
@@ -442,7 +443,7 @@ class KvboundCompressed(Provider):
                 "kv_max_abs_error": max(_max_abs_difference(case.k[0], k_ref), _max_abs_difference(case.v[0], v_ref)),
             },
             compressed=True,
-            context=_deferred_context if self.deferred else contextlib.nullcontext,
+            context=self.context,
         )
 
 
