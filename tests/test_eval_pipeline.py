@@ -68,6 +68,15 @@ def test_train_toy_model_is_seeded_and_logged(fixture_dir, tmp_path):
     assert -1.0 <= float(runs[0][-1]["valid_pearson_mean"]) <= 1.0
 
 
+def _train_toy(fixture_dir, out, *extra, batch=2):
+    """Two steps of the toy Enformer on the fixture; its log rows and summary."""
+    argv = ["--model", "enformer", "--size", "toy", "--steps", "2", "--batch-size", str(batch), "--fixture",
+            str(fixture_dir), "--weights-dir", str(out), "--log-dir", str(out), "--log-every", "2",
+            "--eval-every", "2", "--eval-windows", "1", "--device", "cpu", *extra]
+    assert train.main(argv) == 0
+    return _rows(out / "train_enformer_toy.csv"), json.loads((out / "train_enformer_toy.json").read_text())
+
+
 def test_track_weights_and_warm_start(fixture_dir, tmp_path):
     """--track-weight changes the loss (normalised weights recorded), bad specs fail with the track names, and
     --init continues from saved weights of the same configuration only."""
@@ -81,23 +90,17 @@ def test_track_weights_and_warm_start(fixture_dir, tmp_path):
     with pytest.raises(ValueError, match="at least one track"):
         train.track_weights(["a=0", "enhancer=0", "expression=0"], names, "cpu")
 
-    def run(out, *extra):
-        argv = ["--model", "enformer", "--size", "toy", "--steps", "2", "--batch-size", "2", "--fixture",
-                str(fixture_dir), "--weights-dir", str(out), "--log-dir", str(out), "--log-every", "2",
-                "--eval-every", "2", "--eval-windows", "1", "--device", "cpu", *extra]
-        assert train.main(argv) == 0
-        return _rows(out / "train_enformer_toy.csv"), json.loads((out / "train_enformer_toy.json").read_text())
-
-    plain, _ = run(tmp_path / "plain")
-    weighted, summary = run(tmp_path / "weighted", "--track-weight", "enhancer=8")
+    plain, _ = _train_toy(fixture_dir, tmp_path / "plain")
+    weighted, summary = _train_toy(fixture_dir, tmp_path / "weighted", "--track-weight", "enhancer=8")
     assert weighted[0]["loss"] != plain[0]["loss"]
     assert summary["optimizer"]["track_weights"]["enhancer"] > summary["optimizer"]["track_weights"]["expression"]
-    warm, summary = run(tmp_path / "warm", "--init", str(tmp_path / "plain" / "enformer_toy.safetensors"))
+    saved = str(tmp_path / "plain" / "enformer_toy.safetensors")
+    warm, summary = _train_toy(fixture_dir, tmp_path / "warm", "--init", saved)
     assert warm[0]["loss"] != plain[0]["loss"] and summary["optimizer"]["init"].endswith("enformer_toy.safetensors")
     with pytest.raises(ValueError, match="--init: expected weights of the model being trained"):
         train.main(["--model", "alphagenome", "--size", "toy", "--steps", "2", "--fixture", str(fixture_dir),
                     "--weights-dir", str(tmp_path), "--log-dir", str(tmp_path), "--device", "cpu",
-                    "--init", str(tmp_path / "plain" / "enformer_toy.safetensors")])
+                    "--init", saved])
 
 
 def test_tss_windows_and_tss_share(fixture_dir, tmp_path):
@@ -108,15 +111,8 @@ def test_tss_windows_and_tss_share(fixture_dir, tmp_path):
     mask = windows_with_tss(np.array([0, 10, 20, 30]), np.array([15, 40]), window_bins=20, target_bins=10)
     assert mask.tolist() == [False, True, False, True]  # outputs [5, 15) [15, 25) [25, 35) [35, 45)
 
-    def run(out, *extra):
-        argv = ["--model", "enformer", "--size", "toy", "--steps", "2", "--batch-size", "4", "--fixture",
-                str(fixture_dir), "--weights-dir", str(out), "--log-dir", str(out), "--log-every", "2",
-                "--eval-every", "2", "--eval-windows", "1", "--device", "cpu", *extra]
-        assert train.main(argv) == 0
-        return _rows(out / "train_enformer_toy.csv"), json.loads((out / "train_enformer_toy.json").read_text())
-
-    plain, _ = run(tmp_path / "plain")
-    focused, summary = run(tmp_path / "tss", "--tss-share", "0.5")
+    plain, _ = _train_toy(fixture_dir, tmp_path / "plain", batch=4)
+    focused, summary = _train_toy(fixture_dir, tmp_path / "tss", "--tss-share", "0.5", batch=4)
     assert summary["optimizer"]["tss_share"] == 0.5 and summary["optimizer"]["tss_windows"] > 0
     assert focused[0]["loss"] != plain[0]["loss"]
     with pytest.raises(SystemExit, match="--tss-share"):
