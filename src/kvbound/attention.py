@@ -231,7 +231,7 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> int:
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
         (residual,) = _queue_checks(tensors, flags=(ckv.mode,))()  # with flags: never deferred
         ckv._record_checked(residual)
-        if ckv._checked_residual() is None:
+        if ckv._checked is None:  # nothing could be recorded
             return -1
     return int(residual)
 
