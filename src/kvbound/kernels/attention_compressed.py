@@ -216,7 +216,6 @@ def _uniform_residual_tile(
     WIDTH: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
 ):
     """``(codes, step)`` of a tile in a uniform run (every block ``MODE_LOWRANK`` or packed at ``WIDTH`` bits,
@@ -497,7 +496,6 @@ def _compressed_tile(
             K_UNIFORM_BITS,
             HEAD_DIM_K,
             DK_PAD,
-            BLOCK_N,
             FP32,
         )
         dot = tl.dot(q_op, tl.trans(codes), input_precision=PRECISION)
@@ -633,7 +631,6 @@ def _compressed_tile(
                 V_UNIFORM_BITS,
                 HEAD_DIM_V,
                 DV_PAD,
-                BLOCK_N,
                 FP32,
             )
             accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
@@ -682,7 +679,6 @@ def _compressed_tile(
                 V_UNIFORM_BITS,
                 HEAD_DIM_V,
                 DV_PAD,
-                BLOCK_N,
                 FP32,
             )
             accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
