@@ -111,6 +111,7 @@ from kvbound.kernels.attention_compressed import (  # noqa: E402
     CompressedOperand,
     attention_compressed_fwd,
     block_runs,
+    byte_planes,
     uniform_width,
 )
 from kvbound.kernels.attention_dense import attention_dense_fwd  # noqa: E402
@@ -360,7 +361,11 @@ def expected_runs(ck: CompressedKV, cv: CompressedKV, fast_bits: tuple[int, int]
 
 def kernel_runs(k_op: CompressedOperand, v_op: CompressedOperand, fast_bits: tuple[int, int] | None) -> list[int]:
     """What ``block_runs`` (the launcher's kernel) builds, as ``[low-rank, uniform, general]`` over all heads."""
-    _, counts = block_runs(k_op, v_op, max(k_op.block_size, v_op.block_size), fast_bits)
+    align = (1, 1)
+    if fast_bits is not None:
+        # As the launcher: blocks read by the byte decode must start on a 16-byte boundary.
+        align = tuple(4 if byte_planes(w, op.head_dim) else 1 for w, op in zip(fast_bits, (k_op, v_op), strict=True))
+    _, counts = block_runs(k_op, v_op, max(k_op.block_size, v_op.block_size), fast_bits, align)
     kinds = counts.sum(0).tolist()
     return kinds if fast_bits is not None else [kinds[0], 0, kinds[1]]
 

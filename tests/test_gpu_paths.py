@@ -122,3 +122,36 @@ def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
         torch.cuda.synchronize()
         print(f"tile {(m, bn, warps, stages)} uniform={uniform}:", end=" ")
         check_against_reference(out[:, :, :256].contiguous(), q[:, :, :256].contiguous(), k_ref, v_ref, scale=dk**-0.5)
+
+
+@pytest.mark.parametrize("bits, dk, dv", [(2, 64, 64), (8, 128, 192)])
+def test_gpu_byte_decode_every_tile_at_2_and_8_bits_bf16(bits, dk, dv):
+    """The byte decode's other widths (2 bits: four planes; 8 bits: one) through every tile shape the autotuner
+    may keep, uniform runs by default, beside low-rank blocks and a ragged last block; bf16, outputs against the
+    float64 oracle."""
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    from test_kernels_residual import L, P, build, run_kinds
+
+    n, heads, block = 1000, 2, 128
+    k_modes = [[P(bits), P(bits), L, P(bits), L, L, P(bits), P(bits)]] * heads
+    v_modes = [[P(bits), L, P(bits), P(bits), L, P(bits), L, P(bits)]] * heads
+    ck = build(k_modes, n=n, d=dk, bits=bits, block=block, dtype=torch.bfloat16, seed=31).to("cuda")
+    cv = build(v_modes, n=n, d=dv, bits=bits, block=block, dtype=torch.bfloat16, seed=32).to("cuda")
+    q = torch.randn(1, heads * 2, n, dk, device="cuda", generator=torch.Generator(device="cuda").manual_seed(33))
+    q = (q * 1.5).bfloat16()
+    assert run_kinds(ck, cv)[1] > 0, run_kinds(ck, cv)
+    k_ref, v_ref = ck.decompress(), cv.decompress()
+    for m, bn, warps, stages in _tile_shapes(dk, dv, residual=True):
+        out, _ = attention_compressed_fwd(
+            q,
+            CompressedOperand.from_compressed(ck),
+            CompressedOperand.from_compressed(cv),
+            None,
+            dk**-0.5,
+            False,
+            None,
+            config=dict(BLOCK_M=m, BLOCK_N=bn, num_warps=warps, num_stages=stages),
+        )
+        torch.cuda.synchronize()
+        print(f"bits {bits} tile {(m, bn, warps, stages)}:", end=" ")
+        check_against_reference(out[:, :, :256].contiguous(), q[:, :, :256].contiguous(), k_ref, v_ref, scale=dk**-0.5)

@@ -16,9 +16,12 @@ from kvbound.codec.eager import _pack, _unpack
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
 from kvbound.kernels.attention_compressed import (
     CompressedOperand,
+    _columns,
+    _load_codes_bytes,
     _load_codes_uniform,
     attention_compressed_fwd,
     block_runs,
+    byte_planes,
     uniform_width,
 )
 from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
@@ -53,6 +56,55 @@ def test_uniform_decoder_matches_the_format(bits, d):
         assert torch.equal(out[:rows, :d].long(), _unpack(words, bits, d))
         assert torch.equal(out[:rows, :d].long(), q)
         assert (out[rows:] == -(1 << (bits - 1))).all()
+
+
+@triton.jit
+def _bytes_probe(
+    Codes,
+    Out,
+    Columns,
+    WORD_OFFSET,
+    ROWS,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    offs_n = tl.arange(0, 16)
+    codes = _load_codes_bytes(Codes, WORD_OFFSET, 0, offs_n, offs_n < ROWS, WIDTH, HEAD_DIM, D_PAD, FP32)
+    offs_d = tl.arange(0, D_PAD)
+    tl.store(Out + (offs_n * D_PAD)[:, None] + offs_d[None, :], codes.to(tl.float32))
+    tl.store(Columns + offs_d, _columns(HEAD_DIM, D_PAD, 8 // WIDTH))
+
+
+@pytest.mark.parametrize("bits, d", [(2, 64), (4, 64), (8, 64), (4, 128), (2, 192), (4, 192), (4, 40), (8, 24)])
+def test_byte_decoder_matches_the_format_in_plane_order(bits, d):
+    """Operand column c of the byte decoder is the format's code of head dimension ``_columns(c)``, which is a
+    permutation of 0..d-1 (plane order: column i * d/p + j is dimension j * p + i); the block may start at any
+    16-byte boundary of the codes; rows beyond the stored ones decode as zero bytes."""
+    g = torch.Generator().manual_seed(bits * 100 + d)
+    rows = 11
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, d), generator=g)
+    words = _pack(q, bits)
+    assert byte_planes(bits, d) == 8 // bits
+    d_pad = max(16, triton.next_power_of_2(d))
+    lead = torch.randint(0, 1 << 30, (8,), generator=g, dtype=torch.int32)  # another block's words before it
+    codes = torch.cat([lead, words.reshape(-1)]).contiguous()
+    for fp32 in (False, True):
+        out = torch.full((16, d_pad), 12345.0, dtype=torch.float32)
+        columns = torch.full((d_pad,), -1, dtype=torch.int32)
+        _bytes_probe[(1,)](codes, out, columns, 8, rows, WIDTH=bits, HEAD_DIM=d, D_PAD=d_pad, FP32=fp32)
+        order = columns[:d].long()
+        assert sorted(order.tolist()) == list(range(d))
+        planes, plane = 8 // bits, d // (8 // bits)
+        assert order.tolist() == [(c % plane) * planes + c // plane for c in range(d)]
+        assert torch.equal(out[:rows, :d].long(), q[:, order])
+        assert (out[rows:, :d] == -(1 << (bits - 1))).all()
+
+
+def test_byte_planes_only_where_rows_fill_whole_words():
+    assert [byte_planes(b, 64) for b in (1, 2, 3, 4, 5, 6, 7, 8)] == [0, 4, 0, 2, 0, 0, 0, 1]
+    assert byte_planes(4, 40) == 2 and byte_planes(4, 36) == 0 and byte_planes(2, 40) == 0 and byte_planes(8, 4) == 1
 
 
 def test_uniform_width_every_width_up_to_8_bits():
@@ -159,8 +211,10 @@ def run_kinds(ck, cv) -> list[int]:
     """Number of runs of each kind (low-rank, uniform, general) over all heads, as the launcher builds them."""
     k_op, v_op = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
     fast = (uniform_width(ck.config.bits, ck.head_dim), uniform_width(cv.config.bits, cv.head_dim))
+    # As the launcher: blocks read by the byte decode must start on a 16-byte boundary.
+    align = (4 if byte_planes(fast[0], ck.head_dim) else 1, 4 if byte_planes(fast[1], cv.head_dim) else 1)
     super_block = max(ck.config.block_size, cv.config.block_size)
-    _, counts = block_runs(k_op, v_op, super_block, fast)
+    _, counts = block_runs(k_op, v_op, super_block, fast, align)
     return counts.sum(0).tolist()
 
 
@@ -238,6 +292,20 @@ CASES = {
         2,
         torch.float16,
     ),
+    # Head 0's ragged last block (6 rows of 5 words) leaves head 1's blocks off the 16-byte boundary that the
+    # byte decode needs: head 0 runs uniform, head 1 general, with the same widths.
+    "packed4-dk40-ragged-unaligned-heads": (
+        [[P(4)] * 5, [P(4)] * 5],
+        [[L] * 5] * 2,
+        4,
+        4,
+        70,
+        40,
+        32,
+        16,
+        2,
+        torch.float16,
+    ),
     "mixed-widths-k4-v2-dk40-dv192": (
         [[P(4), P(4), W(6), R, P(4)]],
         [[P(2), P(2), P(2), W(5), L]],
@@ -309,23 +377,32 @@ def test_block_runs_three_kinds_match_a_python_scan():
     bits_k[(mode_k == 2) & (torch.rand(2, 2, nb_k, generator=g) < 0.5)] = 4  # promoted at the fast width
     mode_v = (torch.rand(2, 2, nb_v, generator=g) < 0.4).to(torch.int8)
     bits_v = torch.where(mode_v == 1, 2, 0).to(torch.int8)
+    # Word offsets: K blocks at a multiple of 4 words three times in four (the byte decode needs 16-byte starts).
+    offset_k = torch.randint(0, 1000, (2, 2, nb_k), generator=g) * 4
+    offset_k += (torch.rand(2, 2, nb_k, generator=g) < 0.25).long() * torch.randint(1, 4, (2, 2, nb_k), generator=g)
+    offset_v = torch.randint(0, 4000, (2, 2, nb_v), generator=g)
 
-    def operand(mode, bits, block):
+    def operand(mode, bits, offset, block):
         return CompressedOperand(
-            None, None, mode, None, bits, None, None, None, seq_len=n, head_dim=8, block_size=block, shared_basis=True
+            None, None, mode, None, bits, offset, None, None, seq_len=n, head_dim=8, block_size=block, shared_basis=True
         )
 
-    runs, counts = block_runs(operand(mode_k, bits_k, k_block), operand(mode_v, bits_v, v_block), 32, (4, 2))
+    runs, counts = block_runs(
+        operand(mode_k, bits_k, offset_k, k_block), operand(mode_v, bits_v, offset_v, v_block), 32, (4, 2), (4, 1)
+    )
     assert runs.shape == (4, 6, n // 32) and counts.shape == (4, 3)
 
-    def klass(m, b, fast):
-        return 0 if m == 0 else 1 if m in (1, 2) and b == fast else 2
+    def klass(m, b, fast, aligned=True):
+        return 0 if m == 0 else 1 if m in (1, 2) and b == fast and aligned else 2
 
     for row in range(4):
         bh = divmod(row, 2)
         flags = []
         for s in range(n // 32):
-            ks = [klass(int(mode_k[bh][j]), int(bits_k[bh][j]), 4) for j in (2 * s, 2 * s + 1)]
+            ks = [
+                klass(int(mode_k[bh][j]), int(bits_k[bh][j]), 4, int(offset_k[bh][j]) % 4 == 0)
+                for j in (2 * s, 2 * s + 1)
+            ]
             flags.append(max(ks + [klass(int(mode_v[bh][s]), int(bits_v[bh][s]), 2)]))
         for kind in range(3):
             want, start = [], None

@@ -130,25 +130,58 @@ def _load_coeff_tile(
 
 
 @triton.jit
-def _load_basis(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """One projection ``P`` [RANK_PAD, D_PAD] (row-major [RANK, HEAD_DIM] in memory; zero padding)."""
+def _columns(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PLANES: tl.constexpr):
+    """The head-dimension column that operand column ``c`` holds, [D_PAD]. ``PLANES`` <= 1: natural order.
+    ``PLANES`` = p > 1 (codes of 8 / p bits, p to a byte): plane order, column ``c = i * (HEAD_DIM / p) + j``
+    holds head dimension ``j * p + i``, so that the codes of one operand column run through consecutive bytes
+    (``_load_codes_bytes``). Columns at or beyond ``HEAD_DIM`` keep their index (every load masks them). Dot
+    products over the head dimension do not depend on its order; the kernel uses one order per operand (K
+    side: queries, K basis, K codes and raw tiles; V side: V basis, codes, raw tiles, the Dv-wide accumulator
+    and the output columns)."""
+    offs = tl.arange(0, D_PAD)
+    if PLANES <= 1:
+        return offs
+    else:
+        PLANE: tl.constexpr = HEAD_DIM // PLANES
+        return tl.where(offs < HEAD_DIM, (offs % PLANE) * PLANES + offs // PLANE, offs)
+
+
+@triton.jit
+def _load_basis(
+    basis_ptr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PLANES: tl.constexpr = 0,
+):
+    """One projection ``P`` [RANK_PAD, D_PAD] (row-major [RANK, HEAD_DIM] in memory; zero padding), its
+    columns in ``_columns`` order."""
     offs_r = tl.arange(0, RANK_PAD)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = _columns(HEAD_DIM, D_PAD, PLANES)
     ptrs = basis_ptr + (offs_r * HEAD_DIM)[:, None] + offs_d[None, :]
     return tl.load(ptrs, mask=(offs_r < RANK)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
 
 @triton.jit
 def _load_codes_tile(
-    codes_ptr, word_offset, width, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
+    codes_ptr,
+    word_offset,
+    width,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PLANES: tl.constexpr = 0,
 ):
-    """Integer residual codes q [BLOCK_N, D_PAD] (int32, zero outside the stored rows/columns) of block rows
-    ``first_row + offs_n``; the block's ``width``-bit codes start at word ``word_offset``. The width is a
-    run-time value (blocks are promoted individually); the column-to-word map is a D-long vector, so a
-    run-time width costs nothing per element."""
+    """Integer residual codes q [BLOCK_N, D_PAD] (int32, zero outside the stored rows/columns, columns in
+    ``_columns`` order) of block rows ``first_row + offs_n``; the block's ``width``-bit codes start at word
+    ``word_offset``. The width is a run-time value (blocks are promoted individually); the column-to-word map
+    is a D-long vector, so a run-time width costs nothing per element."""
     per_word = 32 // width
     words_per_row = (HEAD_DIM + per_word - 1) // per_word
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = _columns(HEAD_DIM, D_PAD, PLANES)
     column_word = offs_d // per_word
     column_shift = (offs_d - column_word * per_word) * width
     keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -205,6 +238,55 @@ def _load_codes_uniform(
 
 
 @triton.jit
+def _load_codes_bytes(
+    codes_ptr,
+    word_offset,
+    first_row,
+    offs_n,
+    rows_ok,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Residual codes q [BLOCK_N, D_PAD] as exact float16 (float32 if ``FP32``) operands in plane order
+    (``_columns`` with ``8 // WIDTH`` planes) for a compile-time width of 2, 4 or 8 bits whose rows fill whole
+    words (``HEAD_DIM`` a multiple of ``32 // WIDTH``).
+
+    In memory (little-endian words) head dimension ``d`` of a row is bits ``(d % p) * WIDTH`` of byte ``d // p``
+    (``p = 8 // WIDTH`` codes per byte). In plane order operand column ``c = i * (HEAD_DIM / p) + j`` is
+    dimension ``j * p + i``: byte ``j``, shift ``i * WIDTH``. Each plane is a run of consecutive bytes, so the
+    tile is one contiguous, vectorisable load per plane and needs no reshape in registers. The block's first
+    word must be a multiple of 4 (16 bytes; ``block_runs`` sends other blocks to the general loop); rows outside
+    ``rows_ok`` and columns at or beyond ``HEAD_DIM`` read zero bytes (code ``-2**(WIDTH - 1)``, multiplied by a
+    zero step or a zero operand column by every caller)."""
+    PER_BYTE: tl.constexpr = 8 // WIDTH
+    PLANE: tl.constexpr = HEAD_DIM // PER_BYTE
+    ROW_BYTES: tl.constexpr = HEAD_DIM // PER_BYTE
+    offs_c = tl.arange(0, D_PAD)
+    byte_column = offs_c % PLANE
+    if (PLANE & (PLANE - 1)) == 0:
+        byte_column = tl.max_contiguous(tl.multiple_of(byte_column, PLANE), PLANE)
+    shift = (offs_c // PLANE) * WIDTH
+    base = tl.multiple_of(word_offset * 4, 16)
+    byte_ptr = codes_ptr.to(tl.pointer_type(tl.uint8)) + base
+    ptrs = byte_ptr + ((first_row + offs_n) * ROW_BYTES)[:, None] + byte_column[None, :]
+    if HEAD_DIM == D_PAD:
+        raw = tl.load(ptrs, mask=rows_ok[:, None], other=0)
+    else:
+        raw = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0)
+    unsigned = (raw.to(tl.int32) >> shift[None, :]) & ((1 << WIDTH) - 1)
+    if FP32:
+        magic = (unsigned | 0x4B000000).to(tl.float32, bitcast=True)
+        codes = magic - (8388608.0 + (1 << (WIDTH - 1)))
+    else:
+        magic = (unsigned | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        codes = magic - (1024.0 + (1 << (WIDTH - 1)))
+        codes = codes.to(tl.float16)
+    return codes
+
+
+@triton.jit
 def _uniform_residual_tile(
     Scale,
     Offset,
@@ -217,22 +299,37 @@ def _uniform_residual_tile(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     FP32: tl.constexpr,
+    PLANES: tl.constexpr = 0,
 ):
     """``(codes, step)`` of a tile in a uniform run (every block ``MODE_LOWRANK`` or packed at ``WIDTH`` bits,
     see ``block_runs``), with no branch: a low-rank block (offset -1, scale 0) loads nothing and yields step 0,
-    so its term vanishes. Straight-line code the software pipeliner can prefetch."""
+    so its term vanishes. Straight-line code the software pipeliner can prefetch. ``PLANES`` >= 1: byte
+    decode in plane order (``_load_codes_bytes``); 0: the word decode in natural order."""
     step = tl.load(Scale + meta_index)
     offset = tl.load(Offset + meta_index)
     # Compare a broadcast copy: a scalar-and-vector boolean mask trips Triton's interpreter.
     rows = row_ok & ((tl.zeros_like(offs_n) + offset) >= 0)
-    codes = _load_codes_uniform(Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32)
+    if PLANES >= 1:
+        codes = _load_codes_bytes(Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32)
+    else:
+        codes = _load_codes_uniform(Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32)
     return codes, tl.where(offset >= 0, step, 0.0)
 
 
 @triton.jit
-def _load_raw_tile(raw_ptr, element_offset, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Exactly stored values [BLOCK_N, D_PAD] (input dtype) of block rows ``first_row + offs_n``."""
-    offs_d = tl.arange(0, D_PAD)
+def _load_raw_tile(
+    raw_ptr,
+    element_offset,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PLANES: tl.constexpr = 0,
+):
+    """Exactly stored values [BLOCK_N, D_PAD] (input dtype, columns in ``_columns`` order) of block rows
+    ``first_row + offs_n``."""
+    offs_d = _columns(HEAD_DIM, D_PAD, PLANES)
     keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     ptrs = raw_ptr + element_offset + ((first_row + offs_n) * HEAD_DIM)[:, None] + offs_d[None, :]
     return tl.load(ptrs, mask=keep, other=0.0)
@@ -251,13 +348,15 @@ def _query_operand(
     query_scale,
     content_bias_head,
     RELATIVE: tl.constexpr,
+    PLANES: tl.constexpr = 0,
 ):
     """Load the query tile and return ``(q_op, q_res_mult)``: the operand of every product with K factors and
-    codes, and the per-row multiplier from those products to log2-unit logits. For 16-bit queries ``q_op`` is
-    float16 after a per-row power-of-two scaling, exact for float16 and bfloat16 alike (no overflow).
-    With ``RELATIVE`` the query is Transformer-XL's content query ``scale q + u`` rounded once to q's dtype
-    (``u`` at ``content_bias_head``, float32), as the dense kernel forms it; the logit scale is then in it."""
-    offs_dk = tl.arange(0, DK_PAD)
+    codes (columns in ``_columns`` order), and the per-row multiplier from those products to log2-unit logits.
+    For 16-bit queries ``q_op`` is float16 after a per-row power-of-two scaling, exact for float16 and bfloat16
+    alike (no overflow). With ``RELATIVE`` the query is Transformer-XL's content query ``scale q + u`` rounded
+    once to q's dtype (``u`` at ``content_bias_head``, float32), as the dense kernel forms it; the logit scale
+    is then in it."""
+    offs_dk = _columns(HEAD_DIM_K, DK_PAD, PLANES)
     q = tl.load(
         q_rows[:, None] + (offs_dk * stride_qd)[None, :],
         mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
@@ -296,19 +395,20 @@ def _key_residual_logits(
     DK_PAD: tl.constexpr,
     FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    PLANES: tl.constexpr = 0,
 ):
     """Add ``Q R_tile^T`` (in units of the tile's row multiplier) for a tile whose mode is not low-rank."""
     offset = tl.load(K_offset + meta_index)
     if mode == 3:
         # Exact tile, in float32 operands: float16/bfloat16 values (q_op and the stored ones) are exact in tf32,
         # so the products are exact, and no float16 cast can overflow on the large values such tiles hold.
-        raw = _load_raw_tile(K_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_K, DK_PAD)
+        raw = _load_raw_tile(K_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_K, DK_PAD, PLANES)
         dot = tl.dot(q_op.to(tl.float32), tl.trans(raw.to(tl.float32)), input_precision=PRECISION)
         x += dot * (q_res_mult * inv_row_mult)[:, None]
     else:
         step = tl.load(K_scale + meta_index)
         width = tl.load(K_bits + meta_index).to(tl.int32)
-        codes = _load_codes_tile(K_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_K, DK_PAD)
+        codes = _load_codes_tile(K_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_K, DK_PAD, PLANES)
         dot = tl.dot(q_op, tl.trans(_to_operand(codes, FP32)), input_precision=PRECISION)
         x += dot * (q_res_mult * (step * inv_row_mult))[:, None]
     return x
@@ -316,7 +416,18 @@ def _key_residual_logits(
 
 @triton.jit
 def _packed_residual_tile(
-    Scale, Bits, Offset, Codes, mode, meta_index, first_row, offs_n, row_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
+    Scale,
+    Bits,
+    Offset,
+    Codes,
+    mode,
+    meta_index,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PLANES: tl.constexpr = 0,
 ):
     """Codes of a packed tile as ``(codes, step)``, predicated instead of branched: a tile of another mode
     loads nothing and yields zero codes and step 0 (its stored scale). Straight-line loads can be prefetched
@@ -328,7 +439,7 @@ def _packed_residual_tile(
     # Compare a broadcast copy of the mode: a scalar-and-vector boolean mask trips Triton's interpreter.
     mode_rows = tl.zeros_like(offs_n) + mode
     rows = row_ok & ((mode_rows == 1) | (mode_rows == 2))
-    codes = _load_codes_tile(Codes, offset, width, first_row, offs_n, rows, HEAD_DIM, D_PAD)
+    codes = _load_codes_tile(Codes, offset, width, first_row, offs_n, rows, HEAD_DIM, D_PAD, PLANES)
     return codes, tl.where(is_packed, step, 0.0)
 
 
@@ -350,18 +461,20 @@ def _value_residual(
     DV_PAD: tl.constexpr,
     FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    PLANES: tl.constexpr = 0,
 ):
-    """``accumulator += p @ R_tile`` for a V tile whose mode is not low-rank."""
+    """``accumulator += p @ R_tile`` for a V tile whose mode is not low-rank (accumulator columns in
+    ``_columns`` order)."""
     offset = tl.load(V_offset + meta_index)
     if mode == 3:
-        raw = _load_raw_tile(V_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD)
+        raw = _load_raw_tile(V_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES)
         if FP32:
             raw = raw.to(tl.float32)
         accumulator = tl.dot(p.to(raw.dtype), raw, accumulator, input_precision=PRECISION)
     else:
         step = tl.load(V_scale + meta_index)
         width = tl.load(V_bits + meta_index).to(tl.int32)
-        codes = _load_codes_tile(V_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD)
+        codes = _load_codes_tile(V_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES)
         accumulator += tl.dot(_to_operand(p, FP32), _to_operand(codes, FP32), input_precision=PRECISION) * step
     return accumulator
 
@@ -449,6 +562,8 @@ def _compressed_tile(
     RELATIVE: tl.constexpr,
     K_UNIFORM_BITS: tl.constexpr = 0,
     V_UNIFORM_BITS: tl.constexpr = 0,
+    K_PLANES: tl.constexpr = 0,
+    V_PLANES: tl.constexpr = 0,
 ):
     """One key tile: logits through the basis (+ residual), online softmax, values in rank space (+ residual).
     ``K_RESIDUAL``/``V_RESIDUAL`` False compile the tile without any residual code."""
@@ -462,7 +577,7 @@ def _compressed_tile(
     if RANK_K > 0:
         if K_PER_BLOCK:
             basis = _load_basis(
-                K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD, HEAD_DIM_K, DK_PAD
+                K_basis + k_meta.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD, HEAD_DIM_K, DK_PAD, K_PLANES
             )
             block_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis, FP32)), input_precision=PRECISION)
             block_rank_f32 = block_rank_f32 * q_res_mult[:, None]
@@ -497,6 +612,7 @@ def _compressed_tile(
             HEAD_DIM_K,
             DK_PAD,
             FP32,
+            K_PLANES,
         )
         dot = tl.dot(q_op, tl.trans(codes), input_precision=PRECISION)
         x += dot * (q_res_mult * (k_step / row_mult))[:, None]
@@ -515,6 +631,7 @@ def _compressed_tile(
                 row_ok,
                 HEAD_DIM_K,
                 DK_PAD,
+                K_PLANES,
             )
             dot = tl.dot(q_op, tl.trans(_to_operand(codes, FP32)), input_precision=PRECISION)
             x += dot * (q_res_mult * (k_step / row_mult))[:, None]
@@ -538,6 +655,7 @@ def _compressed_tile(
                     DK_PAD,
                     FP32,
                     PRECISION,
+                    K_PLANES,
                 )
         else:
             if k_mode != 0:
@@ -560,6 +678,7 @@ def _compressed_tile(
                     DK_PAD,
                     FP32,
                     PRECISION,
+                    K_PLANES,
                 )
     if RELATIVE:
         # (scale q_i + w) . R[N_Q - 1 + j - i] in natural units; x is in units of row_mult (log2 units / row_mult).
@@ -610,7 +729,7 @@ def _compressed_tile(
                 V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
             )
             basis_v = _load_basis(
-                V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
+                V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES
             )
             partial = tl.dot(p_op, _to_operand(coeffs_v, FP32), input_precision=PRECISION)
             if FP32:
@@ -632,6 +751,7 @@ def _compressed_tile(
                 HEAD_DIM_V,
                 DV_PAD,
                 FP32,
+                V_PLANES,
             )
             accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
         elif V_RESIDUAL:
@@ -654,6 +774,7 @@ def _compressed_tile(
                     DV_PAD,
                     FP32,
                     PRECISION,
+                    V_PLANES,
                 )
     else:
         if RANK_V > 0:
@@ -680,6 +801,7 @@ def _compressed_tile(
                 HEAD_DIM_V,
                 DV_PAD,
                 FP32,
+                V_PLANES,
             )
             accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
         elif V_RESIDUAL:
@@ -701,6 +823,7 @@ def _compressed_tile(
                     row_ok,
                     HEAD_DIM_V,
                     DV_PAD,
+                    V_PLANES,
                 )
                 accumulator += tl.dot(p_op, _to_operand(codes_v, FP32), input_precision=PRECISION) * v_step
                 if v_mode == 3:
@@ -721,6 +844,7 @@ def _compressed_tile(
                         DV_PAD,
                         FP32,
                         PRECISION,
+                        V_PLANES,
                     )
             else:
                 if v_mode != 0:
@@ -746,6 +870,7 @@ def _compressed_tile(
                         DV_PAD,
                         FP32,
                         PRECISION,
+                        V_PLANES,
                     )
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
@@ -833,6 +958,8 @@ def _attention_compressed_inner(
     RELATIVE: tl.constexpr,
     K_UNIFORM_BITS: tl.constexpr = 0,
     V_UNIFORM_BITS: tl.constexpr = 0,
+    K_PLANES: tl.constexpr = 0,
+    V_PLANES: tl.constexpr = 0,
 ):
     """Key tiles at offsets ``lo, lo + BLOCK_N, ... < hi`` (a plain range: the software pipeliner prefetches
     the next tiles' coefficients while this one computes)."""
@@ -919,6 +1046,8 @@ def _attention_compressed_inner(
             RELATIVE,
             K_UNIFORM_BITS,
             V_UNIFORM_BITS,
+            K_PLANES,
+            V_PLANES,
         )
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
@@ -1008,6 +1137,8 @@ COMPRESSED_TUNE_KEY = [
     "PREDICATED_RESIDUAL",
     "FAST_BITS_K",
     "FAST_BITS_V",
+    "K_PLANES",
+    "V_PLANES",
     "HAS_BIAS",
     "BIAS_TILE",
     "SOFTCAP",
@@ -1104,6 +1235,8 @@ def _attention_compressed_fwd(
     PREDICATED_RESIDUAL: tl.constexpr,
     FAST_BITS_K: tl.constexpr,
     FAST_BITS_V: tl.constexpr,
+    K_PLANES: tl.constexpr,
+    V_PLANES: tl.constexpr,
     RUN_KINDS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -1134,7 +1267,8 @@ def _attention_compressed_fwd(
     row_query = rows // GROUP
     row_head = (kv_head * GROUP + rows % GROUP).to(tl.int64)
     row_valid = row_query < N_Q
-    offs_dv = tl.arange(0, DV_PAD)
+    # Output columns in the V side's order (``_columns``): the Dv-wide accumulator holds them so.
+    offs_dv = _columns(HEAD_DIM_V, DV_PAD, V_PLANES)
 
     # ---- queries: q_op is the operand of every product with K factors/codes ----
     q_rows = Q + batch * stride_qb + row_head * stride_qh + row_query.to(tl.int64) * stride_qn
@@ -1168,6 +1302,7 @@ def _attention_compressed_fwd(
         query_scale,
         content_bias_head,
         RELATIVE,
+        K_PLANES,
     )
 
     k_meta_base = (batch * H_KV + kv_head) * NB_K
@@ -1192,7 +1327,7 @@ def _attention_compressed_fwd(
     query_rank_mult = q_res_mult
     if RANK_K > 0 and not K_PER_BLOCK:
         basis_k = _load_basis(
-            K_basis + kv_head.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD, HEAD_DIM_K, DK_PAD
+            K_basis + kv_head.to(tl.int64) * (RANK_K * HEAD_DIM_K), RANK_K, RK_PAD, HEAD_DIM_K, DK_PAD, K_PLANES
         )
         query_rank_f32 = tl.dot(q_op, tl.trans(_to_operand(basis_k, FP32)), input_precision=PRECISION)
         query_rank_f32 = query_rank_f32 * q_res_mult[:, None]
@@ -1322,6 +1457,10 @@ def _attention_compressed_fwd(
                 N_Q + N_K - 1,
                 logit_mult,
                 RELATIVE,
+                0,
+                0,
+                K_PLANES,
+                V_PLANES,
             )
     else:
         # Nothing to skip: one plain loop over every full super-block.
@@ -1405,6 +1544,10 @@ def _attention_compressed_fwd(
             N_Q + N_K - 1,
             logit_mult,
             RELATIVE,
+            0,
+            0,
+            K_PLANES,
+            V_PLANES,
         )
     if K_RESIDUAL or V_RESIDUAL:
         if K_RESIDUAL and not K_PER_BLOCK:
@@ -1421,6 +1564,7 @@ def _attention_compressed_fwd(
                 query_scale,
                 content_bias_head,
                 RELATIVE,
+                K_PLANES,
             )
         if RUN_KINDS == 3:
             # Uniform runs: every block low-rank or packed at the compile-time widths, decoded with no branch
@@ -1510,6 +1654,8 @@ def _attention_compressed_fwd(
                     RELATIVE,
                     FAST_BITS_K,
                     FAST_BITS_V,
+                    K_PLANES,
+                    V_PLANES,
                 )
         for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
             run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
@@ -1594,6 +1740,10 @@ def _attention_compressed_fwd(
                 N_Q + N_K - 1,
                 logit_mult,
                 RELATIVE,
+                0,
+                0,
+                K_PLANES,
+                V_PLANES,
             )
     accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
         accumulator,
@@ -1675,6 +1825,10 @@ def _attention_compressed_fwd(
         N_Q + N_K - 1,
         logit_mult,
         RELATIVE,
+        0,
+        0,
+        K_PLANES,
+        V_PLANES,
     )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
@@ -1684,7 +1838,7 @@ def _attention_compressed_fwd(
             accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
         if RANK_V > 0:
             basis_v = _load_basis(
-                V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
+                V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES
             )
             if FP32:
                 accumulator = tl.dot(rank_accumulator, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
@@ -1708,15 +1862,19 @@ def _attention_compressed_fwd(
 
 # --------------------------------------------------------------------------------------------- block runs
 @triton.jit
-def _block_classes(modes, bits, blocks, keep, KINDS: tl.constexpr, FAST: tl.constexpr):
+def _block_classes(modes, bits, offsets, blocks, keep, KINDS: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr):
     """Class of each block: 0 low-rank only; with two kinds 1 for any residual; with three kinds 1 for codes
-    of the uniform width ``FAST`` (modes 1 and 2 alike) and 2 for anything else (other widths, raw)."""
+    of the uniform width ``FAST`` (modes 1 and 2 alike) whose first word is a multiple of ``ALIGN`` and 2 for
+    anything else (other widths, raw, unaligned codes)."""
     mode = tl.load(modes + blocks, mask=keep, other=0)
     if KINDS == 2:
         return (mode != 0).to(tl.int32)
     else:
         width = tl.load(bits + blocks, mask=keep, other=0)
         fast = ((mode == 1) | (mode == 2)) & (width == FAST)
+        if ALIGN > 1:
+            offset = tl.load(offsets + blocks, mask=keep, other=0)
+            fast = fast & ((offset % ALIGN) == 0)
         return tl.where(mode == 0, 0, tl.where(fast, 1, 2))
 
 
@@ -1726,6 +1884,8 @@ def _super_block_flags(
     v_modes,
     k_bits,
     v_bits,
+    k_offsets,
+    v_offsets,
     s,
     NB_K,
     NB_V,
@@ -1735,14 +1895,20 @@ def _super_block_flags(
     KINDS: tl.constexpr,
     FAST_K: tl.constexpr,
     FAST_V: tl.constexpr,
+    ALIGN_K: tl.constexpr,
+    ALIGN_V: tl.constexpr,
 ):
     """For super-blocks ``s`` [CHUNK]: the largest class (``_block_classes``) of the K and V blocks inside; -1
     for ``s`` outside ``[0, NUM_SUPER)``."""
     inside = (s >= 0) & (s < NUM_SUPER)
     k_blocks = s[:, None] * PER_K + tl.arange(0, PER_K)[None, :]
     v_blocks = s[:, None] * PER_V + tl.arange(0, PER_V)[None, :]
-    k_class = _block_classes(k_modes, k_bits, k_blocks, inside[:, None] & (k_blocks < NB_K), KINDS, FAST_K)
-    v_class = _block_classes(v_modes, v_bits, v_blocks, inside[:, None] & (v_blocks < NB_V), KINDS, FAST_V)
+    k_class = _block_classes(
+        k_modes, k_bits, k_offsets, k_blocks, inside[:, None] & (k_blocks < NB_K), KINDS, FAST_K, ALIGN_K
+    )
+    v_class = _block_classes(
+        v_modes, v_bits, v_offsets, v_blocks, inside[:, None] & (v_blocks < NB_V), KINDS, FAST_V, ALIGN_V
+    )
     flag = tl.maximum(tl.max(k_class, 1), tl.max(v_class, 1))
     return tl.where(inside, flag, -1)
 
@@ -1753,6 +1919,8 @@ def _block_runs_kernel(
     V_mode,
     K_bits,
     V_bits,
+    K_offset,
+    V_offset,
     Runs,
     Counts,
     NB_K,
@@ -1764,6 +1932,8 @@ def _block_runs_kernel(
     KINDS: tl.constexpr,
     FAST_K: tl.constexpr,
     FAST_V: tl.constexpr,
+    ALIGN_K: tl.constexpr,
+    ALIGN_V: tl.constexpr,
 ):
     """One program per (batch, K/V head): the runs ``block_runs`` describes, CHUNK super-blocks at a time. A run
     of kind ``f`` starts at ``s`` where flag[s] == f != flag[s - 1] and ends after ``s`` where
@@ -1773,6 +1943,8 @@ def _block_runs_kernel(
     v_modes = V_mode + row * NB_V
     k_bits = K_bits + row * NB_K
     v_bits = V_bits + row * NB_V
+    k_offsets = K_offset + row * NB_K
+    v_offsets = V_offset + row * NB_V
     runs_row = Runs + row * (2 * KINDS * NUM_SUPER)
     offs = tl.arange(0, CHUNK)
     starts_0 = 0
@@ -1784,13 +1956,61 @@ def _block_runs_kernel(
     for chunk_start in range(0, NUM_SUPER, CHUNK):
         s = chunk_start + offs
         before = _super_block_flags(
-            k_modes, v_modes, k_bits, v_bits, s - 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V, KINDS, FAST_K, FAST_V
+            k_modes,
+            v_modes,
+            k_bits,
+            v_bits,
+            k_offsets,
+            v_offsets,
+            s - 1,
+            NB_K,
+            NB_V,
+            NUM_SUPER,
+            PER_K,
+            PER_V,
+            KINDS,
+            FAST_K,
+            FAST_V,
+            ALIGN_K,
+            ALIGN_V,
         )
         flag = _super_block_flags(
-            k_modes, v_modes, k_bits, v_bits, s, NB_K, NB_V, NUM_SUPER, PER_K, PER_V, KINDS, FAST_K, FAST_V
+            k_modes,
+            v_modes,
+            k_bits,
+            v_bits,
+            k_offsets,
+            v_offsets,
+            s,
+            NB_K,
+            NB_V,
+            NUM_SUPER,
+            PER_K,
+            PER_V,
+            KINDS,
+            FAST_K,
+            FAST_V,
+            ALIGN_K,
+            ALIGN_V,
         )
         after = _super_block_flags(
-            k_modes, v_modes, k_bits, v_bits, s + 1, NB_K, NB_V, NUM_SUPER, PER_K, PER_V, KINDS, FAST_K, FAST_V
+            k_modes,
+            v_modes,
+            k_bits,
+            v_bits,
+            k_offsets,
+            v_offsets,
+            s + 1,
+            NB_K,
+            NB_V,
+            NUM_SUPER,
+            PER_K,
+            PER_V,
+            KINDS,
+            FAST_K,
+            FAST_V,
+            ALIGN_K,
+            ALIGN_V,
         )
         for kind in tl.static_range(KINDS):
             starts = (flag == kind) & (before != kind)
@@ -1909,14 +2129,19 @@ def _nonempty(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def block_runs(
-    k: CompressedOperand, v: CompressedOperand, super_block: int, fast_bits: tuple[int, int] | None = None
+    k: CompressedOperand,
+    v: CompressedOperand,
+    super_block: int,
+    fast_bits: tuple[int, int] | None = None,
+    align: tuple[int, int] = (1, 1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs of consecutive super-blocks (``super_block`` keys) per (batch, K/V head).
 
     Without ``fast_bits``: two kinds, low-rank-only super-blocks and those with a residual (any K or V block
     inside not ``MODE_LOWRANK``). With ``fast_bits = (bits_k, bits_v)``: three kinds, low-rank-only, uniform
     (every K block low-rank or packed at ``bits_k`` bits, every V block likewise at ``bits_v``; 0 admits
-    low-rank blocks only) and general (anything else). ``runs`` ``[B * Hkv, 2 * kinds, NS]`` int32 holds, per
+    low-rank blocks only; a packed block whose first word is not a multiple of ``align`` (K, V) is general) and
+    general (anything else). ``runs`` ``[B * Hkv, 2 * kinds, NS]`` int32 holds, per
     kind, the starts then the (exclusive) ends of its runs, each list ascending; only the first ``counts``
     entries of each list are written. ``counts`` ``[B * Hkv, kinds]`` int32 holds their numbers. One small
     kernel launch, no host synchronisation."""
@@ -1933,6 +2158,8 @@ def block_runs(
         v_mode,
         k_mode if fast_bits is None else k.bits.contiguous(),
         v_mode if fast_bits is None else v.bits.contiguous(),
+        k_mode if fast_bits is None else k.offset.contiguous(),
+        v_mode if fast_bits is None else v.offset.contiguous(),
         runs,
         counts,
         k.mode.shape[2],
@@ -1944,8 +2171,19 @@ def block_runs(
         KINDS=kinds,
         FAST_K=fast_k,
         FAST_V=fast_v,
+        ALIGN_K=align[0] if fast_bits is not None else 1,
+        ALIGN_V=align[1] if fast_bits is not None else 1,
     )
     return runs, counts
+
+
+def byte_planes(width: int, head_dim: int) -> int:
+    """Planes of the byte decode (``_load_codes_bytes``) for a uniform width: ``8 // width`` for 2, 4 and 8 bits
+    when a row of ``head_dim`` codes fills whole int32 words; 0 (the word decode, natural column order)
+    otherwise."""
+    if width in (2, 4, 8) and head_dim % (32 // width) == 0:
+        return 8 // width
+    return 0
 
 
 def uniform_width(bits: int | None, head_dim: int) -> int:
@@ -1954,6 +2192,16 @@ def uniform_width(bits: int | None, head_dim: int) -> int:
     if bits is None or bits <= 0 or bits > 8:
         return 0
     return int(bits)
+
+
+def _uniform_bits(operand: CompressedOperand, head_dim: int, uniform: bool | None) -> int:
+    """The operand's uniform-run width under the launcher's ``uniform`` policy (0: no uniform runs)."""
+    if uniform is False:
+        return 0
+    width = uniform_width(_packed_bits(operand), head_dim)
+    if uniform is None and not byte_planes(width, head_dim):
+        return 0
+    return width
 
 
 # Winning configurations by tuning key (COMPRESSED_TUNE_KEY's values and the dtypes that vary): after the first
@@ -1976,7 +2224,7 @@ def attention_compressed_fwd(
     *,
     bias_tile: int = 1,
     fixed_max: bool = True,
-    uniform: bool = False,
+    uniform: bool | None = None,
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
@@ -1993,9 +2241,11 @@ def attention_compressed_fwd(
     see kernels/README.md). ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) bypasses the
     autotuner. ``fixed_max``: use the soft-cap's fixed softmax maximum when the soft-cap allows it (``_common``).
     ``uniform``: walk super-blocks whose residual blocks all use the operand's configured width (1 to 8 bits)
-    in a branch-free loop with that width compiled in. Off by default: on the H200 (Triton 3.6) that loop is
-    correct but 3-4x slower than the general loop (its gathered code loads go through the software pipeliner's
-    4-byte asynchronous copies), and the faster compact decode miscompiled at d = 128 (kernels/README.md).
+    in a branch-free loop with that width compiled in. None (default): only for an operand whose width the byte
+    decode reads (2, 4 or 8 bits with rows of whole words, ``byte_planes``: contiguous byte tiles in plane
+    order); True also for other widths, through the word decode (correct, but on the H200 with Triton 3.6 slower
+    than the general loop: its gathered word loads become 4-byte asynchronous copies; kernels/README.md);
+    False: the general loop for every residual block.
     ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
     of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
@@ -2105,12 +2355,21 @@ def attention_compressed_fwd(
     elif callable(residual):
         residual = residual()
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
-    fast_k = uniform_width(_packed_bits(k), head_dim_k) if residual[0] and uniform else 0
-    fast_v = uniform_width(_packed_bits(v), head_dim_v) if residual[1] and uniform else 0
+    fast_k = _uniform_bits(k, head_dim_k, uniform) if residual[0] else 0
+    fast_v = _uniform_bits(v, head_dim_v, uniform) if residual[1] else 0
     constexprs["FAST_BITS_K"], constexprs["FAST_BITS_V"] = fast_k, fast_v
+    # Byte decode in plane order where the width allows it; its blocks must start on a 16-byte boundary.
+    planes_k, planes_v = byte_planes(fast_k, head_dim_k), byte_planes(fast_v, head_dim_v)
+    constexprs["K_PLANES"], constexprs["V_PLANES"] = planes_k, planes_v
     constexprs["RUN_KINDS"] = 3 if fast_k or fast_v else 2
     if residual[0] or residual[1]:
-        runs, run_counts = block_runs(k, v, super_block, (fast_k, fast_v) if fast_k or fast_v else None)
+        runs, run_counts = block_runs(
+            k,
+            v,
+            super_block,
+            (fast_k, fast_v) if fast_k or fast_v else None,
+            (4 if planes_k else 1, 4 if planes_v else 1),
+        )
     else:
         runs = run_counts = _placeholder(q.device, torch.int32)
     args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, *sizes)
