@@ -416,3 +416,23 @@ def test_block_runs_three_kinds_match_a_python_scan():
             got = list(zip(runs[row, 2 * kind, :count].tolist(), runs[row, 2 * kind + 1, :count].tolist(), strict=True))
             assert got == want, (row, kind)
         assert all(int(counts[row, kind]) > 0 for kind in range(3))
+
+
+def test_uniform_runs_kept_off_the_tiles_and_loads_that_miscompile(monkeypatch):
+    """On the GPU, uniform runs need coefficient tiles read by tensor descriptors and no 64-row tile on 8 warps
+    (both miscompiled on sm_90 with Triton 3.6): the autotuner drops such tiles for uniform kernels only, and an
+    explicit configuration of that shape turns uniform runs off."""
+    from kvbound.kernels import attention_compressed as module
+
+    configs = module.compressed_configs(False)
+    base = dict(BLOCK_SIZE_K=128, BLOCK_SIZE_V=128, DV_PAD=128, K_RESIDUAL=True, V_RESIDUAL=True)
+    general = [module._shape_of(c) for c in module._prune_compressed_configs(configs, {**base, "FAST_BITS_K": 0})]
+    uniform = [module._shape_of(c) for c in module._prune_compressed_configs(configs, {**base, "FAST_BITS_K": 4})]
+    assert (64, 64, 8, 3) in general
+    assert uniform and not any(m == 64 and w == 8 for m, _, w, _ in uniform)
+    assert set(uniform) < set(general)
+    monkeypatch.setattr(module, "_KERNELS_INTERPRETED", False)
+    assert module.uniform_safe(True, None)
+    assert not module.uniform_safe(False, None)
+    assert not module.uniform_safe(True, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3))
+    assert module.uniform_safe(True, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))

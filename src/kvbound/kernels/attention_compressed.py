@@ -1090,6 +1090,7 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
     # The widest key tile (up to 64) that divides the codec block; every block size is a power of two >= 16.
     block_n = min(64, block_size)
     relative = bool(args.get("RELATIVE"))
+    uniform = bool(args.get("FAST_BITS_K") or args.get("FAST_BITS_V"))
     keep = []
     for config in configs:
         block_m = config.kwargs["BLOCK_M"]
@@ -1111,6 +1112,10 @@ def _prune_compressed_configs(configs, named_args, **kwargs):
         if block_m == 64 and config.num_warps == 8 and not (residual and dv_pad >= 128):
             # 64 rows on two warpgroups: only for residual variants with a wide Dv accumulator, whose 4-warp
             # versions spill (d=128: 936 -> 16 bytes of stack; AlphaGenome's dv 192: 1520 -> 160).
+            continue
+        if block_m == 64 and config.num_warps == 8 and uniform:
+            # Uniform runs on 64 rows over two warpgroups miscompile on sm_90 with Triton 3.6 (wrong values,
+            # NaN, illegal addresses at dk >= 128; benchmarks/byte_decode_tiles.py, kernels/README.md).
             continue
         keep.append(config)
     if relative:
@@ -2194,6 +2199,19 @@ def uniform_width(bits: int | None, head_dim: int) -> int:
     return int(bits)
 
 
+def uniform_safe(use_tma: bool, config: dict | None) -> bool:
+    """Whether uniform runs may be compiled: on sm_90 with Triton 3.6 every decode of them tried (compact word
+    tiles, byte tiles) gave wrong values, NaN or illegal addresses when the coefficient tiles were read by
+    pointer loads instead of tensor descriptors, or on 64-row tiles over 8 warps (the autotuner drops those
+    for uniform kernels; an explicit ``config`` of that shape turns uniform runs off). Measured in
+    benchmarks/byte_decode_tiles.py and kernels/README.md."""
+    if not use_tma and not _KERNELS_INTERPRETED:
+        return False
+    if config is not None and config.get("BLOCK_M") == 64 and config.get("num_warps") == 8:
+        return False
+    return True
+
+
 def _uniform_bits(operand: CompressedOperand, head_dim: int, uniform: bool | None) -> int:
     """The operand's uniform-run width under the launcher's ``uniform`` policy (0: no uniform runs)."""
     if uniform is False:
@@ -2245,7 +2263,8 @@ def attention_compressed_fwd(
     decode reads (2, 4 or 8 bits with rows of whole words, ``byte_planes``: contiguous byte tiles in plane
     order); True also for other widths, through the word decode (correct, but on the H200 with Triton 3.6 slower
     than the general loop: its gathered word loads become 4-byte asynchronous copies; kernels/README.md);
-    False: the general loop for every residual block.
+    False: the general loop for every residual block. Uniform runs are never compiled where ``uniform_safe``
+    says they miscompile (coefficients without tensor descriptors, 64-row tiles on 8 warps).
     ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
     of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
@@ -2355,6 +2374,8 @@ def attention_compressed_fwd(
     elif callable(residual):
         residual = residual()
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
+    if not uniform_safe(constexprs["USE_TMA"], config):
+        uniform = False
     fast_k = _uniform_bits(k, head_dim_k, uniform) if residual[0] else 0
     fast_v = _uniform_bits(v, head_dim_v, uniform) if residual[1] else 0
     constexprs["FAST_BITS_K"], constexprs["FAST_BITS_V"] = fast_k, fast_v
