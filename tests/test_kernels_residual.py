@@ -436,3 +436,18 @@ def test_uniform_runs_kept_off_the_tiles_and_loads_that_miscompile(monkeypatch):
     assert not module.uniform_safe(False, None)
     assert not module.uniform_safe(True, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3))
     assert module.uniform_safe(True, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+
+
+def test_descriptor_layout_pads_narrow_coefficient_rows():
+    """Rank-4 float16 coefficients (8-byte rows) become a view of a zero-padded copy with 16-byte rows: same
+    values and shape, the input untouched; aligned ones come back as they are."""
+    from kvbound.kernels.attention_compressed import descriptor_layout
+
+    narrow = torch.randn(2, 3, 50, 4).to(torch.float16)
+    before = narrow.clone()
+    view = descriptor_layout(narrow)
+    assert view.shape == narrow.shape and torch.equal(view, narrow) and torch.equal(narrow, before)
+    assert all(stride * 2 % 16 == 0 for stride in view.stride()[:-1]) and view.stride(-1) == 1
+    wide = torch.randn(2, 3, 50, 8).to(torch.float16)
+    assert descriptor_layout(wide) is wide
+    assert descriptor_layout(torch.randn(1, 1, 5, 3)).stride()[-2] == 4  # float32: 4 per 16 bytes

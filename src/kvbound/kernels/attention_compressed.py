@@ -2199,6 +2199,21 @@ def uniform_width(bits: int | None, head_dim: int) -> int:
     return int(bits)
 
 
+def descriptor_layout(coeffs: torch.Tensor) -> torch.Tensor:
+    """``coeffs`` [..., N, r] as a view whose rows start 16 bytes apart (a zero-padded copy when they do not
+    already), so that tensor descriptors can read them: same values, same shape. Unchanged when the rows are
+    already 16-byte aligned, empty, or not contiguous in their last dimension."""
+    if coeffs.numel() == 0 or coeffs.stride(-1) != 1:
+        return coeffs
+    per_16_bytes = 16 // coeffs.element_size()
+    rank = coeffs.shape[-1]
+    if all((stride * coeffs.element_size()) % 16 == 0 for stride in coeffs.stride()[:-1]):
+        return coeffs
+    padded = coeffs.new_zeros(*coeffs.shape[:-1], -(-rank // per_16_bytes) * per_16_bytes)
+    padded[..., :rank] = coeffs
+    return padded[..., :rank]
+
+
 def uniform_safe(use_tma: bool, config: dict | None) -> bool:
     """Whether uniform runs may be compiled: on sm_90 with Triton 3.6 every decode of them tried (compact word
     tiles, byte tiles) gave wrong values, NaN or illegal addresses when the coefficient tiles were read by
@@ -2294,6 +2309,11 @@ def attention_compressed_fwd(
         relative_strides = (None, None, None)
     k_rank, v_rank = k.rank, v.rank
     fp32 = q.dtype == torch.float32 or k.coeffs.dtype == torch.float32 or v.coeffs.dtype == torch.float32
+    k_coeffs, v_coeffs = k.coeffs, v.coeffs
+    if q.is_cuda:
+        # Coefficient rows narrower than 16 bytes (rank < 8 in float16) cannot be read by tensor descriptors;
+        # the kernel's pointer-load path for them is the one that faulted on the H200 (kernels/README.md).
+        k_coeffs, v_coeffs = descriptor_layout(k_coeffs), descriptor_layout(v_coeffs)
     super_block = max(k.block_size, v.block_size)
 
     def grid(meta):
@@ -2304,7 +2324,7 @@ def attention_compressed_fwd(
         bias_arg,
         out,
         lse,
-        _nonempty(k.coeffs, q),
+        _nonempty(k_coeffs, q),
         _nonempty(k.basis, q),
         k.mode,
         k.scale,
@@ -2312,7 +2332,7 @@ def attention_compressed_fwd(
         k.offset,
         _nonempty(k.codes, q),
         _nonempty(k.raw, q),
-        _nonempty(v.coeffs, q),
+        _nonempty(v_coeffs, q),
         _nonempty(v.basis, q),
         v.mode,
         v.scale,
@@ -2325,8 +2345,8 @@ def attention_compressed_fwd(
         *q.stride(),
         *broadcast_strides(bias),
         *out.stride(),
-        *(k.coeffs.stride() if k_rank else (0, 0, 0, 0)),
-        *(v.coeffs.stride() if v_rank else (0, 0, 0, 0)),
+        *(k_coeffs.stride() if k_rank else (0, 0, 0, 0)),
+        *(v_coeffs.stride() if v_rank else (0, 0, 0, 0)),
         *relative_strides,
         n_q,
         n_k,
@@ -2367,7 +2387,7 @@ def attention_compressed_fwd(
         RELATIVE=relative is not None,
         FP32=fp32,
         PRECISION="ieee" if fp32 else "tf32",
-        USE_TMA=(k_rank == 0 or tma_ready(k.coeffs)) and (v_rank == 0 or tma_ready(v.coeffs)),
+        USE_TMA=(k_rank == 0 or tma_ready(k_coeffs)) and (v_rank == 0 or tma_ready(v_coeffs)),
     )
     if residual is None:
         residual = torch.stack([(k.mode != 0).any(), (v.mode != 0).any()]).tolist()
