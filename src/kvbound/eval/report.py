@@ -198,8 +198,13 @@ def render(results: Path) -> str:
         add(
             f"**AUROC is not informative for {', '.join(chance)}**: the exact model ranks the variants at chance "
             f"level (AUROC < {AUROC_INFORMATIVE}), so its AUROC drops below are noise and 'within target' says "
-            "nothing about variant effects for it; only the Pearson columns carry evidence there. The models need "
-            "longer training before the AUROC target can be tested."
+            "nothing about variant effects for it; only the Pearson columns carry evidence there. "
+            + (
+                "A model without attention cannot see the distal enhancers that the positives break, so chance "
+                "is what it should score."
+                if all(name.endswith("_noattn") for name in chance)
+                else "Such a model needs longer training before the AUROC target can be tested."
+            )
         )
         add("")
         controls = [
