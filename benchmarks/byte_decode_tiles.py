@@ -9,8 +9,9 @@ tolerance is twice plain attention's error in the same dtype on the decoded K/V,
     python benchmarks/byte_decode_tiles.py OUT.csv                  # GPU: every case, bf16, in parallel
     python benchmarks/byte_decode_tiles.py OUT.csv --cpu-smoke      # two tiny cases in Triton's interpreter
 
-One CSV row per case: head dims, query heads per K/V head, layout, tile, status (ok, wrong, nan, crash,
-timeout), max error, tolerance, seconds. Exit status 1 when any case is not ok.
+One CSV row per case: head dims, query heads per K/V head, layout, tile, whether the launcher ran uniform runs
+there (it keeps them off the tiles that miscompiled, ``uniform_safe``; such cases check the general loop), status
+(ok, wrong, nan, crash, timeout), max error, tolerance, seconds. Exit status 1 when any case is not ok.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def child(spec: dict) -> dict:
 
     from kvbound import reference_attention
     from kvbound.bench import data as bench_data
-    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    from kvbound.kernels._common import tma_ready
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd, uniform_safe
 
     dk, dv, group, layout_name = spec["dk"], spec["dv"], spec["group"], spec["layout"]
     m, n_tile, warps, stages = spec["tile"]
@@ -75,6 +77,9 @@ def child(spec: dict) -> dict:
     )
     if device == "cuda":
         torch.cuda.synchronize()
+    # Whether the launcher compiled uniform runs for this tile at all (it refuses the tiles that miscompiled).
+    config = dict(BLOCK_M=m, BLOCK_N=n_tile, num_warps=warps, num_stages=stages)
+    uniform = uniform_safe(tma_ready(ck.coeffs) and tma_ready(cv.coeffs), config)
     rows = 128 if not spec["cpu"] else n
     k_dense, v_dense = ck.decompress(), cv.decompress()
     qs = q[:, :, :rows]
@@ -87,9 +92,9 @@ def child(spec: dict) -> dict:
     got = out[:, :, :rows]
     tolerance = 2 * plain_err + diag.FLOOR[dtype]
     if not bool(torch.isfinite(got).all()):
-        return dict(status="nan", err=float("nan"), tolerance=tolerance)
+        return dict(status="nan", err=float("nan"), tolerance=tolerance, uniform=uniform)
     err = float((got.double() - reference).abs().max())
-    return dict(status="ok" if err <= tolerance else "wrong", err=err, tolerance=tolerance)
+    return dict(status="ok" if err <= tolerance else "wrong", err=err, tolerance=tolerance, uniform=uniform)
 
 
 def run_case(case, cpu: bool, timeout: float) -> dict:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("OUT.csv is required")
     cases = CPU_CASES if args.cpu_smoke else CASES
-    fields = ["dk", "dv", "group", "layout", "tile", "status", "err", "tolerance", "seconds", "reason"]
+    fields = ["dk", "dv", "group", "layout", "tile", "uniform", "status", "err", "tolerance", "seconds", "reason"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     failed = 0
     with open(args.out, "w", newline="") as handle, ThreadPoolExecutor(args.jobs) as pool:
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             failed += row["status"] != "ok"
             print(
                 f"[{index}/{len(cases)}] dk {row['dk']} dv {row['dv']} G {row['group']} {row['layout']} "
-                f"tile {row['tile']}: {row['status']} err {row['err']:.2e} (tol {row['tolerance']:.2e}) "
+                f"tile {row['tile']} uniform {row.get('uniform', '?')}: {row['status']} "
+                f"err {row['err']:.2e} (tol {row['tolerance']:.2e}) "
                 f"{row['seconds']} s {row.get('reason', '')}",
                 flush=True,
             )
