@@ -129,6 +129,13 @@ def test_report_flags_breaches_and_chooses_tau(tmp_path):
                 for r in at_chance]  # fmt: skip
     _write(tmp_path / "quality.csv", controls)
     assert "| alphagenome | 6.50e-05 | 4.50e-05 | 0.230 | 0.5200 |" in report.render(tmp_path)
+    # The noise floor on negatives, exact against compressed, for the attention models only.
+    noisy = [dict(r, effect_median_negatives=1.8e-4) if r["setting"] == "default r8 b4" else r for r in controls]
+    _write(tmp_path / "quality.csv", noisy)
+    text = report.render(tmp_path)
+    assert "### Why compression costs AUROC here" in text
+    assert "| enformer | default r8 b4 | 0.03125 | 4.00 | 1.80e-04 | 4.00x | 6.50e-05 | 0.8990 |" in text
+    assert "| enformer_noattn | exact" not in text.split("### Why compression")[1].split("##")[0]
     _write(tmp_path / "quality.csv", at_chance)
     assert "float32 (shorter rerun)" not in report.render(tmp_path)
     (tmp_path / "variants_fp32").mkdir()
