@@ -42,6 +42,7 @@ rank-space logits keep about 22 bits even when logits are in the thousands. floa
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -2214,6 +2215,20 @@ def descriptor_layout(coeffs: torch.Tensor) -> torch.Tensor:
     return padded[..., :rank]
 
 
+@functools.cache
+def _warn_pointer_path(device: torch.device) -> None:
+    """Once per device: residual kernels that read coefficients by pointer loads (no tensor descriptors: GPUs
+    before Hopper, or unaligned coefficients) faulted on the H200 and are not verified on any GPU."""
+    warnings.warn(
+        f"kvbound: compressed attention with residual blocks on {torch.cuda.get_device_name(device)} reads its "
+        "coefficients without tensor descriptors; that kernel path gave wrong values and illegal addresses on an "
+        "H200 (Triton 3.6) and is not verified on any GPU. Check results against kvbound.reference_attention, or "
+        "decompress K/V and use the dense path.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def uniform_safe(use_tma: bool, config: dict | None) -> bool:
     """Whether uniform runs may be compiled: on sm_90 with Triton 3.6 every decode of them tried (compact word
     tiles, byte tiles) gave wrong values, NaN or illegal addresses when the coefficient tiles were read by
@@ -2394,6 +2409,8 @@ def attention_compressed_fwd(
     elif callable(residual):
         residual = residual()
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
+    if q.is_cuda and not constexprs["USE_TMA"] and (residual[0] or residual[1]):
+        _warn_pointer_path(q.device)
     if not uniform_safe(constexprs["USE_TMA"], config):
         uniform = False
     fast_k = _uniform_bits(k, head_dim_k, uniform) if residual[0] else 0
