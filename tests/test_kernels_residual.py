@@ -451,3 +451,45 @@ def test_descriptor_layout_pads_narrow_coefficient_rows():
     wide = torch.randn(2, 3, 50, 8).to(torch.float16)
     assert descriptor_layout(wide) is wide
     assert descriptor_layout(torch.randn(1, 1, 5, 3)).stride()[-2] == 4  # float32: 4 per 16 bytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_byte_decode_random_layouts_bias_softcap_causal(seed):
+    """Random block layouts at a byte-decodable width (2, 4 or 8 bits) with promoted, raw and low-rank blocks
+    mixed in, ragged N, GQA, causal or not, a broadcast bias and a soft-cap or not, through the launcher's
+    default (uniform runs with the byte decode where they apply): the float64 oracle on the decoded K/V."""
+    g = torch.Generator().manual_seed(100 + seed)
+    bits = (2, 4, 8)[seed % 3]
+    dk, dv = [(32, 32), (64, 48), (16, 64)][seed % 3]
+    block, n = 16, int(torch.randint(40, 97, (1,), generator=g))
+    heads, group = 1 + seed % 2, 1 + (seed // 2) % 2
+    wider = [w for w in (4, 5, 6, 8) if w > bits]
+    choices = [L, L] + [P(bits)] * 6 + [R] + [W(w) for w in wider]
+
+    def modes(second):
+        # Block 0 at the configured width and block 1 promoted or exact in every head, so that one call drives a
+        # uniform run and a general one; the other blocks at random.
+        rest = torch.randint(0, len(choices), (-(-n // block) - 2,), generator=g)
+        return [[P(bits), second] + [choices[int(i)] for i in rest] for _ in range(heads)]
+
+    ck = build(modes(W(wider[-1])), n=n, d=dk, bits=bits, block=block, dtype=torch.float16, seed=seed + 1)
+    cv = build(modes(R), n=n, d=dv, bits=bits, block=block, dtype=torch.float16, seed=seed + 2)
+    q = (torch.randn(1, heads * group, n - 3, dk, generator=g) * 1.5).to(torch.float16)
+    kinds = run_kinds(ck, cv)
+    assert kinds[1] > 0 and kinds[2] > 0, kinds  # the byte decode's runs and general ones in one call
+    causal = seed % 2 == 1
+    softcap = 3.0 if seed % 3 == 0 else None
+    bias = torch.randn(1, 1, 1, n, generator=g) if seed % 2 == 0 else None
+    scale = dk**-0.5
+    out, _ = attention_compressed_fwd(
+        q,
+        CompressedOperand.from_compressed(ck),
+        CompressedOperand.from_compressed(cv),
+        None if bias is None else bias.expand(1, heads * group, n - 3, n),
+        scale,
+        causal,
+        softcap,
+    )
+    check_against_reference(
+        out, q, ck.decompress(), cv.decompress(), scale=scale, causal=causal, bias=bias, softcap=softcap
+    )
