@@ -472,7 +472,9 @@ def test_byte_decode_random_layouts_bias_softcap_causal(seed):
         rest = torch.randint(0, len(choices), (-(-n // block) - 2,), generator=g)
         return [[P(bits), second] + [choices[int(i)] for i in rest] for _ in range(heads)]
 
-    ck = build(modes(W(wider[-1])), n=n, d=dk, bits=bits, block=block, dtype=torch.float16, seed=seed + 1)
+    ck = build(
+        modes(W(wider[-1]) if wider else R), n=n, d=dk, bits=bits, block=block, dtype=torch.float16, seed=seed + 1
+    )
     cv = build(modes(R), n=n, d=dv, bits=bits, block=block, dtype=torch.float16, seed=seed + 2)
     q = (torch.randn(1, heads * group, n - 3, dk, generator=g) * 1.5).to(torch.float16)
     kinds = run_kinds(ck, cv)
