@@ -32,7 +32,7 @@ case "$mode" in
     "$python_bin" -m kvbound.eval.cli "${data_args[@]}" "${device_args[@]}" --out eval/results \
       --time-budget-s "${EVAL_BUDGET_S:-300}" --batch-size "${EVAL_BATCH:-8}" ${EVAL_ARGS:-} \
       > eval/results/logs/eval.log 2>&1 || status=$?
-    files=(eval/results/quality.csv eval/results/quality_by_stratum.csv eval/results/layers.csv
+    files=(eval/results/quality.csv eval/results/quality_by_stratum.csv eval/results/effects.csv eval/results/layers.csv
            eval/results/scaling.csv eval/results/variants.csv eval/results/eval_run.json eval/results/pareto.png
            eval/results/logs/eval.log)
     ;;

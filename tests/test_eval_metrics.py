@@ -55,3 +55,21 @@ def test_pearson_per_track():
     np.testing.assert_allclose(pearson_per_track(prediction, target), [1.0, 0.5])
     with pytest.raises(ValueError, match="bins, tracks"):
         pearson_per_track(prediction, target[:, :1])
+
+
+def test_auroc_drop_interval_is_paired_and_covers_the_drop():
+    """Identical scores give a zero-width interval at 0 (the pairing: both settings are read at the same
+    resampled variants); a setting that adds noise to the scores gives an interval around the observed drop."""
+    from kvbound.eval.metrics import auroc_drop_interval
+
+    rng = np.random.default_rng(3)
+    labels = np.array([1] * 60 + [0] * 120)
+    exact = np.where(labels == 1, rng.normal(2.0, 1.0, labels.size), rng.normal(0.0, 1.0, labels.size))
+    assert auroc_drop_interval(labels, exact, exact) == (0.0, 0.0)
+    noisy = exact + rng.normal(0.0, 1.5, labels.size)
+    low, high = auroc_drop_interval(labels, exact, noisy, resamples=800)
+    drop = auroc(labels, exact) - auroc(labels, noisy)
+    assert low < drop < high and low > 0.0  # this much noise is a resolved loss
+    assert np.isnan(auroc_drop_interval(np.zeros(5), exact[:5], noisy[:5])[0])
+    with pytest.raises(ValueError, match="one length"):
+        auroc_drop_interval(labels, exact, noisy[:-1])

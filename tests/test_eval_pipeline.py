@@ -244,7 +244,9 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
     for kind in ("enformer", "alphagenome"):
         exact = by[(f"{kind}_toy", "exact")]
         assert float(exact["ratio"]) == 1.0 and float(exact["auroc_drop"]) == 0.0
+        assert float(exact["auroc_drop_low"]) == 0.0 == float(exact["auroc_drop_high"])  # paired with itself
         default = by[(f"{kind}_toy", "default r8 b4")]
+        assert float(default["auroc_drop_low"]) <= float(default["auroc_drop"]) <= float(default["auroc_drop_high"])
         assert int(default["bound_violations"]) == 0
         assert 0 < float(default["max_abs_error_k"]) <= 2.0**-5 and 0 < float(default["max_abs_error_v"]) <= 2.0**-5
         assert float(default["ratio"]) > 1.0
@@ -252,6 +254,13 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
         low_rank = by[(f"{kind}_toy", "low-rank only r8")]
         assert float(low_rank["max_abs_error_k"]) > 2.0**-5  # no bound without the residual
         assert {row["setting"] for row in rows if row["model"] == f"{kind}_noattn_toy"} == {"exact"}
+    effects = _rows(out / "effects.csv")
+    variants = _rows(out / "variants.csv")
+    for row in rows:  # one predicted change per variant and setting, matching the variant list
+        mine = [e for e in effects if e["model"] == row["model"] and e["setting"] == row["setting"]]
+        assert [(e["position"], e["alt"]) for e in mine] == [(v["position"], v["alt"]) for v in variants]
+        medians = np.median([abs(float(e["effect"])) for e in mine if e["label"] == "0"])
+        assert medians == pytest.approx(float(row["effect_median_negatives"]), rel=1e-4, abs=1e-12)  # CSV digits
     strata = _rows(out / "quality_by_stratum.csv")
     # toy windows (64 bins) reach 3,968 bp from the TSS: the 2-5 kb stratum is cut there, 5-8 kb is out of reach
     assert {row["stratum"] for row in strata} == {"all", "0-2kb", "2-3kb"}

@@ -24,8 +24,9 @@ randomly initialised, and every output says so), on held-out windows of the test
 sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is skipped
 and listed under ``skipped`` in ``eval_run.json``.
 
-Writes ``quality.csv`` (one row per model and setting), ``quality_by_stratum.csv``, ``layers.csv``,
-``scaling.csv``, ``variants.csv``, ``eval_run.json`` and ``pareto.png`` (compression ratio against quality
+Writes ``quality.csv`` (one row per model and setting), ``quality_by_stratum.csv``, ``effects.csv`` (the
+predicted change of every variant under every setting), ``layers.csv``, ``scaling.csv``, ``variants.csv``,
+``eval_run.json`` and ``pareto.png`` (compression ratio against quality
 loss) into ``--out``; ``python -m kvbound.eval.report`` turns them into EVAL.md.
 """
 
@@ -49,7 +50,7 @@ import numpy as np
 import torch
 
 from kvbound.eval import kv_hooks
-from kvbound.eval.metrics import auroc, pearson, pearson_per_track
+from kvbound.eval.metrics import auroc, auroc_drop_interval, pearson, pearson_per_track
 from kvbound.eval.models import ModelConfig, TrackModel, build_model, load_model
 from kvbound.eval.variants import Variant, VariantConfig, load_or_generate, write_variants
 from kvbound.eval.windows import Benchmark, TrackNormalizer, load_benchmark, make_batch, split_intervals, window_starts
@@ -280,6 +281,7 @@ def _metrics(run: dict, targets: np.ndarray, tss_index: np.ndarray, variants: li
         else float("nan"),
         "auroc_all": auroc(labels, scores) if len(variants) else float("nan"),
         "per_track": per_track,
+        "effects": np.asarray(run["effects"], dtype=np.float64),
     }
     stratum = np.array([v.stratum for v in variants])
     for name in strata:
@@ -444,6 +446,16 @@ def _bases(context: _ModelContext, rank: int, block_size: int, args) -> dict:
     return context.bases_by_rank[rank]
 
 
+def _drop_interval(variants: list[Variant], exact: dict, metrics: dict) -> dict:
+    """``auroc_drop_low`` / ``auroc_drop_high``: the 90 % paired bootstrap interval of the AUROC drop (exact minus
+    this setting) over the same variants (``metrics.auroc_drop_interval``)."""
+    if not variants or "effects" not in exact or "effects" not in metrics:
+        return {"auroc_drop_low": float("nan"), "auroc_drop_high": float("nan")}
+    labels = np.array([v.label for v in variants])
+    low, high = auroc_drop_interval(labels, np.abs(exact["effects"]), np.abs(metrics["effects"]))
+    return {"auroc_drop_low": low, "auroc_drop_high": high}
+
+
 def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, device, autocast) -> tuple[dict, list]:
     """Run one setting on one model; the quality row and its per-stratum rows."""
     loaded, model = context.loaded, context.loaded.model
@@ -501,6 +513,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
         / abs(exact["pearson_expression"]),
         "auroc_all": metrics["auroc_all"],
         "auroc_drop": exact["auroc_all"] - metrics["auroc_all"],
+        **_drop_interval(variants, exact, metrics),
         **{f"auroc_{name}": metrics[f"auroc_{name}"] for name in strata},
         "auroc_vs_random": metrics["auroc_vs_random"],
         "auroc_vs_motif": metrics["auroc_vs_motif"],
@@ -727,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         stages.append((group, [s for s in settings if s.group == group]))
     rows_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
     stratum_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
+    effect_rows: list[dict] = []  # the predicted change of every variant under every setting
     layer_rows, scaling_rows, skipped = [], [], []
     for group, chosen in stages:
         for context in contexts:
@@ -760,6 +774,19 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                 row, stratum_rows = _setting_rows(context, setting, benchmark, args, device, autocast)
                 rows_by_model[name].append(row)
+                effects = context.done[key][0]["effects"]
+                effect_rows += [
+                    {
+                        "model": name,
+                        "setting": setting.name,
+                        "gene": variant.gene,
+                        "position": variant.position,
+                        "alt": variant.alt,
+                        "label": variant.label,
+                        "effect": float(value),
+                    }
+                    for variant, value in zip(context.variants, effects, strict=True)
+                ]
                 stratum_by_model[name] += stratum_rows
                 console.print(
                     f"{name}: {setting.name}: ratio {row['ratio']:.2f}, dPearson {row['pearson_mean_drop_pct']:+.3f}%, "
@@ -769,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     stratum_rows = [row for context in contexts for row in stratum_by_model[context.loaded.name]]
     _write_csv(args.out / "quality.csv", rows)
     _write_csv(args.out / "quality_by_stratum.csv", stratum_rows)
+    _write_csv(args.out / "effects.csv", effect_rows)
     _write_csv(args.out / "layers.csv", layer_rows)
     _write_csv(args.out / "scaling.csv", scaling_rows)
     meta = {

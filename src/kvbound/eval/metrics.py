@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["auroc", "pearson", "pearson_per_track", "stratified_auroc"]
+__all__ = ["auroc", "auroc_drop_interval", "pearson", "pearson_per_track", "stratified_auroc"]
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float:
@@ -59,6 +59,46 @@ def auroc(labels: np.ndarray, scores: np.ndarray) -> float:
     ranks = average_rank[inverse]
     rank_sum = ranks[labels == 1].sum()
     return float((rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+def auroc_drop_interval(
+    labels: np.ndarray,
+    scores_reference: np.ndarray,
+    scores_other: np.ndarray,
+    *,
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Paired bootstrap interval of ``AUROC(reference) - AUROC(other)`` on the same variants.
+
+    Positives and negatives are resampled separately (their counts stay fixed) and both score sets are read at
+    the same resampled variants, so the interval reflects how much the drop depends on which variants were
+    drawn, with the pairing kept. Returns the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles; NaN when a
+    class is absent."""
+    labels = np.asarray(labels).ravel()
+    reference = np.asarray(scores_reference, dtype=np.float64).ravel()
+    other = np.asarray(scores_other, dtype=np.float64).ravel()
+    if not (labels.shape == reference.shape == other.shape):
+        raise ValueError(
+            f"auroc_drop_interval: labels and both score arrays must have one length, got {labels.size}, "
+            f"{reference.size} and {other.size}"
+        )
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"auroc_drop_interval: level must be in (0, 1), got {level}")
+    positives, negatives = np.flatnonzero(labels == 1), np.flatnonzero(labels == 0)
+    if positives.size == 0 or negatives.size == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([np.ones(positives.size, int), np.zeros(negatives.size, int)])
+    drops = np.empty(resamples)
+    for i in range(resamples):
+        pick = np.concatenate(
+            [rng.choice(positives, positives.size, replace=True), rng.choice(negatives, negatives.size, replace=True)]
+        )
+        drops[i] = auroc(order, reference[pick]) - auroc(order, other[pick])
+    low, high = np.quantile(drops, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(low), float(high)
 
 
 def stratified_auroc(labels: np.ndarray, scores: np.ndarray, strata: np.ndarray) -> dict[str, float]:

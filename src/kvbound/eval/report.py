@@ -127,6 +127,14 @@ def _tau_text(tau: float) -> str:
     return f"2^{exponent:.0f}" if exponent == round(exponent) else f"{tau:g}"
 
 
+def _interval(row: dict) -> str:
+    """`` [low, high]``: the 90 % paired bootstrap interval of the AUROC drop, when quality.csv has it."""
+    low, high = _float(row.get("auroc_drop_low")), _float(row.get("auroc_drop_high"))
+    if low != low or high != high:
+        return ""
+    return f" [{_fmt(low, 4, True)}, {_fmt(high, 4, True)}]"
+
+
 def _noise_section(add, quality: list[dict]) -> None:
     """How compression moves the predicted changes of negatives (variants with no true effect): the noise floor
     that decides the AUROC drop, per model and setting, from the positive-control columns of quality.csv."""
@@ -244,7 +252,8 @@ def render(results: Path) -> str:
     add(
         f"Targets: variant-effect AUROC drop <= {AUROC_DROP_TARGET} and track Pearson drop <= "
         f"{PEARSON_DROP_TARGET_PCT}% (mean over tracks and the expression track). Drops are exact minus "
-        "compressed (positive = worse)."
+        "compressed (positive = worse); in brackets, where the run recorded it, the 90 % paired bootstrap interval "
+        "of the AUROC drop over the same variants (positives and negatives resampled separately)."
     )
     add("")
     headline = [row for row in quality if row["group"] == "default"]
@@ -297,7 +306,7 @@ def render(results: Path) -> str:
                     f"{_fmt(row['max_abs_error_k'])} / {_fmt(row['max_abs_error_v'])} (tau {_fmt(row['tau'], 5)})",
                     _fmt(reference.get("auroc_all")),
                     _fmt(row["auroc_all"]),
-                    _fmt(row["auroc_drop"], 4, True),
+                    _fmt(row["auroc_drop"], 4, True) + _interval(row),
                     _fmt(reference.get("pearson_mean")),
                     _fmt(row["pearson_mean_drop_pct"], 3, True),
                     _fmt(row["pearson_expression_drop_pct"], 3, True),
