@@ -225,3 +225,43 @@ def test_tile_bias_smaller_and_larger_than_the_key_tile(compressed, tile):
         v_ref = torch.randn(1, 2, 150, 48, generator=g).to(torch.float16)
         out, _ = attention_dense_fwd(q, k_ref, v_ref, tiles, 0.125, False, None, config=config, bias_tile=tile)
     check_against_reference(out, q, k_ref, v_ref, scale=0.125, bias=full)
+
+
+@pytest.mark.parametrize("setting, expected", [("highest", "ieee"), ("high", "tf32x3"), ("medium", "tf32")])
+def test_float32_products_follow_torchs_float32_matmul_precision(monkeypatch, setting, expected):
+    """float32 inputs: both kernels take the product precision PyTorch's own float32 setting asks for (full float32
+    by default), re-read at every call (the dense launch plan is keyed on it); 16-bit inputs are unaffected."""
+    from kvbound.kernels import attention_compressed as compressed_module
+    from kvbound.kernels import attention_dense as dense_module
+
+    seen = []
+
+    def recording(module):
+        original = module.launch_tuned
+
+        def launch(kernel, tuned, grid, args, constexprs, tune_key, config):
+            seen.append(constexprs["PRECISION"])
+            return original(kernel, tuned, grid, args, constexprs, tune_key, config)
+
+        monkeypatch.setattr(module, "launch_tuned", launch)
+
+    recording(dense_module)
+    recording(compressed_module)
+    before = torch.get_float32_matmul_precision()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    try:
+        torch.set_float32_matmul_precision(setting)
+        out, _ = attention_dense_fwd(q, k, v, None, 32**-0.5, False, None)
+        check_against_reference(out, q, k, v, scale=32**-0.5)
+        q32, ck, cv = _compressed_case(n=70, d=32, dv=32, block=16)
+        q32 = q32.float()
+        kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+        out, _ = attention_compressed_fwd(q32, kop, vop, None, 0.125, False, None)
+        check_against_reference(out, q32, ck.decompress(), cv.decompress(), scale=0.125)
+        attention_dense_fwd(q.half(), k.half(), v.half(), None, 32**-0.5, False, None)
+        half_plans = [plan for key, plan in dense_module._PLANS.items() if torch.float16 in key]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen[:2] == [expected, expected]
+    assert half_plans and all(plan.constexprs["PRECISION"] == "tf32" for plan in half_plans)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -271,6 +272,17 @@ def _has_tensor_descriptors(device) -> bool:
     import torch
 
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_FLOAT32_PRECISION = {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}
+
+
+def float32_dot_precision() -> str:
+    """Triton's ``input_precision`` for products of float32 operands, following PyTorch's own setting for
+    float32 matrix products (``torch.set_float32_matmul_precision``): "highest" (PyTorch's default) -> "ieee"
+    (full float32), "high" -> "tf32x3" (three TF32 products, about float32 accuracy, on tensor cores), "medium"
+    -> "tf32"."""
+    return _FLOAT32_PRECISION.get(torch.get_float32_matmul_precision(), "ieee")
 
 
 def tma_ready(*tensors) -> bool:

@@ -35,8 +35,8 @@ tile follows what the tile holds:
 Precision: for 16-bit inputs every product with the factors and codes runs on float16 operands with float32
 accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too);
 ``Qp`` is rescaled likewise and split into float16 ``hi + lo`` parts, so no operand overflows and the
-rank-space logits keep about 22 bits even when logits are in the thousands. float32 inputs use float32
-("ieee") products.
+rank-space logits keep about 22 bits even when logits are in the thousands. float32 inputs use the products
+PyTorch's float32 setting asks for (``_common.float32_dot_precision``: full float32 by default).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from kvbound.kernels._common import (
     LN2,
     broadcast_strides,
     fixed_softmax_max,
+    float32_dot_precision,
     interpreting,
     key_loop_bounds,
     launch_tuned,
@@ -2401,7 +2402,7 @@ def attention_compressed_fwd(
         CAUSAL=causal,
         RELATIVE=relative is not None,
         FP32=fp32,
-        PRECISION="ieee" if fp32 else "tf32",
+        PRECISION=float32_dot_precision() if fp32 else "tf32",
         USE_TMA=(k_rank == 0 or tma_ready(k_coeffs)) and (v_rank == 0 or tma_ready(v_coeffs)),
     )
     if residual is None:

@@ -23,6 +23,7 @@ from kvbound.kernels._common import (
     LN2,
     broadcast_strides,
     fixed_softmax_max,
+    float32_dot_precision,
     interpreting,
     key_loop_bounds,
     launch_tuned,
@@ -519,6 +520,7 @@ def attention_dense_fwd(
         softcap,
         bias_tile,
         fixed_max,
+        float32_dot_precision() if q.dtype == torch.float32 else None,
     )
     plan = _PLANS.get(plan_key) if config is None else None
     if plan is None:
@@ -621,7 +623,7 @@ def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative)
         FIXED_MAX=max_value is not None,
         CAUSAL=causal,
         RELATIVE=relative is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=float32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
     bias_dtype = q.dtype if bias is None else bias.dtype
     tune_key = (
