@@ -92,7 +92,6 @@ def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
     (blocks packed at the configured 4 bits, some beside low-rank ones), general (promoted 5, 6, 8 bits) and
     residual-free; bf16, block 128, GQA, outputs against the float64 oracle. The compact [BLOCK_N, words] decode
     that these shapes once ran miscompiled at d = 128 (NaN, wrong values or illegal addresses by tile)."""
-    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
     from test_kernels_residual import L, P, W, build, run_kinds
 
     n, heads, block, bits = 1024, 2, 128, 4
@@ -101,13 +100,39 @@ def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
     v_modes = [[P(4), L, L, P(4), W(5), P(4), L, P(4)]] * heads
     ck = build(k_modes, n=n, d=dk, bits=bits, block=block, dtype=torch.bfloat16, seed=21).to("cuda")
     cv = build(v_modes, n=n, d=dv, bits=bits, block=block, dtype=torch.bfloat16, seed=22).to("cuda")
-    q = torch.randn(1, heads * 2, n, dk, device="cuda", generator=torch.Generator(device="cuda").manual_seed(23))
-    q = (q * 1.5).bfloat16()
     assert all(count > 0 for count in run_kinds(ck, cv)), run_kinds(ck, cv)
+    _check_every_tile(ck, cv, heads * 2, seed=23, uniforms=(False, True))
+
+
+@pytest.mark.parametrize("bits, dk, dv", [(2, 64, 64), (8, 128, 192)])
+def test_gpu_byte_decode_every_tile_at_2_and_8_bits_bf16(bits, dk, dv):
+    """The byte decode's other widths (2 bits: four planes; 8 bits: one) through every tile shape the autotuner
+    may keep, uniform runs by default, beside low-rank blocks and a ragged last block; bf16, outputs against the
+    float64 oracle."""
+    from test_kernels_residual import L, P, build, run_kinds
+
+    n, heads, block = 1000, 2, 128
+    k_modes = [[P(bits), P(bits), L, P(bits), L, L, P(bits), P(bits)]] * heads
+    v_modes = [[P(bits), L, P(bits), P(bits), L, P(bits), L, P(bits)]] * heads
+    ck = build(k_modes, n=n, d=dk, bits=bits, block=block, dtype=torch.bfloat16, seed=31).to("cuda")
+    cv = build(v_modes, n=n, d=dv, bits=bits, block=block, dtype=torch.bfloat16, seed=32).to("cuda")
+    assert run_kinds(ck, cv)[1] > 0, run_kinds(ck, cv)
+    _check_every_tile(ck, cv, heads * 2, seed=33, uniforms=(None,))
+
+
+def _check_every_tile(ck, cv, q_heads: int, *, seed: int, uniforms) -> None:
+    """bf16 queries against compressed K/V at every residual tile shape the autotuner may keep, pinned, with each
+    ``uniform`` policy; the first 256 query rows against the float64 oracle. (The launcher keeps uniform runs off
+    the tile shapes that miscompiled, so those check the general loop.)"""
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+
+    dk, dv = ck.head_dim, cv.head_dim
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(1, q_heads, ck.seq_len, dk, device="cuda", generator=generator) * 1.5).bfloat16()
     k_ref, v_ref = ck.decompress(), cv.decompress()
     shapes = _tile_shapes(dk, dv, residual=True)
     assert shapes
-    for (m, bn, warps, stages), uniform in itertools.product(shapes, (False, True)):
+    for (m, bn, warps, stages), uniform in itertools.product(shapes, uniforms):
         out, _ = attention_compressed_fwd(
             q,
             CompressedOperand.from_compressed(ck),
@@ -121,37 +146,4 @@ def test_gpu_every_tile_through_every_residual_loop_bf16(dk, dv):
         )
         torch.cuda.synchronize()
         print(f"tile {(m, bn, warps, stages)} uniform={uniform}:", end=" ")
-        check_against_reference(out[:, :, :256].contiguous(), q[:, :, :256].contiguous(), k_ref, v_ref, scale=dk**-0.5)
-
-
-@pytest.mark.parametrize("bits, dk, dv", [(2, 64, 64), (8, 128, 192)])
-def test_gpu_byte_decode_every_tile_at_2_and_8_bits_bf16(bits, dk, dv):
-    """The byte decode's other widths (2 bits: four planes; 8 bits: one) through every tile shape the autotuner
-    may keep, uniform runs by default, beside low-rank blocks and a ragged last block; bf16, outputs against the
-    float64 oracle."""
-    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
-    from test_kernels_residual import L, P, build, run_kinds
-
-    n, heads, block = 1000, 2, 128
-    k_modes = [[P(bits), P(bits), L, P(bits), L, L, P(bits), P(bits)]] * heads
-    v_modes = [[P(bits), L, P(bits), P(bits), L, P(bits), L, P(bits)]] * heads
-    ck = build(k_modes, n=n, d=dk, bits=bits, block=block, dtype=torch.bfloat16, seed=31).to("cuda")
-    cv = build(v_modes, n=n, d=dv, bits=bits, block=block, dtype=torch.bfloat16, seed=32).to("cuda")
-    q = torch.randn(1, heads * 2, n, dk, device="cuda", generator=torch.Generator(device="cuda").manual_seed(33))
-    q = (q * 1.5).bfloat16()
-    assert run_kinds(ck, cv)[1] > 0, run_kinds(ck, cv)
-    k_ref, v_ref = ck.decompress(), cv.decompress()
-    for m, bn, warps, stages in _tile_shapes(dk, dv, residual=True):
-        out, _ = attention_compressed_fwd(
-            q,
-            CompressedOperand.from_compressed(ck),
-            CompressedOperand.from_compressed(cv),
-            None,
-            dk**-0.5,
-            False,
-            None,
-            config=dict(BLOCK_M=m, BLOCK_N=bn, num_warps=warps, num_stages=stages),
-        )
-        torch.cuda.synchronize()
-        print(f"bits {bits} tile {(m, bn, warps, stages)}:", end=" ")
         check_against_reference(out[:, :, :256].contiguous(), q[:, :, :256].contiguous(), k_ref, v_ref, scale=dk**-0.5)
