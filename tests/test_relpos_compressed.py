@@ -1,6 +1,7 @@
 """Transformer-XL relative positions (Enformer, Borzoi) inside the compressed kernel:
 ``kvbound.attention(q, ckv_k, ckv_v, relative_keys=...)`` against the float64 reference on the decompressed K/V,
-through every loop of the kernel (low-rank runs, uniform residual runs, general residual runs, masked tail).
+through every loop the relative kernel runs (low-rank runs, general residual runs, masked tail; uniform runs are
+never compiled with relative positions).
 K/V are built in the storage format with chosen block modes (``test_kernels_residual.build``).
 CPU: the kernel runs in Triton's interpreter (conftest)."""
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 
 from kvbound.attention import attention
-from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd, block_runs
 from kvbound.models.reference import relative_position_attention_reference
 from test_attention import FLOOR  # tests/ is on sys.path (rootdir conftest)
-from test_kernels_residual import L, P, R, W, build, run_kinds
+from test_kernels_residual import L, P, R, W, build
 from test_models_ports import borzoi, enformer  # noqa: F401 (the ports' fixtures; they skip when not installed)
 from test_relpos import _port_style, relative_logits
 
@@ -28,13 +29,11 @@ def _relative_inputs(h, n, dk, dtype, seed):
 
 
 CASES = {
-    # name: (K modes per head, V modes per head, n, dk, dv, shared basis, dtype, runs (low-rank, uniform, general))
-    "n1-packed-k": ([[P(4)]], [[L]], 1, 64, 192, True, torch.float16, [0, 1, 0]),
+    # name: (K modes per head, V modes per head, n, dk, dv, shared basis, dtype, runs (low-rank, residual))
+    "n1-packed-k": ([[P(4)]], [[L]], 1, 64, 192, True, torch.float16, [0, 1]),
     "n37-lowrank-only": ([[L, L, L]] * 2, [[L, L, L]] * 2, 37, 40, 48, True, torch.float32, None),
-    # Head 0's short last V block (5 rows of 6-bit codes: 50 words) leaves head 1's first V block off a 16-byte
-    # boundary (the byte decode needs one), so head 1 runs general, uniform, general.
-    "n37-mixed-fp32": ([[L, P(4), R]] * 2, [[P(4), L, W(6)]] * 2, 37, 40, 48, True, torch.float32, [0, 2, 3]),
-    "n37-per-block-basis": ([[P(4), L, W(5)]], [[L, R, P(4)]], 37, 64, 192, False, torch.float16, [0, 1, 1]),
+    "n37-mixed-fp32": ([[L, P(4), R]] * 2, [[P(4), L, W(6)]] * 2, 37, 40, 48, True, torch.float32, [0, 2]),
+    "n37-per-block-basis": ([[P(4), L, W(5)]], [[L, R, P(4)]], 37, 64, 192, False, torch.float16, [0, 1]),
     "n130-all-kinds": (
         [[L, L, P(4), P(4), L, R, W(8), L, P(4)]],
         [[L, L, L, P(4), L, L, L, L, W(6)]],
@@ -43,7 +42,7 @@ CASES = {
         192,
         True,
         torch.float16,
-        [3, 1, 2],
+        [3, 3],
     ),
     "n130-fp32-dk40": (
         [[P(4), L, L, L, L, L, R, L, L]] * 2,
@@ -53,9 +52,17 @@ CASES = {
         48,
         True,
         torch.float32,
-        [6, 4, 2],
+        [6, 6],
     ),
 }
+
+
+def _relative_runs(ck, cv) -> list[int]:
+    """Runs of low-rank-only and of residual super-blocks over all heads, as the launcher builds them for a
+    relative-position kernel (no uniform runs: every residual block takes the general loop)."""
+    k_op, v_op = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+    _, counts = block_runs(k_op, v_op, max(ck.config.block_size, cv.config.block_size))
+    return counts.sum(0).tolist()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -64,7 +71,7 @@ def test_compressed_relative_matches_float64_reference(name):
     ck = build(k_modes, n=n, d=dk, bits=4, block=16, dtype=dtype, shared=shared, seed=1)
     cv = build(v_modes, n=n, d=dv, bits=4, block=16, dtype=dtype, shared=shared, seed=2)
     if kinds is not None:
-        assert run_kinds(ck, cv) == kinds  # the loops this case is meant to reach
+        assert _relative_runs(ck, cv) == kinds  # the loops this case is meant to reach
     h = len(k_modes)
     q, rk, u, w = _relative_inputs(h, n, dk, dtype, seed=n + dk)
     copies = [t.clone() for t in (q, rk, u, w, ck.coeffs, ck.codes, cv.coeffs, cv.codes)]

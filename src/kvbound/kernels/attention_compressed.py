@@ -2295,7 +2295,8 @@ def attention_compressed_fwd(
     order); True also for other widths, through the word decode (correct, but on the H200 with Triton 3.6 slower
     than the general loop: its gathered word loads become 4-byte asynchronous copies; kernels/README.md);
     False: the general loop for every residual block. Uniform runs are never compiled where ``uniform_safe``
-    says they miscompile (coefficients without tensor descriptors, 64-row tiles on 8 warps).
+    says they miscompile (coefficients without tensor descriptors, 64-row tiles on 8 warps), nor with relative
+    positions (whose tiles are all 64 rows on 8 warps).
     ``relative``: ``(relative_keys [H, Nq + Nk - 1, Dk] in q's dtype, content_bias [H, Dk], position_bias [H, Dk]``
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
     of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
@@ -2412,7 +2413,9 @@ def attention_compressed_fwd(
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
     if q.is_cuda and not constexprs["USE_TMA"] and (residual[0] or residual[1]):
         _warn_pointer_path(q.device)
-    if not uniform_safe(constexprs["USE_TMA"], config):
+    if relative is not None or not uniform_safe(constexprs["USE_TMA"], config):
+        # Relative-position kernels run only on 64-row tiles over 8 warps (spills otherwise), the shape on which
+        # uniform runs miscompile: their residual blocks all take the general loop.
         uniform = False
     fast_k = _uniform_bits(k, head_dim_k, uniform) if residual[0] else 0
     fast_v = _uniform_bits(v, head_dim_v, uniform) if residual[1] else 0
