@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "h200.sh"
-PARTS = ("attention", "traffic", "sweep", "sweep-d128", "models", "models2", "ring")
+PARTS = ("verify", "attention", "traffic", "sweep", "sweep-d128", "models", "models2", "ring")
 
 # Stands in for python3: logs its arguments and writes a one-row CSV to --out, so the script's plumbing runs in
 # a second without torch.
@@ -103,3 +103,15 @@ def test_step_skipped_past_the_deadline(tmp_path):
     assert proc.returncode == 1 and calls == []
     assert "!! SKIPPED ring-1gpu" in proc.stdout and "ring-2gpu skipped" in (out / "status.txt").read_text()
     assert any(n.endswith("/ring/ring.log") for n in _members(out, "ring"))
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_verify_part_runs_the_gpu_tests_then_the_tile_check(tmp_path, smoke):
+    proc, out, _ = _run("verify", tmp_path, smoke=smoke)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    calls = [line for line in (tmp_path / "args.log").read_text().splitlines() if not line.startswith("-c ")]
+    assert calls[0] == "-m pytest -m gpu -v -rA -p no:cacheprovider tests"
+    assert calls[1].startswith("benchmarks/byte_decode_tiles.py ") and "/verify/byte_decode_tiles.csv" in calls[1]
+    assert calls[1].endswith("--cpu-smoke") == smoke
+    status = (out / "status.txt").read_text()
+    assert "gpu-tests 0" in status and "byte-decode-tiles 0" in status

@@ -131,6 +131,7 @@ Each part of `benchmarks/h200.sh` is one command of at most 10 minutes on the GP
 steps: `bash benchmarks/h200.sh list`); the ring part needs two GPUs. From the repository root, with the commit
 recorded in every row:
 
+    KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh verify      # GPU-only tests, byte decode at every tile shape
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh attention   # ceilings, seed shapes x 3 configs, calibration, encoder
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh traffic     # Nsight Compute DRAM / L2 bytes per provider
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh sweep       # (rank, bits) sweep, d = 64
