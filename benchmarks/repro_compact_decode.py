@@ -8,7 +8,12 @@ d = 128 depending on the tile (src/kvbound/kernels/README.md); this script asks 
 does, one tile configuration per process so that a fault cannot poison the next::
 
     python benchmarks/repro_compact_decode.py                 # GPU: every configuration, one line each
+    python benchmarks/repro_compact_decode.py --decode bytes  # the byte tiles in plane order kvbound reads now
     TRITON_INTERPRET=1 python benchmarks/repro_compact_decode.py --cpu   # the same checks in the interpreter
+
+With ``--decode bytes`` the loop reads the codes as kvbound's uniform loop now does (one contiguous byte run per
+plane, queries and output in plane order), which inside kvbound miscompiled on 64-row tiles over 8 warps at
+d >= 128 (``benchmarks/byte_decode_tiles.py``): the same question for that decode.
 
 Exit status 1 when any configuration is wrong or crashes.
 """
@@ -72,6 +77,57 @@ def _kernel(Q, KW, VW, Out, N, D: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl
     tl.store(Out + head * N * D + rows[:, None] * D + cols[None, :], out, mask=(rows < N)[:, None])
 
 
+@triton.jit
+def _plane_columns(D: tl.constexpr, WIDTH: tl.constexpr):
+    """Plane order: column c = i * (D / p) + j holds head dimension j * p + i (p = 8 / WIDTH codes per byte)."""
+    PER_BYTE: tl.constexpr = 8 // WIDTH
+    PLANE: tl.constexpr = D // PER_BYTE
+    c = tl.arange(0, D)
+    return (c % PLANE) * PER_BYTE + c // PLANE, c % PLANE, (c // PLANE) * WIDTH
+
+
+@triton.jit
+def _bytes(KB, base, keys, D: tl.constexpr, WIDTH: tl.constexpr):
+    """A [BLOCK_N, D] code tile in plane order from the rows' bytes: one contiguous run of bytes per plane."""
+    ROW_BYTES: tl.constexpr = D * WIDTH // 8
+    _, byte_column, shift = _plane_columns(D, WIDTH)
+    raw = tl.load(KB + base + keys[:, None] * ROW_BYTES + byte_column[None, :])
+    unsigned = (raw.to(tl.int32) >> shift[None, :]) & ((1 << WIDTH) - 1)
+    magic = (unsigned | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return (magic - (1024.0 + (1 << (WIDTH - 1)))).to(tl.float16)
+
+
+@triton.jit
+def _kernel_bytes(
+    Q, KW, VW, Out, N, D: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """The same attention loop over codes decoded by ``_bytes`` (the layout kvbound's uniform loop reads now):
+    queries and the output in plane order, no reshape anywhere."""
+    ROW_BYTES: tl.constexpr = D * WIDTH // 8
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims, _, _ = _plane_columns(D, WIDTH)
+    q = tl.load(Q + head * N * D + rows[:, None] * D + dims[None, :], mask=(rows < N)[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kb = KW.to(tl.pointer_type(tl.uint8))
+    vb = VW.to(tl.pointer_type(tl.uint8))
+    for start in range(0, N, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        codes_k = _bytes(kb, head * N * ROW_BYTES, keys, D, WIDTH)
+        codes_v = _bytes(vb, head * N * ROW_BYTES, keys, D, WIDTH)
+        s = tl.dot(q, tl.trans(codes_k)) * 0.01
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), codes_v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(Out + head * N * D + rows[:, None] * D + dims[None, :], out, mask=(rows < N)[:, None])
+
+
 def pack(codes: torch.Tensor, width: int) -> torch.Tensor:
     """[..., D] signed codes -> [..., D * width / 32] int32 words, code d in slot d % per_word of word d // per_word."""
     per_word = 32 // width
@@ -81,7 +137,7 @@ def pack(codes: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def check(config, device: str) -> tuple[bool, str]:
+def check(config, device: str, decode: str = "compact") -> tuple[bool, str]:
     d, width, block_m, block_n, warps, stages = config
     heads, n = 2, 512 if device == "cuda" else 64
     g = torch.Generator().manual_seed(d * 10 + width)
@@ -93,7 +149,8 @@ def check(config, device: str) -> tuple[bool, str]:
     out = torch.empty(heads, n, d, dtype=torch.float32)
     args = [t.to(device) for t in (q, pack(k_codes, width), pack(v_codes, width), out)]
     grid = (triton.cdiv(n, block_m), heads)
-    _kernel[grid](*args, n, D=d, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    kernel = _kernel if decode == "compact" else _kernel_bytes
+    kernel[grid](*args, n, D=d, WIDTH=width, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     result = args[3].cpu().double()
     err = (result - reference).abs().max().item()
     # float16 probabilities into the value product: relative 2**-11 of the output's scale
@@ -104,18 +161,25 @@ def check(config, device: str) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="Triton's interpreter (set TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--decode",
+        choices=("compact", "bytes"),
+        default="compact",
+        help="compact: [BLOCK_N, words] tiles expanded by join/reshape; bytes: byte tiles in plane order",
+    )
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configs = CPU_CONFIGS if args.cpu else CONFIGS
     if args.one is not None:
-        ok, message = check(configs[args.one], "cpu" if args.cpu else "cuda")
+        ok, message = check(configs[args.one], "cpu" if args.cpu else "cuda", args.decode)
         print(message)
         return 0 if ok else 1
     failures = 0
     for index, config in enumerate(configs):
         d, width, m, n, warps, stages = config
         label = f"d={d:3d} width={width} tile {m}x{n} warps {warps} stages {stages}"
-        command = [sys.executable, __file__, "--one", str(index)] + (["--cpu"] if args.cpu else [])
+        command = [sys.executable, __file__, "--one", str(index), "--decode", args.decode]
+        command += ["--cpu"] if args.cpu else []
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             lines = (done.stdout.strip() or done.stderr.strip() or "no output").splitlines()

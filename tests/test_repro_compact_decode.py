@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "repro_compact_decode.py"
@@ -20,11 +21,12 @@ def test_pack_places_code_d_in_slot_d_mod_per_word():
     assert [n - 8 for n in nibbles] == codes[0].tolist()
 
 
-def test_every_cpu_configuration_passes_and_a_wrong_layout_fails(monkeypatch):
+@pytest.mark.parametrize("decode", ["compact", "bytes"])
+def test_every_cpu_configuration_passes_and_a_wrong_layout_fails(monkeypatch, decode):
     for config in repro.CPU_CONFIGS:
-        ok, message = repro.check(config, "cpu")
+        ok, message = repro.check(config, "cpu", decode)
         assert ok, (config, message)
     original = repro.pack
     monkeypatch.setattr(repro, "pack", lambda codes, width: original(codes.flip(-1), width))
-    ok, message = repro.check(repro.CPU_CONFIGS[0], "cpu")
+    ok, message = repro.check(repro.CPU_CONFIGS[0], "cpu", decode)
     assert not ok and "max err" in message
