@@ -194,6 +194,20 @@ def _load_codes_tile(
 
 
 @triton.jit
+def _exact_codes(unsigned, WIDTH: tl.constexpr, FP32: tl.constexpr):
+    """Unsigned ``WIDTH``-bit fields ``u`` (int32) as the exact codes ``q = u - 2**(WIDTH - 1)`` in float16 (float32
+    if ``FP32``), with no integer-to-float conversion instruction per code (I2F): ``u`` (< 2**10) is placed in
+    the mantissa of 2**10 (float16) or 2**23 (float32) and the exact float value 2**10 + u (2**23 + u) is shifted
+    by 2**10 + 2**(WIDTH - 1) (2**23 + ...)."""
+    if FP32:
+        magic = (unsigned | 0x4B000000).to(tl.float32, bitcast=True)
+        return magic - (8388608.0 + (1 << (WIDTH - 1)))
+    else:
+        magic = (unsigned | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        return (magic - (1024.0 + (1 << (WIDTH - 1)))).to(tl.float16)
+
+
+@triton.jit
 def _load_codes_uniform(
     codes_ptr,
     word_offset,
@@ -225,18 +239,7 @@ def _load_codes_uniform(
         words = tl.load(ptrs, mask=rows_ok[:, None], other=0)
     else:
         words = tl.load(ptrs, mask=rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
-    unsigned = (words >> column_shift[None, :]) & ((1 << WIDTH) - 1)
-    # No integer-to-float conversion instruction per code (I2F): ``u`` (< 2**10) is placed in
-    # the mantissa of 2**10 (float16) or 2**23 (float32) and the exact float value 2**10 + u (2**23 + u) is
-    # shifted by 2**10 + 2**(WIDTH - 1) (2**23 + ...), so q = u - 2**(WIDTH - 1) exactly.
-    if FP32:
-        magic = (unsigned | 0x4B000000).to(tl.float32, bitcast=True)
-        codes = magic - (8388608.0 + (1 << (WIDTH - 1)))
-    else:
-        magic = (unsigned | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        codes = magic - (1024.0 + (1 << (WIDTH - 1)))
-        codes = codes.to(tl.float16)
-    return codes
+    return _exact_codes((words >> column_shift[None, :]) & ((1 << WIDTH) - 1), WIDTH, FP32)
 
 
 @triton.jit
@@ -263,8 +266,7 @@ def _load_codes_bytes(
     ``rows_ok`` and columns at or beyond ``HEAD_DIM`` read zero bytes (code ``-2**(WIDTH - 1)``, multiplied by a
     zero step or a zero operand column by every caller)."""
     PER_BYTE: tl.constexpr = 8 // WIDTH
-    PLANE: tl.constexpr = HEAD_DIM // PER_BYTE
-    ROW_BYTES: tl.constexpr = HEAD_DIM // PER_BYTE
+    PLANE: tl.constexpr = HEAD_DIM // PER_BYTE  # columns per plane, and bytes per row
     offs_c = tl.arange(0, D_PAD)
     byte_column = offs_c % PLANE
     if (PLANE & (PLANE - 1)) == 0:
@@ -272,20 +274,12 @@ def _load_codes_bytes(
     shift = (offs_c // PLANE) * WIDTH
     base = tl.multiple_of(word_offset * 4, 16)
     byte_ptr = codes_ptr.to(tl.pointer_type(tl.uint8)) + base
-    ptrs = byte_ptr + ((first_row + offs_n) * ROW_BYTES)[:, None] + byte_column[None, :]
+    ptrs = byte_ptr + ((first_row + offs_n) * PLANE)[:, None] + byte_column[None, :]
     if HEAD_DIM == D_PAD:
         raw = tl.load(ptrs, mask=rows_ok[:, None], other=0)
     else:
         raw = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0)
-    unsigned = (raw.to(tl.int32) >> shift[None, :]) & ((1 << WIDTH) - 1)
-    if FP32:
-        magic = (unsigned | 0x4B000000).to(tl.float32, bitcast=True)
-        codes = magic - (8388608.0 + (1 << (WIDTH - 1)))
-    else:
-        magic = (unsigned | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        codes = magic - (1024.0 + (1 << (WIDTH - 1)))
-        codes = codes.to(tl.float16)
-    return codes
+    return _exact_codes((raw.to(tl.int32) >> shift[None, :]) & ((1 << WIDTH) - 1), WIDTH, FP32)
 
 
 @triton.jit
@@ -2230,12 +2224,15 @@ def _warn_pointer_path(device: torch.device) -> None:
     )
 
 
-def uniform_safe(use_tma: bool, config: dict | None) -> bool:
+def uniform_safe(use_tma: bool, config: dict | None, *, relative: bool = False) -> bool:
     """Whether uniform runs may be compiled: on sm_90 with Triton 3.6 every decode of them tried (compact word
     tiles, byte tiles) gave wrong values, NaN or illegal addresses when the coefficient tiles were read by
     pointer loads instead of tensor descriptors, or on 64-row tiles over 8 warps (the autotuner drops those
-    for uniform kernels; an explicit ``config`` of that shape turns uniform runs off). Measured in
-    benchmarks/byte_decode_tiles.py and kernels/README.md."""
+    for uniform kernels; an explicit ``config`` of that shape turns uniform runs off, and so do relative
+    positions, whose tiles all have that shape). Measured in benchmarks/byte_decode_tiles.py and
+    kernels/README.md."""
+    if relative:
+        return False
     if not use_tma and not _KERNELS_INTERPRETED:
         return False
     if config is not None and config.get("BLOCK_M") == 64 and config.get("num_warps") == 8:
@@ -2413,9 +2410,7 @@ def attention_compressed_fwd(
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
     if q.is_cuda and not constexprs["USE_TMA"] and (residual[0] or residual[1]):
         _warn_pointer_path(q.device)
-    if relative is not None or not uniform_safe(constexprs["USE_TMA"], config):
-        # Relative-position kernels run only on 64-row tiles over 8 warps (spills otherwise), the shape on which
-        # uniform runs miscompile: their residual blocks all take the general loop.
+    if not uniform_safe(constexprs["USE_TMA"], config, relative=relative is not None):
         uniform = False
     fast_k = _uniform_bits(k, head_dim_k, uniform) if residual[0] else 0
     fast_v = _uniform_bits(v, head_dim_v, uniform) if residual[1] else 0
