@@ -51,6 +51,18 @@ def _expand(words, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, WIDTH: tl.constex
 
 
 @triton.jit
+def _online_softmax_step(q, codes_k, codes_v, m_i, l_i, acc):
+    """One key tile of softmax(q codes_k^T / 100) codes_v with a running maximum."""
+    s = tl.dot(q, tl.trans(codes_k)) * 0.01
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), codes_v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _kernel(Q, KW, VW, Out, N, D: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     WORDS: tl.constexpr = D * WIDTH // 32
     head = tl.program_id(1).to(tl.int64)
@@ -66,13 +78,7 @@ def _kernel(Q, KW, VW, Out, N, D: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl
         word_ptrs = head * N * WORDS + keys[:, None] * WORDS + offs_w[None, :]
         codes_k = _expand(tl.load(KW + word_ptrs), BLOCK_N, WORDS, WIDTH)
         codes_v = _expand(tl.load(VW + word_ptrs), BLOCK_N, WORDS, WIDTH)
-        s = tl.dot(q, tl.trans(codes_k)) * 0.01
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), codes_v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, codes_k, codes_v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     tl.store(Out + head * N * D + rows[:, None] * D + cols[None, :], out, mask=(rows < N)[:, None])
 
@@ -117,13 +123,7 @@ def _kernel_bytes(
         keys = start + tl.arange(0, BLOCK_N)
         codes_k = _bytes(kb, head * N * ROW_BYTES, keys, D, WIDTH)
         codes_v = _bytes(vb, head * N * ROW_BYTES, keys, D, WIDTH)
-        s = tl.dot(q, tl.trans(codes_k)) * 0.01
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), codes_v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, codes_k, codes_v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     tl.store(Out + head * N * D + rows[:, None] * D + dims[None, :], out, mask=(rows < N)[:, None])
 
