@@ -19,6 +19,8 @@ def compress_kv(
     *,
     impl: str = "eager",
     verify: bool = True,
+    anchor: CompressedKV | None = None,
+    anchor_index: torch.Tensor | None = None,
 ) -> CompressedKV:
     """Compress K or V with a certified element-wise bound.
 
@@ -31,15 +33,29 @@ def compress_kv(
             calibrated basis and rank >= 1; its output is certified by the same float64 check).
         verify: ``impl="triton"`` only: run the float64 certificate on the stored numbers (default). ``False``
             relies on the encoder's conservative in-kernel check alone (see ``encode_triton``) and saves a pass.
+        anchor: the compressed form of a reference (for example the reference sequence's K/V when ``x`` is a
+            variant's): each block of ``x`` follows the anchor's block, keeping its codes wherever they still
+            certify ``x`` within tau, so that paired forwards differ only where the inputs really moved
+            (``kvbound.codec.anchored``). Same config, basis, dtype, heads, N and D as ``x``.
+        anchor_index: int64 ``[B]``: the anchor's batch item for each item of ``x`` (-1: encode that item on its
+            own). Default: item for item when the batches match, item 0 when the anchor has one.
 
     Returns:
         a :class:`CompressedKV` whose ``decompress()`` is within ``config.tau`` of ``x`` element-wise.
     """
     config = CompressionConfig() if config is None else config
     if impl == "eager":
-        return encode(x, config, basis)
-    if impl == "triton":
+        fresh = encode(x, config, basis)
+    elif impl == "triton":
         from kvbound.codec.encode_triton import encode_triton
 
-        return encode_triton(x, config, basis, verify=verify)
-    raise ValueError(f"impl: expected 'eager' or 'triton', got {impl!r}")
+        fresh = encode_triton(x, config, basis, verify=verify)
+    else:
+        raise ValueError(f"impl: expected 'eager' or 'triton', got {impl!r}")
+    if anchor is None:
+        if anchor_index is not None:
+            raise ValueError("anchor_index: given without an anchor")
+        return fresh
+    from kvbound.codec.anchored import encode_anchored
+
+    return encode_anchored(x, fresh, anchor, anchor_index)

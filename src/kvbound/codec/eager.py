@@ -197,38 +197,10 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
         mode[sl], width[sl], scale[sl] = chosen, chosen_width, chosen_step
         q_store.append((sl, chosen_q))
 
-    # Lay the codes and the exact blocks out in block order (b, h, k), only the rows that exist.
-    rows_in_block = valid.sum(-1).to(torch.int64)  # [NB]
-    wpr_of = torch.zeros(9, dtype=torch.int64, device=device)
-    for w in widths:
-        wpr_of[w] = words_per_row(w, d)
-    code_words = rows_in_block * wpr_of[width.long()]
-    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, 0)
-    code_offset = torch.cumsum(code_words.reshape(-1), 0) - code_words.reshape(-1)
-    raw_offset = torch.cumsum(raw_elems.reshape(-1), 0) - raw_elems.reshape(-1)
-    flat_width = width.reshape(-1)
-    offset = torch.where(flat_width > 0, code_offset, -1)
-    offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(bh, nb)
-    codes_buf = torch.zeros(int(code_words.sum().item()), dtype=torch.int32, device=device)
-    raw_buf = torch.zeros(int(raw_elems.sum().item()), dtype=x.dtype, device=device)
-    local_row = torch.arange(block, device=device, dtype=torch.int64)
-    for sl, q in q_store:
-        for w in widths:
-            rows = (width[sl] == w)[..., None] & valid[None]  # [c, NB, Bn]
-            if not bool(rows.any()):
-                continue
-            wpr = words_per_row(w, d)
-            dest = (offset[sl][..., None] + local_row * wpr)[rows]
-            codes_buf[dest[:, None] + torch.arange(wpr, device=device)] = _pack(q[rows], w)
-    raw_rows_all = (mode == MODE_RAW)[..., None] & valid[None]
-    if bool(raw_rows_all.any()):
-        for sl in _chunks(bh, nb * block * d, device):
-            rows = raw_rows_all[sl]
-            if not bool(rows.any()):
-                continue
-            xb = _blocks(xs[sl], n, block)
-            dest = (offset[sl][..., None] + local_row * d)[rows]
-            raw_buf[dest[:, None] + torch.arange(d, device=device)] = xb[rows]
+    def raw_rows(sl: slice) -> torch.Tensor:
+        return _blocks(xs[sl], n, block)
+
+    offset, codes_buf, raw_buf = lay_out(n, d, block, widths, mode, width, q_store, raw_rows, x.dtype)
 
     # Exact blocks carry zero coefficients, so a kernel can treat the stored block as the whole tile.
     coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeff_dtype)
@@ -252,6 +224,49 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
         shared_basis=basis is not None,
         encode_seconds=time.perf_counter() - start,
     )
+
+
+def lay_out(n, d, block, widths, mode, width, q_store, raw_rows, dtype):
+    """Lay the codes and the exact blocks out in block order (b, h, k), only the rows that exist.
+
+    ``mode``/``width``: [BH, NB]; ``q_store``: ``[(slice over BH, int codes [c, NB, Bn, D])]`` covering every
+    block that has codes; ``raw_rows(slice)``: the exact values [c, NB, Bn, D] (``dtype``) of those heads.
+    Returns ``(offset [BH, NB] int64, codes int32 words, raw values)``.
+    """
+    device = mode.device
+    bh, nb = mode.shape
+    valid = _valid_rows(n, block, device)
+    rows_in_block = valid.sum(-1).to(torch.int64)  # [NB]
+    wpr_of = torch.zeros(9, dtype=torch.int64, device=device)
+    for w in widths:
+        wpr_of[w] = words_per_row(w, d)
+    code_words = rows_in_block * wpr_of[width.long()]
+    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, 0)
+    code_offset = torch.cumsum(code_words.reshape(-1), 0) - code_words.reshape(-1)
+    raw_offset = torch.cumsum(raw_elems.reshape(-1), 0) - raw_elems.reshape(-1)
+    flat_width = width.reshape(-1)
+    offset = torch.where(flat_width > 0, code_offset, -1)
+    offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(bh, nb)
+    codes_buf = torch.zeros(int(code_words.sum().item()), dtype=torch.int32, device=device)
+    raw_buf = torch.zeros(int(raw_elems.sum().item()), dtype=dtype, device=device)
+    local_row = torch.arange(block, device=device, dtype=torch.int64)
+    for sl, q in q_store:
+        for w in widths:
+            rows = (width[sl] == w)[..., None] & valid[None]  # [c, NB, Bn]
+            if not bool(rows.any()):
+                continue
+            wpr = words_per_row(w, d)
+            dest = (offset[sl][..., None] + local_row * wpr)[rows]
+            codes_buf[dest[:, None] + torch.arange(wpr, device=device)] = _pack(q[rows], w)
+    raw_rows_all = (mode == MODE_RAW)[..., None] & valid[None]
+    if bool(raw_rows_all.any()):
+        for sl in _chunks(bh, nb * block * d, device):
+            rows = raw_rows_all[sl]
+            if not bool(rows.any()):
+                continue
+            dest = (offset[sl][..., None] + local_row * d)[rows]
+            raw_buf[dest[:, None] + torch.arange(d, device=device)] = raw_rows(sl)[rows]
+    return offset, codes_buf, raw_buf
 
 
 def _decode_chunks(ckv: CompressedKV, with_rounding: bool = False):

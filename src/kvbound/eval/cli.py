@@ -66,13 +66,20 @@ SWEEP_TAU_EXPONENTS = (-7, -6, -5, -4, -3, -2)
 class Setting:
     """One way of feeding K/V to attention."""
 
-    group: str  # exact | floor | default | ablation | sweep_rank_bits | sweep_tau
+    group: str  # exact | floor | default | paired | ablation | sweep_rank_bits | sweep_tau
     name: str
     method: str  # exact | bf16 | codec | lowrank_only
     rank: int = 0
     bits: int = 0
     tau: float = float("nan")
     block_size: int = 128
+    # codec only: each variant's window is encoded against its reference window's blocks (kvbound.codec.anchored)
+    anchored: bool = False
+
+    @property
+    def key(self) -> tuple:
+        """Settings with equal keys compute the same thing (e.g. "r8 b4" and "tau 2^-5" are the default)."""
+        return (self.method, self.rank, self.bits, self.tau, self.block_size, self.anchored)
 
 
 def default_settings(block_size: int = 128) -> list[Setting]:
@@ -90,6 +97,16 @@ def default_settings(block_size: int = 128) -> list[Setting]:
             default.bits,
             default.tau,
             block_size,
+        ),
+        Setting(
+            "paired",
+            f"default r{default.rank} b{default.bits}, anchored",
+            "codec",
+            default.rank,
+            default.bits,
+            default.tau,
+            block_size,
+            anchored=True,
         ),
         Setting(
             "ablation", f"low-rank only r{default.rank}", "lowrank_only", default.rank, 0, float("nan"), block_size
@@ -188,7 +205,9 @@ def _hook_for(setting: Setting, bases: dict, impl: str):
     if setting.method == "lowrank_only":
         return kv_hooks.LowRankOnlyHook(setting.rank, setting.block_size, bases.get(setting.rank))
     config = CompressionConfig(block_size=setting.block_size, rank=setting.rank, bits=setting.bits, tau=setting.tau)
-    return kv_hooks.CompressedKVHook(config, bases.get(setting.rank), strict=False, impl=impl)
+    return kv_hooks.CompressedKVHook(
+        config, bases.get(setting.rank), strict=False, impl=impl, anchored=setting.anchored
+    )
 
 
 @contextmanager
@@ -206,8 +225,10 @@ def _float32_exact(enabled: bool) -> Iterator[None]:
 
 
 @torch.no_grad()
-def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device, autocast) -> dict:
-    """Predictions on the windows and predicted variant effects under whatever hook is installed."""
+def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device, autocast, hook=None) -> dict:
+    """Predictions on the windows and predicted variant effects under whatever hook is installed (``hook``: that
+    hook, when it encodes variants against their references and needs to know which rows those are)."""
+    anchored = hook is not None and getattr(hook, "anchored", False)
     config = model.config
     size = benchmark.config.bin_size
     predictions = []
@@ -256,7 +277,13 @@ def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device
                     )
                 inputs[row, :, column] = 0.0
                 inputs[row, variant.alt_code, column] = 1.0
-            values = centre_expression(inputs).cpu().numpy()
+            if anchored:  # each variant row follows its TSS's reference row; the references stand alone
+                hook.anchor_index = [-1] * len(chunk_tss) + [chunk_tss.index(v.tss) for v in chunk]
+            try:
+                values = centre_expression(inputs).cpu().numpy()
+            finally:
+                if anchored:
+                    hook.anchor_index = None
             reference = dict(zip(chunk_tss, values[: len(chunk_tss)], strict=True))
             effects.append(values[len(chunk_tss) :] - np.array([reference[v.tss] for v in chunk]))
     return {
@@ -345,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--settings",
         default="all",
-        help="all, or a comma list of groups (exact,floor,default,ablation,sweep_rank_bits,sweep_tau)",
+        help="all, or a comma list of groups (exact,floor,default,paired,ablation,sweep_rank_bits,sweep_tau)",
     )
     parser.add_argument(
         "--basis",
@@ -460,7 +487,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
     """Run one setting on one model; the quality row and its per-stratum rows."""
     loaded, model = context.loaded, context.loaded.model
     variants, strata = context.variants, context.strata
-    key = (setting.method, setting.rank, setting.bits, setting.tau, setting.block_size)
+    key = setting.key
     if key in context.done:  # e.g. "r8 b4" and "tau 2^-5" are the default config again
         metrics, stats, seconds = context.done[key]
     else:
@@ -471,7 +498,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
             run = _run(model, benchmark, context.starts, variants, args, device, autocast)
         else:
             with kv_hooks.install(model, hook):
-                run = _run(model, benchmark, context.starts, variants, args, device, autocast)
+                run = _run(model, benchmark, context.starts, variants, args, device, autocast, hook)
         seconds = time.perf_counter() - tic
         metrics = _metrics(run, context.targets, context.tss_index, variants, strata)
         stats = hook.stats if hook is not None else None
@@ -492,6 +519,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
         "bits": setting.bits,
         "tau": setting.tau,
         "block_size": setting.block_size,
+        "anchored": setting.anchored,
         "basis": args.basis if setting.rank > 0 else "",
         "ratio": stats.ratio() if stats else 1.0,
         "ratio_k": stats.ratio("k") if stats else 1.0,
@@ -736,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         write_variants(contexts[0].variants, args.out / "variants.csv")
     # Work in order of importance, so that a time budget cuts the sweeps, not the headline numbers.
     stages: list[tuple[str, list]] = [("exact", [s for s in settings if s.method == "exact"])]
-    for group in ("default", "floor", "ablation", "layers", "sweep_rank_bits", "sweep_tau", "scaling"):
+    for group in ("default", "paired", "floor", "ablation", "layers", "sweep_rank_bits", "sweep_tau", "scaling"):
         stages.append((group, [s for s in settings if s.group == group]))
     rows_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
     stratum_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
@@ -766,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                 if setting.method in ("codec", "lowrank_only") and setting.rank >= min(head_dims):
                     console.print(f"{name}: skipping {setting.name} (rank >= head dim {min(head_dims)})")
                     continue
-                key = (setting.method, setting.rank, setting.bits, setting.tau, setting.block_size)
+                key = setting.key
                 if setting.method != "exact" and key not in context.done:
                     cost = context.codec_seconds if not math.isnan(context.codec_seconds) else 3 * context.exact_seconds
                     if budget_left() < 1.2 * cost:

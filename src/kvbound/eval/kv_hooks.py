@@ -108,6 +108,11 @@ def _dense_bytes(x: torch.Tensor) -> int:
 class CompressedKVHook:
     """Replace K and V by ``compress_kv(x.to(bf16), config, basis).decompress()``.
 
+    ``anchored``: while ``anchor_index`` is set (one entry per batch item: the item of the same batch whose
+    encoding it follows, -1 for a reference), each item is encoded against its reference item's blocks
+    (``kvbound.codec.anchored``), so that a variant and its reference decode identically wherever their K/V
+    did not move beyond the bound's slack. Same format, same certified bound.
+
     ``bases``: ``{(layer_index, "k" | "v"): kvbound.Basis}`` from :func:`calibrate_bases` (shared per-head
     projections); missing entries use the codec's per-block SVD. ``strict``: raise if an element misses the
     bound (otherwise count it in ``stats.bound_violations``). ``impl``: the encoder, passed to ``compress_kv``;
@@ -115,11 +120,17 @@ class CompressedKVHook:
     (same format, same certificate) takes over and ``stats.encoder_fallback`` records why.
     """
 
-    def __init__(self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager"):
+    def __init__(
+        self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager", anchored: bool = False
+    ):
         self.config = config
         self.bases = bases or {}
         self.strict = strict
         self.impl = impl
+        # anchored: batches of paired forwards encode each item against its reference item's blocks
+        # (``kvbound.codec.anchored``); ``anchor_index`` ([B], -1 for a reference) says which, per batch
+        self.anchored = anchored
+        self.anchor_index: list[int] | None = None
         self.stats = KVStats()
         # the decoded values of the last call (float32, before the cast to the model's dtype): the values
         # the bound is certified on
@@ -146,6 +157,11 @@ class CompressedKVHook:
             self.stats.encoder_fallback = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             print(f"CompressedKVHook: the Triton encoder failed ({self.stats.encoder_fallback}); using the eager one")
             compressed = kvbound.compress_kv(stored, self.config, basis=basis, impl="eager")
+        if self.anchored and self.anchor_index is not None:
+            from kvbound.codec.anchored import encode_anchored
+
+            index = torch.tensor(self.anchor_index, dtype=torch.int64, device=stored.device)
+            compressed = encode_anchored(stored, compressed, compressed, index)
         restored = compressed.decompress().to(x.device)
         self.last_decoded[name] = restored
         error = float((restored.double() - stored.double()).abs().max().item())

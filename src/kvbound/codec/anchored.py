@@ -1,0 +1,227 @@
+"""Anchored encoding: compress a tensor against the compressed form of a reference, for paired forwards.
+
+A variant's effect is the difference of two forwards, reference and alternative, whose K/V differ a little almost
+everywhere once attention has mixed the variant in. Encoded independently, each element of the two sides lands on
+its own quantisation grid point, and an input change far below the step flips a code by a whole step now and
+then: the difference of the two decoded tensors carries noise of the order of the step even where the inputs
+barely moved.
+
+``encode_anchored`` removes that noise without giving up the bound. Each block of ``x`` first tries the anchor's
+block (the reference's) as it is stored: its mode, code width, step, coefficients and, per element, its code. An
+element keeps the anchor's code wherever that still certifies ``x`` within ``tau`` (the same float64 certificate
+as the eager encoder, ``kvbound.codec.eager``), and only the elements that moved out of it are re-quantised on
+the anchor's grid. A block whose re-quantised codes still fail the certificate, or whose anchor stores no codes and
+no longer certifies, takes the independent encoding of ``x`` instead; exact (raw) anchor blocks keep the anchor's
+value per element wherever it is within the bound, and ``x``'s own value elsewhere. So:
+
+* every returned element is within ``tau`` of ``x``, certified as for any other encoding;
+* the format is unchanged (any decoder and the fused kernels read it);
+* where ``x`` moved by less than the anchor's slack (``tau`` minus the anchor's own error), both sides decode to
+  the same value, and the difference of the two forwards comes from the elements that really moved.
+
+The price is a bias toward the reference: a change smaller than the slack is not represented at all. It is
+bounded by ``tau`` per element like every other error of the codec.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvbound._validate import check_tensor
+from kvbound.codec.eager import (
+    _blocks,
+    _certified,
+    _chunks,
+    _ulp32,
+    _unpack,
+    _valid_rows,
+    lay_out,
+    promotion_widths,
+)
+from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
+
+__all__ = ["encode_anchored"]
+
+
+def _parts(ckv: CompressedKV, rows: torch.Tensor) -> dict:
+    """Per-block pieces of heads ``rows`` (indices into B*H) of ``ckv``, in float64 where they are numbers."""
+    batch, heads, n, d = ckv.shape
+    block, r = ckv.config.block_size, ckv.rank
+    nb = ckv.num_blocks
+    device = ckv.device
+    valid = _valid_rows(n, block, device)
+    bh = batch * heads
+    coeff_rows = _blocks(ckv.coeffs.reshape(bh, n, r)[rows], n, block)  # [c, NB, Bn, r]
+    if ckv.shared_basis:
+        projection = ckv.basis[rows % heads][:, None]  # [c, 1, r, D]
+    else:
+        projection = ckv.basis.reshape(bh, nb, r, d)[rows]  # [c, NB, r, D]
+    cd, pd = coeff_rows.to(torch.float64), projection.to(torch.float64)
+    mode = ckv.mode.reshape(bh, nb)[rows]
+    width = ckv.bits.reshape(bh, nb)[rows]
+    offset = ckv.offset.reshape(bh, nb)[rows]
+    local_row = torch.arange(block, device=device, dtype=torch.int64)
+    q = torch.zeros(len(rows), nb, block, d, dtype=torch.int64, device=device)
+    for bits in promotion_widths(ckv.config.bits):
+        take = (width == bits)[..., None] & valid[None]
+        if not bool(take.any()):
+            continue
+        wpr = words_per_row(bits, d)
+        src = (offset[..., None] + local_row * wpr)[take]
+        q[take] = _unpack(ckv.codes[src[:, None] + torch.arange(wpr, device=device)], bits, d)
+    raw = torch.zeros(len(rows), nb, block, d, dtype=ckv.raw.dtype, device=device)
+    take = (mode == MODE_RAW)[..., None] & valid[None]
+    if bool(take.any()):
+        src = (offset[..., None] + local_row * d)[take]
+        raw[take] = ckv.raw[src[:, None] + torch.arange(d, device=device)]
+    return {
+        "coeff_rows": coeff_rows,
+        "projection": projection,
+        "low": cd @ pd,
+        "low_abs": cd.abs() @ pd.abs(),
+        "mode": mode,
+        "width": width,
+        "scale": ckv.scale.reshape(bh, nb)[rows],
+        "q": q,
+        "raw": raw,
+    }
+
+
+def _check_pair(x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV) -> None:
+    batch, heads, n, d = x.shape
+    for name, ckv in (("fresh", fresh), ("anchor", anchor)):
+        if not isinstance(ckv, CompressedKV):
+            raise TypeError(f"{name}: expected kvbound.CompressedKV, got {type(ckv).__name__}")
+        if ckv.shape[1:] != (heads, n, d):
+            raise ValueError(f"{name}: expected [*, {heads}, {n}, {d}] (from x), got {list(ckv.shape)}")
+        if ckv.config != fresh.config:
+            raise ValueError(f"{name}: expected the config {fresh.config}, got {ckv.config}")
+        if ckv.dtype != x.dtype:
+            raise ValueError(f"{name}: expected dtype {x.dtype} (from x), got {ckv.dtype}")
+        if ckv.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device} (from x), got {ckv.device}")
+    if fresh.shape[0] != batch:
+        raise ValueError(f"fresh: expected batch {batch} (from x), got {fresh.shape[0]}")
+    if fresh.shared_basis != anchor.shared_basis or (fresh.shared_basis and not torch.equal(fresh.basis, anchor.basis)):
+        raise ValueError("anchor: expected the same calibrated basis as the fresh encoding (or both per-block)")
+
+
+def encode_anchored(
+    x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV, anchor_index: torch.Tensor | None = None
+) -> CompressedKV:
+    """Encode ``x`` [B, H, N, D] on the blocks of ``anchor`` wherever they still certify it (module docstring).
+
+    Args:
+        x: the tensor to encode (finite; the dtype ``fresh`` and ``anchor`` were encoded from).
+        fresh: ``x``'s own encoding (any encoder); blocks that cannot follow the anchor are taken from it.
+        anchor: the reference's encoding, same heads, N, D, config, dtype and basis.
+        anchor_index: int64 [B]: the anchor's batch item for each item of ``x``, or -1 for "no anchor: keep
+            ``fresh``". Default: item ``b`` for every ``b`` when the anchor has ``B`` items, item 0 when it has one.
+
+    Returns:
+        a :class:`CompressedKV` of ``x`` in the usual format, within ``tau`` of ``x`` element by element.
+    """
+    start = time.perf_counter()
+    check_tensor(x, "x", ndim=4)
+    _check_pair(x, fresh, anchor)
+    batch, heads, n, d = x.shape
+    if anchor_index is None:
+        if anchor.shape[0] == batch:
+            anchor_index = torch.arange(batch)
+        elif anchor.shape[0] == 1:
+            anchor_index = torch.zeros(batch, dtype=torch.int64)
+        else:
+            raise ValueError(
+                f"anchor_index: needed when the anchor's batch ({anchor.shape[0]}) is neither 1 nor x's ({batch})"
+            )
+    anchor_index = torch.as_tensor(anchor_index, dtype=torch.int64, device=x.device)
+    if anchor_index.shape != (batch,):
+        raise ValueError(f"anchor_index: expected shape [{batch}], got {list(anchor_index.shape)}")
+    if bool(((anchor_index < -1) | (anchor_index >= anchor.shape[0])).any()):
+        raise ValueError(f"anchor_index: expected values in [-1, {anchor.shape[0] - 1}], got {anchor_index.tolist()}")
+
+    config = fresh.config
+    block, r, tau = config.block_size, config.rank, config.tau
+    nb, bh = fresh.num_blocks, batch * heads
+    device = x.device
+    gamma = (r + 2) * 2.0**-52
+    valid = _valid_rows(n, block, device)
+    row_ok = valid[None, :, :, None]
+    xs = x.detach().reshape(bh, n, d)
+    head = torch.arange(bh, device=device) % heads
+    anchor_row = anchor_index.repeat_interleave(heads) * heads + head  # [BH] (negative: no anchor)
+    has_anchor = anchor_index.repeat_interleave(heads) >= 0
+
+    mode = fresh.mode.reshape(bh, nb).clone()
+    width = fresh.bits.reshape(bh, nb).clone()
+    scale = fresh.scale.reshape(bh, nb).clone()
+    coeff_dtype = torch.float32 if torch.float32 in (fresh.coeffs.dtype, anchor.coeffs.dtype) else torch.float16
+    coeffs = _blocks(fresh.coeffs.reshape(bh, n, r).to(coeff_dtype), n, block)  # [BH, NB, Bn, r]
+    basis = fresh.basis if fresh.shared_basis else fresh.basis.reshape(bh, nb, r, d).clone()
+    q_store, raw_store = [], []
+    for sl in _chunks(bh, nb * block * d, device):
+        rows = torch.arange(bh, device=device)[sl]
+        own = _parts(fresh, rows)
+        q, raw = own["q"], own["raw"]
+        use = has_anchor[sl]
+        if bool(use.any()):
+            ref = _parts(anchor, anchor_row[sl].clamp_min(0))
+            xb = _blocks(xs[sl].to(torch.float64), n, block)
+            low, low_abs = ref["low"], ref["low_abs"]
+            step = ref["scale"].to(torch.float64)[..., None, None]
+            kind = ref["mode"]
+            # codes: keep the anchor's where they certify x, re-quantise the rest on the anchor's grid
+            qmax = ((1 << ref["width"].clamp_min(1).to(torch.int64)) >> 1) - 1
+            qmax = qmax[..., None, None]
+            y_kept = (low + ref["q"] * step).to(torch.float32)
+            error = (xb - y_kept.to(torch.float64)).abs() + _ulp32(y_kept)
+            keep = error + gamma * (low_abs + ref["q"].abs() * step) <= tau
+            safe_step = torch.where(step > 0, step, torch.ones_like(step))
+            moved = torch.round((xb - low) / safe_step).clamp(-qmax - 1, qmax).to(torch.int64)
+            q_new = torch.where(keep, ref["q"], moved)
+            y_new = (low + q_new * step).to(torch.float32)
+            coded = (kind == MODE_PACKED) | (kind == MODE_PROMOTED)
+            ok_coded = _certified(xb, y_new, gamma * (low_abs + q_new.abs() * step), tau, row_ok) & coded
+            ok_low = _certified(xb, low.to(torch.float32), gamma * low_abs, tau, row_ok) & (kind == MODE_LOWRANK)
+            # exact blocks: the anchor's value per element where it is within the bound, x's own elsewhere
+            ref_raw = ref["raw"]
+            own_raw = _blocks(xs[sl], n, block)
+            raw_keep = (xb - ref_raw.to(torch.float64)).abs() + _ulp32(ref_raw.to(torch.float32)) <= tau
+            is_raw = kind == MODE_RAW
+            take = (ok_coded | ok_low | is_raw) & use[:, None]  # [c, NB]
+            t4 = take[..., None, None]
+            q = torch.where(t4 & coded[..., None, None], q_new, torch.where(t4, 0, q))
+            raw = torch.where(t4 & is_raw[..., None, None], torch.where(raw_keep, ref_raw, own_raw), raw)
+            mode[sl] = torch.where(take, kind, mode[sl])
+            width[sl] = torch.where(take, ref["width"], width[sl])
+            scale[sl] = torch.where(take, ref["scale"], scale[sl])
+            coeffs[sl] = torch.where(t4, ref["coeff_rows"].to(coeff_dtype), coeffs[sl])
+            if not fresh.shared_basis:
+                basis[sl] = torch.where(t4, ref["projection"], basis[sl])
+        q_store.append((sl, q))
+        raw_store.append(raw)
+
+    raw_all = torch.cat(raw_store) if raw_store else torch.zeros(0, nb, block, d, dtype=x.dtype, device=device)
+    offset, codes_buf, raw_buf = lay_out(
+        n, d, block, promotion_widths(config.bits), mode, width, q_store, lambda sl: raw_all[sl], x.dtype
+    )
+    coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeff_dtype)
+    coeffs = coeffs.reshape(bh, nb * block, r)[:, :n].reshape(batch, heads, n, r).contiguous()
+    basis_out = basis.contiguous() if fresh.shared_basis else basis.reshape(batch, heads, nb, r, d).contiguous()
+    return CompressedKV(
+        shape=(batch, heads, n, d),
+        dtype=x.dtype,
+        config=config,
+        coeffs=coeffs,
+        basis=basis_out,
+        mode=mode.reshape(batch, heads, nb).contiguous(),
+        scale=scale.reshape(batch, heads, nb).contiguous(),
+        bits=width.reshape(batch, heads, nb).contiguous(),
+        offset=offset.reshape(batch, heads, nb).contiguous(),
+        codes=codes_buf,
+        raw=raw_buf,
+        shared_basis=fresh.shared_basis,
+        encode_seconds=fresh.encode_seconds + time.perf_counter() - start,
+    )
