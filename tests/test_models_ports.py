@@ -580,3 +580,38 @@ def test_undo_refuses_to_clobber_a_later_patch(enformer):
         handle.undo()
     assert "forward" not in vars(handle.modules[1].module)
     del module.forward
+
+
+@pytest.mark.parametrize("backend, dtype", [("eager", torch.bfloat16), ("kvbound", torch.float16)])
+def test_alphagenome_patched_under_autocast_multiplies_what_the_port_multiplies(alphagenome, backend, dtype):
+    # Under autocast the port's torch.matmul calls multiply half-precision copies of q, k, v and the weights;
+    # the patched forward hands the kernel the same operands (not float32 ones, which would be slower and
+    # different). The CPU interpreter's dot is unreliable on bfloat16, so the fused backend runs float16 here.
+    import kvbound.models._ports as ports
+
+    tower, _, _ = alphagenome
+    module = tower.blocks[3]["mha"]
+    x = _alphagenome_input(48, seed=9)
+    tiles = torch.randn(1, 8, 3, 3, generator=torch.Generator().manual_seed(8))
+    seen = []
+    original = ports.tile_bias_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return original(q, k, v, *args, **kwargs)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        port = module(x, TileBias(tiles, 16, 48, 48).expand())
+        with patch(tower, compress=False, backend=backend, query_chunk=16):
+            ports.tile_bias_attention = spy
+            try:
+                got = module(x, TileBias(tiles, 16, 48, 48))
+            finally:
+                ports.tile_bias_attention = original
+    with torch.no_grad():
+        exact = module(x, TileBias(tiles, 16, 48, 48).expand())  # float32 throughout
+    assert seen == [(dtype, dtype, dtype)]
+    err, port_err = (got.float() - exact).abs().max().item(), (port.float() - exact).abs().max().item()
+    print(f"alphagenome MHABlock under {dtype} autocast, {backend}: patched vs float32 {err:.2e}, port {port_err:.2e}")
+    assert port_err > 0  # autocast really changed the port's numbers
+    assert err <= 2 * port_err + 1e-6

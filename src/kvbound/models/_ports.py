@@ -128,6 +128,15 @@ def _relative_head_dims(module) -> tuple[int, int]:
     return module.to_k.out_features // module.heads, module.to_v.out_features // module.heads
 
 
+def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``torch.matmul`` multiplies ``t`` in at this point: the autocast dtype where autocast is on for
+    ``t``'s device (the port's products then run on those operands, with float32 accumulation), else its own."""
+    kind = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
+
+
 def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_dtype=None):
     b, s, _ = x.shape
     compute_dtype = x.dtype if compute_dtype is None else compute_dtype
@@ -142,6 +151,10 @@ def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_
     q = port.apply_rope(q, inplace=True).permute(0, 2, 1, 3)
     k = port.apply_rope(k, inplace=True).permute(0, 2, 1, 3)
     v = v.permute(0, 2, 1, 3)
+    # The port's two products are torch.matmul calls: under autocast they multiply bfloat16 (or float16) copies
+    # of q, k, v and the weights, accumulating in float32; the fused kernel takes the same operands.
+    operand = _matmul_dtype(q)
+    q, k, v = q.to(operand), k.to(operand), v.to(operand)
     k, v = handle._prepare_kv(record, k, v)
     y = tile_bias_attention(
         q,
