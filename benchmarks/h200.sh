@@ -49,12 +49,15 @@
 #                         ring-compressed vs ring-dense vs all-gather of dense K/V, bytes on the wire per rank.
 #                         Needs the 2-GPU machine (nvidia-h200-x2); on one GPU the 2-GPU rows are `unsupported`.
 #
-# models and models2 install the ports' wheels from .whl/ (benchmarks/wheels.sh; carry `.whl`).
+#   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
+#                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
+#
+# models, models2 and alphagenome install the ports' wheels from .whl/ (benchmarks/wheels.sh; carry `.whl`).
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 models models2 ring"
+PARTS="verify attention traffic sweep sweep-d128 models models2 alphagenome ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -285,6 +288,11 @@ models2)
             --suite models --only 'borzoi*' --batches 4
         step ports-borzoi-b4 110 "$RES/models_borzoi_b4.csv" "${CMD[@]}"
     fi
+    ;;
+alphagenome)
+    install_wheels
+    bench "$RES/models_alphagenome_b1.csv" --suite models --only 'alphagenome*' --batches 1
+    step ports-alphagenome-b1 540 "$RES/models_alphagenome_b1.csv" "${CMD[@]}"
     ;;
 ring)
     gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

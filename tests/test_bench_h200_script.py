@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "h200.sh"
-PARTS = ("verify", "attention", "traffic", "sweep", "sweep-d128", "models", "models2", "ring")
+PARTS = ("verify", "attention", "traffic", "sweep", "sweep-d128", "models", "models2", "alphagenome", "ring")
 
 # Stands in for python3: logs its arguments and writes a one-row CSV to --out, so the script's plumbing runs in
 # a second without torch.
@@ -88,6 +88,10 @@ def test_ring_and_models_keep_their_selection(tmp_path, smoke):
     assert len(calls) == (2 if smoke else 3)
     assert all("--only alphagenome*" in c or "--only enformer*" in c or "--only borzoi*" in c for c in calls)
     assert ("--batches" in " ".join(calls)) is not smoke
+    (tmp_path / "alphagenome").mkdir()
+    _, _, calls = _run("alphagenome", tmp_path / "alphagenome", smoke=smoke)
+    assert len(calls) == 1 and "--only alphagenome*" in calls[0]
+    assert ("--batches 1" in calls[0]) is not smoke
 
 
 def test_failing_step_is_loud_and_results_are_still_packed(tmp_path):
