@@ -97,6 +97,13 @@ def test_ratio_uses_cudnn_of_the_same_run():
     other = _row(65536, 64, "kvbound-compressed", 5.0, "r16b4", env={**RUN_B, "date": "2026-12-03T00:00:00Z"})
     ratio, ref, same = tables.cudnn_ratios([*rows, other])[id(other)]
     assert not same and ref["commit"] == "bbbbbbb" and abs(ratio - 2.0) < 1e-9
+    # The tables keep the latest row per provider and shape, but still compare each with its own run's cuDNN.
+    headers, table = tables.targets_table(rows)
+    line = next(t for t in table if t[0] == "seed-n65536-d64" and t[2] == "r8b4")
+    assert line[headers.index("vs cuDNN")] == "1.35x" and "other run" not in line[headers.index("cuDNN p50 ms")]
+    assert "r8b4]: " not in tables.targets_summary(rows).split("d64 kvbound-compressed[r8b4")[0]
+    rendered = report._speed_tables(rows)
+    assert "1.35x" in rendered
 
 
 def test_traffic_table_and_seed_claims():

@@ -254,9 +254,9 @@ def _fmt(x, spec: str) -> str:
 
 def _speed_tables(rows: list[dict]) -> str:
     timed = [r for r in rows if r["mode"] == "time"]
+    ratios = tables.cudnn_ratios(timed)  # every run's rows: each row is compared with the cuDNN of its own run
     latest = tables.index_rows(timed, "time")
     timed = list(latest.values())
-    ratios = tables.cudnn_ratios(timed)
     out = []
     shapes = list(dict.fromkeys(r["shape"] for r in timed))
     headers = ["provider", "config", "status", "p50 ms", "p20-p80 ms", "TFLOP/s", "vs cuDNN", "rel err",

@@ -80,7 +80,8 @@ def cudnn_ratios(rows: list[dict]) -> dict[int, tuple[float, dict, bool]]:
     """``id(row) -> (cuDNN p50 / row p50, the cuDNN row, same run)`` for timed rows with an ok cuDNN row.
 
     The cuDNN row of the same run (same commit, date and device: measured in the same process, side by side) is
-    preferred; failing that, the latest cuDNN row of the shape, and ``same run`` is False."""
+    preferred; failing that, the latest cuDNN row of the shape, and ``same run`` is False. Pass every timed row,
+    not only the latest per provider: a newer run's cuDNN row must not hide the one measured beside an older row."""
     cudnn_rows = [r for r in rows if r["mode"] == "time" and r["provider"] == "sdpa-cudnn" and r["status"] == "ok"
                   and r.get("ms_p50")]
     same: dict[tuple, dict] = {}
@@ -144,7 +145,7 @@ def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["shape", "provider", "config", "status", "p50 ms", "cuDNN p50 ms", "vs cuDNN", "vs cuDNN (p80..p20)",
                "rel err", "err vs dense ref", "zero tiles", "target", "verdict"]
     timed = list(index_rows(rows, "time").values())
-    ratios = cudnn_ratios(timed)
+    ratios = cudnn_ratios([r for r in rows if r["mode"] == "time"])
     table = []
     order = {key: i for i, key in enumerate(TARGET_PROVIDERS)}
     mine = [r for r in timed if r.get("family") == "seed" and (r["provider"], r.get("config") or "") in order]
@@ -170,7 +171,7 @@ def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 def targets_summary(rows: list[dict]) -> str:
     """One sentence: how many targets were met, and which were missed or not measured."""
     timed = list(index_rows(rows, "time").values())
-    ratios = cudnn_ratios(timed)
+    ratios = cudnn_ratios([r for r in rows if r["mode"] == "time"])
     met, missed = [], []
     for r in timed:
         target = target_for(r)
@@ -275,7 +276,7 @@ def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[
                "p50 ms", "vs kvbound-dense", "vs cuDNN", "DRAM (ncu)", "traffic ratio (formula)",
                "seed claim"]
     table = []
-    same_run = cudnn_ratios(list(timed.values()))
+    same_run = cudnn_ratios([r for r in rows if r["mode"] == "time"])
     for shape in _shapes(rows, family):
         name = shape["shape"]
         dense = _ok(timed.get(("kvbound-dense", "", name)))
