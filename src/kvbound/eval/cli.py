@@ -1,7 +1,7 @@
 """``kvbound eval``: biological quality with exact and compressed K/V.
 
     kvbound eval [--fixture DIR | --cache DIR] [--weights-dir eval/weights] [--out eval/results]
-                 [--models enformer,alphagenome] [--windows 32] [--max-variants 300] [--device cuda]
+                 [--models enformer,alphagenome] [--windows 32] [--max-variants 2000] [--device cuda]
                  [--time-budget-s S] [--scaling 1,2,4] [--layer-windows 4]
 
 For each model (trained weights from ``--weights-dir`` when they exist and match the data; otherwise
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=REPOSITORY / "eval" / "results")
     parser.add_argument("--models", default="enformer,alphagenome")
     parser.add_argument("--windows", type=int, default=32, help="held-out windows for Pearson")
-    parser.add_argument("--max-variants", type=int, default=300)
+    parser.add_argument("--max-variants", type=int, default=2000)
     parser.add_argument(
         "--variant-dtype",
         choices=("float32", "bfloat16"),
