@@ -117,18 +117,60 @@ def test_every_anchor_mode_is_followed_or_replaced_within_the_bound():
     log2_tau=st.floats(-14, 2),
     log2_move=st.floats(-20, 4),
     use_basis=st.booleans(),
+    with_source=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_bound_holds_for_any_move(dtype, n, d, rank, bits, block, log2_tau, log2_move, use_basis, seed):
+def test_bound_holds_for_any_move(dtype, n, d, rank, bits, block, log2_tau, log2_move, use_basis, with_source, seed):
     gen = torch.Generator().manual_seed(seed)
     ref = (torch.randn(1, 2, n, d, generator=gen) * 2).to(dtype)
     alts = (ref.float() + 2.0**log2_move * torch.randn(2, 2, n, d, generator=gen)).to(dtype)
     config = kvbound.CompressionConfig(block_size=block, rank=rank, bits=bits, tau=2.0**log2_tau)
     basis = kvbound.calibrate([ref], config) if use_basis and rank > 0 else None
     anchor = kvbound.compress_kv(ref, config, basis)
-    out = kvbound.compress_kv(alts, config, basis, anchor=anchor)
+    out = kvbound.compress_kv(alts, config, basis, anchor=anchor, anchor_source=ref if with_source else None)
     assert_within_bound(alts, out)
     assert not bool(uncertified_blocks(out, alts).any())
+
+
+def test_with_the_source_errors_follow_the_anchors_within_half_a_step():
+    ref, alts = _pair((2, 2, 256, 32), torch.float32, 5, move=0.02, jump_rows=(40,), jump=0.3)
+    config = kvbound.CompressionConfig(block_size=64, rank=4, bits=4, tau=2.0**-5)
+    basis = kvbound.calibrate([ref], config)
+    anchor = kvbound.compress_kv(ref, config, basis)
+    kept = kvbound.compress_kv(alts, config, basis, anchor=anchor)
+    followed = kvbound.compress_kv(alts, config, basis, anchor=anchor, anchor_source=ref)
+    assert_within_bound(alts, followed)
+    e_ref = anchor.decompress().double() - ref.double()
+    same_grid = (followed.mode == anchor.mode) & (followed.scale == anchor.scale.expand_as(followed.scale))
+    step = anchor.scale.double().expand_as(followed.scale)
+    gap_followed = (followed.decompress().double() - alts.double()) - e_ref
+    gap_kept = (kept.decompress().double() - alts.double()) - e_ref
+    rows = same_grid.repeat_interleave(64, dim=-1)[..., :256, None].expand_as(gap_followed)
+    half = (step / 2).repeat_interleave(64, dim=-1)[..., :256, None].expand_as(gap_followed)
+    assert float(rows.double().mean()) > 0.5
+    # following the rounded change: the two errors differ by at most half a step, except where no code that
+    # close certifies x (blocks whose step is near 2 tau leave one or two candidates)
+    assert float((gap_followed.abs()[rows] <= half[rows] * (1 + 1e-6) + 1e-7).double().mean()) > 0.9
+    # and on average by less than keeping the anchor's code does, since the moves here reach past half a step
+    assert float(gap_followed.abs()[rows].mean()) < 0.9 * float(gap_kept.abs()[rows].mean())
+    # an item that did not move decodes exactly as its anchor
+    same = kvbound.compress_kv(ref, config, basis, anchor=anchor, anchor_source=ref)
+    assert torch.equal(same.decompress(), anchor.decompress())
+
+
+def test_with_the_source_exact_anchor_blocks_store_x():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1, 64, 16, generator=gen)
+    x[0, 0, 3, 3] = 400.0  # beyond the codes: the block is stored exactly
+    config = kvbound.CompressionConfig(block_size=32, rank=2, bits=4, tau=0.05)
+    basis = kvbound.calibrate(torch.randn(1, 1, 64, 16, generator=gen), config)
+    anchor = kvbound.compress_kv(x, config, basis)
+    assert anchor.mode.reshape(-1).tolist()[0] == MODE_RAW
+    alt = x + 1e-3 * torch.randn(x.shape, generator=gen)
+    out = kvbound.compress_kv(alt, config, basis, anchor=anchor, anchor_source=x)
+    assert torch.equal(out.decompress()[0, 0, :32], alt[0, 0, :32])
+    with pytest.raises(ValueError, match=r"source: expected the anchor's shape \[1, 1, 64, 16\]"):
+        kvbound.compress_kv(alt, config, basis, anchor=anchor, anchor_source=x[..., :32, :])
 
 
 def test_fused_kernel_reads_an_anchored_encoding():
@@ -183,7 +225,7 @@ class TestBadInput:
             encode_anchored(self.x, self.fresh, anchor, torch.tensor([0, 3]))
         with pytest.raises(ValueError, match=r"anchor_index: expected shape \[2\]"):
             encode_anchored(self.x, self.fresh, anchor, torch.tensor([0]))
-        with pytest.raises(ValueError, match="anchor_index: given without an anchor"):
+        with pytest.raises(ValueError, match="anchor_index, anchor_source: given without an anchor"):
             kvbound.compress_kv(self.x, self.config, anchor_index=torch.tensor([0, 0]))
 
     def test_nan(self):

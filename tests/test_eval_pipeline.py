@@ -204,7 +204,7 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
         "--max-variants",
         "30",
         "--settings",
-        "default,ablation,floor",
+        "default,paired,ablation,floor",
         "--block-size",
         "16",
         "--layer-windows",
@@ -251,6 +251,12 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
         assert 0 < float(default["max_abs_error_k"]) <= 2.0**-5 and 0 < float(default["max_abs_error_v"]) <= 2.0**-5
         assert float(default["ratio"]) > 1.0
         assert 0.0 <= float(default["auroc_all"]) <= 1.0 and int(default["variants"]) > 0
+        for name in ("default r8 b4, anchored", "default r8 b4, anchored to changes"):
+            paired = by[(f"{kind}_toy", name)]
+            assert int(paired["bound_violations"]) == 0 and float(paired["max_abs_error_k"]) <= 2.0**-5
+            # windows have no pairs: their predictions (Pearson) are the default config's, only variants differ
+            assert paired["pearson_mean"] == default["pearson_mean"]
+            assert paired["effect_median_negatives"] != default["effect_median_negatives"]
         low_rank = by[(f"{kind}_toy", "low-rank only r8")]
         assert float(low_rank["max_abs_error_k"]) > 2.0**-5  # no bound without the residual
         assert {row["setting"] for row in rows if row["model"] == f"{kind}_noattn_toy"} == {"exact"}

@@ -615,3 +615,40 @@ def test_alphagenome_patched_under_autocast_multiplies_what_the_port_multiplies(
     print(f"alphagenome MHABlock under {dtype} autocast, {backend}: patched vs float32 {err:.2e}, port {port_err:.2e}")
     assert port_err > 0  # autocast really changed the port's numbers
     assert err <= 2 * port_err + 1e-6
+
+
+def test_enformer_variants_block_scores_changes_without_code_flip_noise(enformer):
+    # A reference window and three variants of it (one input position changed each), in one batch. Compressed
+    # independently, each forward's error is within the bound but the errors do not cancel in variant - reference;
+    # inside handle.variants() the variants follow their reference's codes, and the changes come out closer to
+    # the exact model's.
+    model, _ = enformer
+    ref = _enformer_input(64, seed=3)
+    batch = ref.repeat(4, 1, 1)
+    for item, position in ((1, 100), (2, 260), (3, 420)):
+        batch[item, position] = batch[item, position].roll(1)
+    with torch.no_grad():
+        exact = model(batch)["human"].double()
+        handle = patch(model, CONFIG, calibrate_on=_enformer_input(64, seed=4), query_chunk=16, backend="eager")
+        try:
+            independent = model(batch)["human"].double()
+            with handle.variants([-1, 0, 0, 0]):
+                anchored = model(batch)["human"].double()
+            with pytest.raises(ValueError, match="a reference must be its own"):
+                with handle.variants([-1, 0, 1, 0]):
+                    pass
+            with pytest.raises(ValueError, match=r"handle.variants\(\) was given 2 references for a batch of 4"):
+                with handle.variants([-1, 0]):
+                    model(batch)
+        finally:
+            handle.undo()
+    change = exact[1:] - exact[:1]
+    noise_independent = ((independent[1:] - independent[:1]) - change).abs()
+    noise_anchored = ((anchored[1:] - anchored[:1]) - change).abs()
+    print(
+        f"enformer variant changes: |change| median {change.abs().median():.2e}; error of the change: independent "
+        f"median {noise_independent.median():.2e} max {noise_independent.max():.2e}, anchored median "
+        f"{noise_anchored.median():.2e} max {noise_anchored.max():.2e}"
+    )
+    assert torch.equal(anchored[0], independent[0])  # the reference is encoded on its own either way
+    assert float(noise_anchored.median()) < 0.5 * float(noise_independent.median())

@@ -21,6 +21,7 @@ def compress_kv(
     verify: bool = True,
     anchor: CompressedKV | None = None,
     anchor_index: torch.Tensor | None = None,
+    anchor_source: torch.Tensor | None = None,
 ) -> CompressedKV:
     """Compress K or V with a certified element-wise bound.
 
@@ -39,6 +40,8 @@ def compress_kv(
             (``kvbound.codec.anchored``). Same config, basis, dtype, heads, N and D as ``x``.
         anchor_index: int64 ``[B]``: the anchor's batch item for each item of ``x`` (-1: encode that item on its
             own). Default: item for item when the batches match, item 0 when the anchor has one.
+        anchor_source: optional, the tensor the anchor was encoded from: codes then follow the anchor's moved by
+            the rounded change, which tracks real changes of half a step and more (``encode_anchored``).
 
     Returns:
         a :class:`CompressedKV` whose ``decompress()`` is within ``config.tau`` of ``x`` element-wise.
@@ -53,9 +56,9 @@ def compress_kv(
     else:
         raise ValueError(f"impl: expected 'eager' or 'triton', got {impl!r}")
     if anchor is None:
-        if anchor_index is not None:
-            raise ValueError("anchor_index: given without an anchor")
+        if anchor_index is not None or anchor_source is not None:
+            raise ValueError("anchor_index, anchor_source: given without an anchor")
         return fresh
     from kvbound.codec.anchored import encode_anchored
 
-    return encode_anchored(x, fresh, anchor, anchor_index)
+    return encode_anchored(x, fresh, anchor, anchor_index, anchor_source)

@@ -109,7 +109,11 @@ def _check_pair(x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV) -> N
 
 
 def encode_anchored(
-    x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV, anchor_index: torch.Tensor | None = None
+    x: torch.Tensor,
+    fresh: CompressedKV,
+    anchor: CompressedKV,
+    anchor_index: torch.Tensor | None = None,
+    source: torch.Tensor | None = None,
 ) -> CompressedKV:
     """Encode ``x`` [B, H, N, D] on the blocks of ``anchor`` wherever they still certify it (module docstring).
 
@@ -119,6 +123,11 @@ def encode_anchored(
         anchor: the reference's encoding, same heads, N, D, config, dtype and basis.
         anchor_index: int64 [B]: the anchor's batch item for each item of ``x``, or -1 for "no anchor: keep
             ``fresh``". Default: item ``b`` for every ``b`` when the anchor has ``B`` items, item 0 when it has one.
+        source: optional, the tensor the anchor was encoded from (the anchor's shape). With it, each element
+            follows the anchor's code moved by the rounded change ``round((x - source) / step)``, the choice that
+            makes ``x``'s error closest to the anchor's own (their difference is at most half a step, and zero
+            where nothing moved); exact anchor blocks then store ``x`` exactly (the anchor's error there is zero).
+            Without it, an element keeps the anchor's code while that still certifies ``x``.
 
     Returns:
         a :class:`CompressedKV` of ``x`` in the usual format, within ``tau`` of ``x`` element by element.
@@ -153,6 +162,13 @@ def encode_anchored(
     head = torch.arange(bh, device=device) % heads
     anchor_row = anchor_index.repeat_interleave(heads) * heads + head  # [BH] (negative: no anchor)
     has_anchor = anchor_index.repeat_interleave(heads) >= 0
+    if source is not None:
+        check_tensor(source, "source", ndim=4)
+        if tuple(source.shape) != tuple(anchor.shape):
+            raise ValueError(f"source: expected the anchor's shape {list(anchor.shape)}, got {list(source.shape)}")
+        if source.device != x.device:
+            raise ValueError(f"source: expected device {x.device} (from x), got {source.device}")
+        source_rows = source.detach().reshape(-1, n, d)
 
     mode = fresh.mode.reshape(bh, nb).clone()
     width = fresh.bits.reshape(bh, nb).clone()
@@ -172,15 +188,33 @@ def encode_anchored(
             low, low_abs = ref["low"], ref["low_abs"]
             step = ref["scale"].to(torch.float64)[..., None, None]
             kind = ref["mode"]
-            # codes: keep the anchor's where they certify x, re-quantise the rest on the anchor's grid
+            # codes: follow the anchor's (moved by the rounded change when the source says what changed) where
+            # that certifies x; re-quantise the rest on the anchor's grid
             qmax = ((1 << ref["width"].clamp_min(1).to(torch.int64)) >> 1) - 1
             qmax = qmax[..., None, None]
-            y_kept = (low + ref["q"] * step).to(torch.float32)
-            error = (xb - y_kept.to(torch.float64)).abs() + _ulp32(y_kept)
-            keep = error + gamma * (low_abs + ref["q"].abs() * step) <= tau
             safe_step = torch.where(step > 0, step, torch.ones_like(step))
-            moved = torch.round((xb - low) / safe_step).clamp(-qmax - 1, qmax).to(torch.int64)
-            q_new = torch.where(keep, ref["q"], moved)
+            nearest = torch.round((xb - low) / safe_step).clamp(-qmax - 1, qmax).to(torch.int64)
+
+            def certifies(codes):
+                y = (low + codes * step).to(torch.float32)
+                error = (xb - y.to(torch.float64)).abs() + _ulp32(y)
+                return error + gamma * (low_abs + codes.abs() * step) <= tau, y
+
+            if source is None:
+                keep, _ = certifies(ref["q"])
+                q_new = torch.where(keep, ref["q"], nearest)
+            else:
+                # among the codes that certify x, the one whose error is closest to the anchor's own error
+                src = _blocks(source_rows[anchor_row[sl].clamp_min(0)].to(torch.float64), n, block)
+                anchor_error = (low + ref["q"] * step).to(torch.float32).to(torch.float64) - src
+                follow = ref["q"] + torch.round((xb - src) / safe_step).to(torch.int64)
+                q_new, best = nearest, torch.full_like(xb, float("inf"))
+                for codes in (nearest, follow + 1, follow - 1, follow):
+                    codes = codes.clamp(-qmax - 1, qmax)
+                    ok, y = certifies(codes)
+                    gap = torch.where(ok, (y.to(torch.float64) - xb - anchor_error).abs(), float("inf"))
+                    better = gap <= best
+                    q_new, best = torch.where(better, codes, q_new), torch.where(better, gap, best)
             y_new = (low + q_new * step).to(torch.float32)
             coded = (kind == MODE_PACKED) | (kind == MODE_PROMOTED)
             ok_coded = _certified(xb, y_new, gamma * (low_abs + q_new.abs() * step), tau, row_ok) & coded
@@ -189,6 +223,8 @@ def encode_anchored(
             ref_raw = ref["raw"]
             own_raw = _blocks(xs[sl], n, block)
             raw_keep = (xb - ref_raw.to(torch.float64)).abs() + _ulp32(ref_raw.to(torch.float32)) <= tau
+            if source is not None:
+                raw_keep = torch.zeros_like(raw_keep)
             is_raw = kind == MODE_RAW
             take = (ok_coded | ok_low | is_raw) & use[:, None]  # [c, NB]
             t4 = take[..., None, None]

@@ -73,8 +73,10 @@ class Setting:
     bits: int = 0
     tau: float = float("nan")
     block_size: int = 128
-    # codec only: each variant's window is encoded against its reference window's blocks (kvbound.codec.anchored)
-    anchored: bool = False
+    # codec only: each variant's window is encoded against its reference window's blocks (kvbound.codec.anchored):
+    # "codes" keeps the reference's codes where they certify the variant; "changes" moves them by the rounded
+    # change of the K/V (the reference's values known, as in kvbound.patch's handle.variants()); "" independent
+    anchored: str = ""
 
     @property
     def key(self) -> tuple:
@@ -106,7 +108,17 @@ def default_settings(block_size: int = 128) -> list[Setting]:
             default.bits,
             default.tau,
             block_size,
-            anchored=True,
+            anchored="codes",
+        ),
+        Setting(
+            "paired",
+            f"default r{default.rank} b{default.bits}, anchored to changes",
+            "codec",
+            default.rank,
+            default.bits,
+            default.tau,
+            block_size,
+            anchored="changes",
         ),
         Setting(
             "ablation", f"low-rank only r{default.rank}", "lowrank_only", default.rank, 0, float("nan"), block_size
@@ -228,7 +240,7 @@ def _float32_exact(enabled: bool) -> Iterator[None]:
 def _run(model: TrackModel, benchmark: Benchmark, starts, variants, args, device, autocast, hook=None) -> dict:
     """Predictions on the windows and predicted variant effects under whatever hook is installed (``hook``: that
     hook, when it encodes variants against their references and needs to know which rows those are)."""
-    anchored = hook is not None and getattr(hook, "anchored", False)
+    anchored = hook is not None and bool(getattr(hook, "anchored", ""))
     config = model.config
     size = benchmark.config.bin_size
     predictions = []

@@ -108,10 +108,11 @@ def _dense_bytes(x: torch.Tensor) -> int:
 class CompressedKVHook:
     """Replace K and V by ``compress_kv(x.to(bf16), config, basis).decompress()``.
 
-    ``anchored``: while ``anchor_index`` is set (one entry per batch item: the item of the same batch whose
-    encoding it follows, -1 for a reference), each item is encoded against its reference item's blocks
-    (``kvbound.codec.anchored``), so that a variant and its reference decode identically wherever their K/V
-    did not move beyond the bound's slack. Same format, same certified bound.
+    ``anchored`` ("codes" or "changes"): while ``anchor_index`` is set (one entry per batch item: the item of the
+    same batch whose encoding it follows, -1 for a reference), each item is encoded against its reference item's
+    blocks (``kvbound.codec.anchored``): "codes" keeps the reference's codes wherever they still certify the item
+    (no change below the bound's slack survives), "changes" moves them by the rounded change of the K/V (the
+    reference's values are in the batch). Same format, same certified bound.
 
     ``bases``: ``{(layer_index, "k" | "v"): kvbound.Basis}`` from :func:`calibrate_bases` (shared per-head
     projections); missing entries use the codec's per-block SVD. ``strict``: raise if an element misses the
@@ -121,8 +122,10 @@ class CompressedKVHook:
     """
 
     def __init__(
-        self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager", anchored: bool = False
+        self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager", anchored: str = ""
     ):
+        if anchored not in ("", "codes", "changes"):
+            raise ValueError(f"anchored: expected '', 'codes' or 'changes', got {anchored!r}")
         self.config = config
         self.bases = bases or {}
         self.strict = strict
@@ -161,7 +164,8 @@ class CompressedKVHook:
             from kvbound.codec.anchored import encode_anchored
 
             index = torch.tensor(self.anchor_index, dtype=torch.int64, device=stored.device)
-            compressed = encode_anchored(stored, compressed, compressed, index)
+            source = stored if self.anchored == "changes" else None
+            compressed = encode_anchored(stored, compressed, compressed, index, source)
         restored = compressed.decompress().to(x.device)
         self.last_decoded[name] = restored
         error = float((restored.double() - stored.double()).abs().max().item())

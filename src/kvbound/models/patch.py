@@ -8,10 +8,11 @@ deletes exactly those attributes (or restores what was there), so the module is 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,7 @@ class PatchHandle:
         self.calibration_seconds = 0.0
         self.calibration_forward_seconds = 0.0
         self._capturing = False
+        self._anchor_index: torch.Tensor | None = None
         self._attention_ids: set[int] = set()
         # The model's forward wrapped in kvbound.deferred_checks (set by patch when it patched anything).
         self._root: nn.Module | None = None
@@ -142,12 +144,52 @@ class PatchHandle:
             return k, v
         ck = compress_kv(k, self.config, record.basis_k, impl=_encoder(k, self.config, record.basis_k))
         cv = compress_kv(v, self.config, record.basis_v, impl=_encoder(v, self.config, record.basis_v))
+        if self._anchor_index is not None:
+            from kvbound.codec.anchored import encode_anchored
+
+            if k.shape[0] != len(self._anchor_index):
+                raise ValueError(
+                    f"{record.name}: handle.variants() was given {len(self._anchor_index)} references for a batch "
+                    f"of {k.shape[0]}"
+                )
+            index = self._anchor_index.to(k.device)
+            ck = encode_anchored(k, ck, ck, index, source=k)
+            cv = encode_anchored(v, cv, cv, index, source=v)
         record.last_k_ratio = ck.compression_ratio
         record.last_v_ratio = cv.compression_ratio
         record.encode_seconds += ck.encode_seconds + cv.encode_seconds
         return ck, cv
 
     # ---------------------------------------------------------------------------------------------- public
+    @contextlib.contextmanager
+    def variants(self, references: Sequence[int] | torch.Tensor) -> Iterator[PatchHandle]:
+        """Score variants against their references in one batch: inside this block each batch item's compressed
+        K/V follow the item ``references[b]`` of the same batch (-1: a reference, encoded on its own), element by
+        element (``kvbound.codec.anchored``), so that a variant and its reference decode identically wherever
+        their K/V did not move and the predicted change carries no code-flip noise. Same bound, same ratio::
+
+            with handle.variants([-1, 0, 0]):      # batch: reference, two variants of it
+                out = model(batch)
+            effects = out[1:] - out[:1]
+
+        Only with ``compress=True`` (exact K/V have nothing to anchor). Not re-entrant.
+        """
+        if not self.compress:
+            raise RuntimeError("handle.variants(): this handle keeps K/V exact (compress=False); nothing to anchor")
+        index = torch.as_tensor(references, dtype=torch.int64).reshape(-1).cpu()
+        batch = len(index)
+        if batch == 0 or bool(((index < -1) | (index >= batch)).any()):
+            raise ValueError(f"references: expected values in [-1, {batch - 1}] (batch items), got {index.tolist()}")
+        if bool((index[index.clamp_min(0)] >= 0).logical_and(index >= 0).any()):
+            raise ValueError(f"references: a reference must be its own (-1), got {index.tolist()}")
+        if self._anchor_index is not None:
+            raise RuntimeError("handle.variants(): already inside a variants() block")
+        self._anchor_index = index
+        try:
+            yield self
+        finally:
+            self._anchor_index = None
+
     @property
     def calibrated(self) -> bool:
         return any(r.basis_k is not None for r in self.modules)
