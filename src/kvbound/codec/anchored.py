@@ -89,6 +89,14 @@ def _parts(ckv: CompressedKV, rows: torch.Tensor) -> dict:
     }
 
 
+def _certifies(codes, xb, low, low_abs, step, gamma, tau) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element: do ``codes`` on the grid ``low + codes * step`` pass the eager certificate for ``xb``? And the
+    float32 values they decode to."""
+    y = (low + codes * step).to(torch.float32)
+    error = (xb - y.to(torch.float64)).abs() + _ulp32(y)
+    return error + gamma * (low_abs + codes.abs() * step) <= tau, y
+
+
 def _check_pair(x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV) -> None:
     batch, heads, n, d = x.shape
     for name, ckv in (("fresh", fresh), ("anchor", anchor)):
@@ -195,13 +203,8 @@ def encode_anchored(
             safe_step = torch.where(step > 0, step, torch.ones_like(step))
             nearest = torch.round((xb - low) / safe_step).clamp(-qmax - 1, qmax).to(torch.int64)
 
-            def certifies(codes):
-                y = (low + codes * step).to(torch.float32)
-                error = (xb - y.to(torch.float64)).abs() + _ulp32(y)
-                return error + gamma * (low_abs + codes.abs() * step) <= tau, y
-
             if source is None:
-                keep, _ = certifies(ref["q"])
+                keep, _ = _certifies(ref["q"], xb, low, low_abs, step, gamma, tau)
                 q_new = torch.where(keep, ref["q"], nearest)
             else:
                 # among the codes that certify x, the one whose error is closest to the anchor's own error
@@ -211,7 +214,7 @@ def encode_anchored(
                 q_new, best = nearest, torch.full_like(xb, float("inf"))
                 for codes in (nearest, follow + 1, follow - 1, follow):
                     codes = codes.clamp(-qmax - 1, qmax)
-                    ok, y = certifies(codes)
+                    ok, y = _certifies(codes, xb, low, low_abs, step, gamma, tau)
                     gap = torch.where(ok, (y.to(torch.float64) - xb - anchor_error).abs(), float("inf"))
                     better = gap <= best
                     q_new, best = torch.where(better, codes, q_new), torch.where(better, gap, best)
