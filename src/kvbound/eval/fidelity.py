@@ -130,7 +130,9 @@ def fidelity_rows(
         if evaluated is None:
             evaluated, calibration = spec.make_input(1, seed, device), spec.make_input(1, seed + 1, device)
             source = "random embeddings (the tower takes no DNA)"
+        tic = time.perf_counter()
         reference = _forward(spec, model, evaluated, device)
+        print(f"{spec.name}: unpatched forward ({time.perf_counter() - tic:.1f} s)", flush=True)
         outputs = {}
         config = kvbound.CompressionConfig(rank=4) if cpu_smoke else kvbound.CompressionConfig()
         for variant in ("patch-dense", "patch-compressed"):
@@ -166,6 +168,11 @@ def fidelity_rows(
             if variant == "patch-compressed":
                 row.update({f"vs_dense_{k}": v for k, v in sqnr_db(outputs[variant], outputs["patch-dense"]).items()})
             rows.append(row)
+            print(
+                f"{spec.name}: {variant} ({row['seconds']:.1f} s): SQNR vs unpatched "
+                f"{row['vs_unpatched_sqnr_db']:.1f} dB",
+                flush=True,
+            )
         del model, outputs, reference
         if device.type == "cuda":
             torch.cuda.empty_cache()
