@@ -49,6 +49,8 @@
 #                         ring-compressed vs ring-dense vs all-gather of dense K/V, bytes on the wire per rank.
 #                         Needs the 2-GPU machine (nvidia-h200-x2); on one GPU the 2-GPU rows are `unsupported`.
 #
+#   share       ~4 min    the default config (r8b4) at N = 65536, d = 64 and 128, with 0 .. 100 % of the K/V blocks
+#                         residual-free (benchmarks/shapes/share.toml), beside cuDNN: how speed depends on the data
 #   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
 #                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
 #
@@ -57,7 +59,7 @@
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 models models2 alphagenome ring"
+PARTS="verify attention traffic sweep sweep-d128 share models models2 alphagenome ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -261,6 +263,10 @@ sweep | sweep-d128)
         --only "seed-n16384-d$d" "seed-n65536-d$d" --sweep --configs r16b8 r16b4 r8b2 r4b2 r8b4-perblock \
         --providers kvbound-compressed kvbound-dense sdpa-cudnn --no-calibration
     step "sweep-d$d" 500 "$RES/sweep_d$d.csv" "${CMD[@]}"
+    ;;
+share)
+    bench "$RES/share.csv" --shapes benchmarks/shapes/share.toml --configs r8b4 --no-calibration
+    step share 500 "$RES/share.csv" "${CMD[@]}"
     ;;
 models)
     install_wheels

@@ -9,7 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "h200.sh"
-PARTS = ("verify", "attention", "traffic", "sweep", "sweep-d128", "models", "models2", "alphagenome", "ring")
+PARTS = (
+    "verify", "attention", "traffic", "sweep", "sweep-d128", "share", "models", "models2", "alphagenome", "ring"
+)
 
 # Stands in for python3: logs its arguments and writes a one-row CSV to --out, so the script's plumbing runs in
 # a second without torch.

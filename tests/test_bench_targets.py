@@ -134,3 +134,24 @@ def test_report_states_targets_and_reproduce_commands(tmp_path):
     assert "bash benchmarks/h200.sh attention" in text and "bash benchmarks/h200.sh ring" in text
     assert "h200_2026-12-01_aaaaaaa/attention/attention_seed.csv" in text
     assert "2.6x at N = 4096 rising to 4.1x" in text
+
+
+def test_share_sweep_table_and_plot(tmp_path):
+    from kvbound.bench import plots
+
+    rows = []
+    for d, cudnn in ((64, 19.0), (128, 29.0)):
+        for share, ms in ((0.0, 90.0), (0.5, 50.0), (1.0, 14.0)):
+            shape = f"share-n65536-d{d}-z{round(share * 10000):04d}"
+            rows += [
+                _row(65536, d, "sdpa-cudnn", cudnn, family="share", shape=shape),
+                _row(65536, d, "kvbound-compressed", ms * d / 64, "r8b4", family="share", shape=shape,
+                     zero_residual_share=share, compression_ratio=3.0),
+            ]
+    headers, table = tables.share_table(rows)
+    assert [(t[1], t[2]) for t in table] == [(str(d), s) for d in (64, 128) for s in ("0.0%", "50.0%", "100.0%")]
+    assert table[2][headers.index("vs cuDNN")] == f"{19.0 / 14.0:.2f}x"
+    # the share rows stay out of the per-shape speed tables and the targets (family "share", not "seed")
+    assert "share-n65536" not in report._speed_tables(rows)
+    assert tables.targets_table(rows)[1] == []
+    assert plots.speed_vs_share(rows, tmp_path / "share.png").stat().st_size > 10_000

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["speed_vs_n", "bytes_vs_rank_bits", "draw_roofline", "model_forwards", "ring_vs_n", "main",
-           "provider_label"]
+__all__ = ["speed_vs_n", "speed_vs_share", "bytes_vs_rank_bits", "draw_roofline", "model_forwards", "ring_vs_n",
+           "main", "provider_label"]
 
 
 def _pyplot():
@@ -70,6 +70,31 @@ def speed_vs_n(rows: list[dict], path: str | Path, family: str = "seed") -> Path
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def speed_vs_share(rows: list[dict], path: str | Path) -> Path | None:
+    """Compressed attention (default config) against cuDNN vs the share of residual-free K/V blocks, per d."""
+    from kvbound.bench.tables import share_points
+
+    points = [p for p in share_points(rows) if p["ratio"] is not None and p["share"] is not None]
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for d in sorted({p["d"] for p in points}):
+        mine = [p for p in points if p["d"] == d]
+        ax.plot([100 * p["share"] for p in mine], [p["ratio"] for p in mine], marker="o", label=f"d = {d}")
+    for level, text in ((1.0, "cuDNN"), (1.3, "target 1.3x")):
+        ax.axhline(level, color="grey", linestyle="--", linewidth=0.8)
+        ax.annotate(text, (0, level), xytext=(2, 2), textcoords="offset points", fontsize=7, color="grey")
+    ax.set_xlabel("K/V blocks whose residual is below tau (%)")
+    ax.set_ylabel("speed vs cuDNN SDPA (cuDNN time / kvbound time)")
+    ax.set_title("kvbound compressed attention (r8b4), N = 65536, 8 heads, bf16")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(_footer([p["row"] for p in points]), fontsize=8, y=0.995)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def bytes_vs_rank_bits(rows: list[dict], path: str | Path) -> Path | None:

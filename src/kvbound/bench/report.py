@@ -256,7 +256,7 @@ def _speed_tables(rows: list[dict]) -> str:
     timed = [r for r in rows if r["mode"] == "time"]
     ratios = tables.cudnn_ratios(timed)  # every run's rows: each row is compared with the cuDNN of its own run
     latest = tables.index_rows(timed, "time")
-    timed = list(latest.values())
+    timed = [r for r in latest.values() if r.get("family") != "share"]  # the share sweep has its own table
     out = []
     shapes = list(dict.fromkeys(r["shape"] for r in timed))
     headers = ["provider", "config", "status", "p50 ms", "p20-p80 ms", "TFLOP/s", "vs cuDNN", "rel err",
@@ -329,6 +329,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "## Measured traffic per provider (Nsight Compute)\n",
         _TRAFFIC_METHOD,
         tables.to_markdown(*tables.traffic_table(rows)),
+        "## Speed against the share of residual-free blocks\n",
+        _SHARE_METHOD,
+        tables.to_markdown(*tables.share_table(rows)),
         "## Speed\n",
         _speed_tables(rows),
         "## Ablation: low-rank only, quantisation only, fused\n",
@@ -381,6 +384,13 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
     return "\n".join(parts) + "\n"
 
 
+_SHARE_METHOD = """How the speed depends on the data. The default config (rank 8, 4 bits, tau 2^-5) on K/V generated
+with a set share of blocks whose residual stays below tau (`benchmarks/shapes/share.toml`, `kvbound/bench/data.py`);
+the other blocks carry 4-bit codes read by the byte-decode loop. The share column is what the codec found. On the
+trained evaluation models at the default tau no block is residual-free and nearly every block is promoted to 5-8
+bits (EVAL.md), which is slower than any row here. `bash benchmarks/h200.sh share`.
+"""
+
 _ROOFLINE_NOTE = """Every provider's FLOP count is that of dense attention at its shape (the `flops` column), so a
 point's TFLOP/s is the rate at which it delivers dense-attention work. Compressed rows that skip work (rank-space logits
 and values on residual-free tiles) therefore sit above the bf16 matmul roof: that is work not done, not a faster
@@ -404,10 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for file_rows in rows_by_file.values() for r in file_rows]
     plots: dict[str, Path | None] = {}
     if not args.no_plots:
-        from kvbound.bench.plots import bytes_vs_rank_bits, model_forwards, ring_vs_n, speed_vs_n
+        from kvbound.bench.plots import bytes_vs_rank_bits, model_forwards, ring_vs_n, speed_vs_n, speed_vs_share
         from kvbound.bench.roofline import roofline_from_rows
 
         plots["speed vs N"] = speed_vs_n(rows, args.plots_dir / "speed_vs_n.png")
+        plots["speed vs residual-free share"] = speed_vs_share(rows, args.plots_dir / "speed_vs_share.png")
         plots["roofline"] = roofline_from_rows(rows, args.plots_dir / "roofline.png")
         plots["bytes vs (rank, bits)"] = bytes_vs_rank_bits(rows, args.plots_dir / "bytes_vs_rank_bits.png")
         plots["model forwards"] = model_forwards(rows, args.plots_dir / "model_forwards.png")

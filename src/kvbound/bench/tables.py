@@ -36,6 +36,8 @@ __all__ = [
     "encoder_calibration_table",
     "models_table",
     "ring_table",
+    "share_points",
+    "share_table",
     "legacy_encoder_table",
     "legacy_public_api_table",
     "latest_rows",
@@ -522,6 +524,39 @@ def ring_scaling_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 # ------------------------------------------------------------------------------------------- older schemas
 LEGACY_ENCODER_COLUMNS = ("encoder", "shape", "ms", "input_GBps", "copy_ms", "ratio", "max_err_over_tau")
 LEGACY_PUBLIC_API_COLUMNS = ("N", "heads", "d", "cudnn_ms", "kvbound_compressed_ms", "kvbound_dense_ms")
+
+
+def share_points(rows: list[dict]) -> list[dict]:
+    """The residual-free share sweep (shapes of family ``share``): per head dim and measured share, the latest
+    ok kvbound-compressed row of the default config with its same-run cuDNN ratio, sorted by (d, share)."""
+    timed = [r for r in rows if r["mode"] == "time"]
+    ratios = cudnn_ratios(timed)
+    latest = index_rows([r for r in timed if r.get("family") == "share"], "time")
+    points = []
+    for (provider, config, _), r in latest.items():
+        if provider != COMPRESSED or config != DEFAULT_CONFIG or r["status"] != "ok" or not r.get("ms_p50"):
+            continue
+        found = ratios.get(id(r))
+        points.append({"row": r, "d": r["head_dim_qk"], "share": r.get("zero_residual_share"),
+                       "ratio": found[0] if found else None, "cudnn": found[1] if found else None,
+                       "same_run": bool(found and found[2])})
+    return sorted(points, key=lambda p: (p["d"], -1.0 if p["share"] is None else p["share"]))
+
+
+def share_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """How the default config's speed against cuDNN depends on the share of residual-free K/V blocks."""
+    headers = ["N", "d", "residual-free blocks", "kvbound p50 ms", "cuDNN p50 ms", "vs cuDNN", "K/V ratio",
+               "rel err", "err vs dense ref"]
+    table = []
+    for p in share_points(rows):
+        r = p["row"]
+        cudnn = p["cudnn"]["ms_p50"] if p["cudnn"] else None
+        table.append([str(r["q_len"]), str(p["d"]), _f(p["share"], ".1%"), _f(r["ms_p50"], ".4g"),
+                      _f(cudnn, ".4g") + ("" if p["same_run"] or cudnn is None else " (other run)"),
+                      _f(p["ratio"], ".2f") + ("x" if p["ratio"] is not None else ""),
+                      _f(r.get("compression_ratio"), ".2f"), _f(r.get("err_rel"), ".2e"),
+                      _f(r.get("err_vs_dense_rel"), ".2e")])
+    return headers, table
 
 
 def legacy_encoder_table(raw: list[dict[str, str]]) -> tuple[list[str], list[list[str]]]:
