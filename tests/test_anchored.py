@@ -231,5 +231,36 @@ class TestBadInput:
     def test_nan(self):
         x = self.x.clone()
         x[1, 0, 3, 2] = float("nan")
-        with pytest.raises(ValueError, match="x"):
+        with pytest.raises(ValueError, match=r"^x: expected finite values"):
             encode_anchored(x, self.fresh, self.fresh)
+        source = self.x.clone()
+        source[0, 1, 0, 0] = float("inf")
+        with pytest.raises(ValueError, match=r"^source: expected finite values"):
+            encode_anchored(self.x, self.fresh, self.fresh, source=source)
+
+    def test_fresh_must_encode_x(self):
+        other = kvbound.compress_kv(torch.randn(2, 2, 40, 16), self.config)
+        with pytest.raises(ValueError, match=r"fresh: expected x's own encoding \(within tau"):
+            encode_anchored(self.x, other, other, torch.tensor([-1, -1]))
+
+    def test_index_must_be_integers(self):
+        with pytest.raises(ValueError, match="anchor_index: expected integers, got dtype torch.float32"):
+            encode_anchored(self.x, self.fresh, self.fresh, torch.tensor([0.9, 1.0]))
+
+    def test_source_without_anchor(self):
+        with pytest.raises(ValueError, match="anchor_index, anchor_source: given without an anchor"):
+            kvbound.compress_kv(self.x, self.config, anchor_source=self.x)
+
+
+def test_coefficients_stay_float16_unless_a_stored_one_needs_more():
+    gen = torch.Generator().manual_seed(4)
+    config = kvbound.CompressionConfig(block_size=16, rank=2, bits=4, tau=2.0**-5)
+    x = torch.randn(2, 1, 32, 16, generator=gen)
+    loud = x[:1].clone()
+    loud[0, 0, 20] = 6e4  # its coefficients exceed float16's range: the anchor stores float32
+    anchor = kvbound.compress_kv(loud, config)
+    fresh = kvbound.compress_kv(x, config)
+    assert anchor.coeffs.dtype == torch.float32 and fresh.coeffs.dtype == torch.float16
+    out = encode_anchored(x, fresh, anchor, torch.tensor([-1, -1]))
+    assert out.coeffs.dtype == torch.float16 and out.nbytes == fresh.nbytes
+    assert torch.equal(out.decompress(), fresh.decompress())

@@ -257,6 +257,8 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
             # windows have no pairs: their predictions (Pearson) are the default config's, only variants differ
             assert paired["pearson_mean"] == default["pearson_mean"]
             assert paired["effect_median_negatives"] != default["effect_median_negatives"]
+        codes, changes = (by[(f"{kind}_toy", f"default r8 b4, anchored{tail}")] for tail in ("", " to changes"))
+        assert codes["effect_median_positives"] != changes["effect_median_positives"]  # the source is used
         low_rank = by[(f"{kind}_toy", "low-rank only r8")]
         assert float(low_rank["max_abs_error_k"]) > 2.0**-5  # no bound without the residual
         assert {row["setting"] for row in rows if row["model"] == f"{kind}_noattn_toy"} == {"exact"}

@@ -640,8 +640,20 @@ def test_enformer_variants_block_scores_changes_without_code_flip_noise(enformer
             with pytest.raises(ValueError, match=r"handle.variants\(\) was given 2 references for a batch of 4"):
                 with handle.variants([-1, 0]):
                     model(batch)
+            assert handle._anchor_index is None  # left clean after the error
+            for bad in ([-1, 0.9], torch.tensor([-1.0, 0.0]), [[-1, 0], [0, 0]], [], None, ["a"]):
+                with pytest.raises(ValueError, match="references: expected a non-empty 1-D sequence of ints"):
+                    with handle.variants(bad):
+                        pass
+            with handle.variants(torch.tensor([-1, 0, 0, 0])):
+                with pytest.raises(RuntimeError, match="already inside a variants"):
+                    with handle.variants([-1, 0, 0, 0]):
+                        pass
         finally:
             handle.undo()
+        with pytest.raises(RuntimeError, match="this handle was undone"):
+            with handle.variants([-1, 0, 0, 0]):
+                pass
     change = exact[1:] - exact[:1]
     noise_independent = ((independent[1:] - independent[:1]) - change).abs()
     noise_anchored = ((anchored[1:] - anchored[:1]) - change).abs()

@@ -127,7 +127,8 @@ def encode_anchored(
 
     Args:
         x: the tensor to encode (finite; the dtype ``fresh`` and ``anchor`` were encoded from).
-        fresh: ``x``'s own encoding (any encoder); blocks that cannot follow the anchor are taken from it.
+        fresh: ``x``'s own encoding (any encoder); blocks that cannot follow the anchor are taken from it, after
+            checking that they certify ``x`` (a ``ValueError`` otherwise).
         anchor: the reference's encoding, same heads, N, D, config, dtype and basis.
         anchor_index: int64 [B]: the anchor's batch item for each item of ``x``, or -1 for "no anchor: keep
             ``fresh``". Default: item ``b`` for every ``b`` when the anchor has ``B`` items, item 0 when it has one.
@@ -153,7 +154,10 @@ def encode_anchored(
             raise ValueError(
                 f"anchor_index: needed when the anchor's batch ({anchor.shape[0]}) is neither 1 nor x's ({batch})"
             )
-    anchor_index = torch.as_tensor(anchor_index, dtype=torch.int64, device=x.device)
+    anchor_index = torch.as_tensor(anchor_index, device=x.device)
+    if anchor_index.dtype.is_floating_point or anchor_index.dtype.is_complex or anchor_index.dtype == torch.bool:
+        raise ValueError(f"anchor_index: expected integers, got dtype {anchor_index.dtype}")
+    anchor_index = anchor_index.to(torch.int64)
     if anchor_index.shape != (batch,):
         raise ValueError(f"anchor_index: expected shape [{batch}], got {list(anchor_index.shape)}")
     if bool(((anchor_index < -1) | (anchor_index >= anchor.shape[0])).any()):
@@ -190,9 +194,16 @@ def encode_anchored(
         own = _parts(fresh, rows)
         q, raw = own["q"], own["raw"]
         use = has_anchor[sl]
+        xb = _blocks(xs[sl].to(torch.float64), n, block)
+        # fresh must encode x: every block that may be kept from it is checked (exact blocks: stored values equal)
+        own_step = own["scale"].to(torch.float64)[..., None, None]
+        own_y = (own["low"] + q * own_step).to(torch.float32)
+        own_ok = _certified(xb, own_y, gamma * (own["low_abs"] + q.abs() * own_step), tau, row_ok)
+        own_exact = ((raw.to(torch.float64) == xb) | ~row_ok).all(dim=-1).all(dim=-1)
+        own_ok = torch.where(own["mode"] == MODE_RAW, own_exact, own_ok)
+        fresh_bad = ~own_ok
         if bool(use.any()):
             ref = _parts(anchor, anchor_row[sl].clamp_min(0))
-            xb = _blocks(xs[sl].to(torch.float64), n, block)
             low, low_abs = ref["low"], ref["low_abs"]
             step = ref["scale"].to(torch.float64)[..., None, None]
             kind = ref["mode"]
@@ -230,6 +241,7 @@ def encode_anchored(
                 raw_keep = torch.zeros_like(raw_keep)
             is_raw = kind == MODE_RAW
             take = (ok_coded | ok_low | is_raw) & use[:, None]  # [c, NB]
+            fresh_bad = fresh_bad & ~take
             t4 = take[..., None, None]
             q = torch.where(t4 & coded[..., None, None], q_new, torch.where(t4, 0, q))
             raw = torch.where(t4 & is_raw[..., None, None], torch.where(raw_keep, ref_raw, own_raw), raw)
@@ -239,6 +251,11 @@ def encode_anchored(
             coeffs[sl] = torch.where(t4, ref["coeff_rows"].to(coeff_dtype), coeffs[sl])
             if not fresh.shared_basis:
                 basis[sl] = torch.where(t4, ref["projection"], basis[sl])
+        if bool(fresh_bad.any()):
+            raise ValueError(
+                f"fresh: expected x's own encoding (within tau = {tau} of x), but {int(fresh_bad.sum())} of its "
+                "blocks that would be kept are not"
+            )
         q_store.append((sl, q))
         raw_store.append(raw)
 
@@ -248,6 +265,8 @@ def encode_anchored(
     )
     coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeff_dtype)
     coeffs = coeffs.reshape(bh, nb * block, r)[:, :n].reshape(batch, heads, n, r).contiguous()
+    if coeffs.dtype == torch.float32 and bool((coeffs.to(torch.float16).to(torch.float32) == coeffs).all()):
+        coeffs = coeffs.to(torch.float16)  # the format's rule: float16 unless a coefficient needs more
     basis_out = basis.contiguous() if fresh.shared_basis else basis.reshape(batch, heads, nb, r, d).contiguous()
     return CompressedKV(
         shape=(batch, heads, n, d),

@@ -165,7 +165,10 @@ class CompressedKVHook:
 
             index = torch.tensor(self.anchor_index, dtype=torch.int64, device=stored.device)
             source = stored if self.anchored == "changes" else None
-            compressed = encode_anchored(stored, compressed, compressed, index, source)
+            try:
+                compressed = encode_anchored(stored, compressed, compressed, index, source)
+            except ValueError as error:
+                raise ValueError(f"layer {layer} {name}: {error}") from error
         restored = compressed.decompress().to(x.device)
         self.last_decoded[name] = restored
         error = float((restored.double() - stored.double()).abs().max().item())

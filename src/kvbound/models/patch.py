@@ -174,12 +174,23 @@ class PatchHandle:
 
         Only with ``compress=True`` (exact K/V have nothing to anchor). Not re-entrant.
         """
+        if not self.active:
+            raise RuntimeError("handle.variants(): this handle was undone; patch the model again")
         if not self.compress:
             raise RuntimeError("handle.variants(): this handle keeps K/V exact (compress=False); nothing to anchor")
-        index = torch.as_tensor(references, dtype=torch.int64).reshape(-1).cpu()
+        given = references.tolist() if isinstance(references, torch.Tensor) else references
+        if (
+            not isinstance(given, (list, tuple))
+            or not given
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in given)
+        ):
+            raise ValueError(
+                f"references: expected a non-empty 1-D sequence of ints (one per batch item), got {given!r}"
+            )
+        index = torch.tensor(given, dtype=torch.int64)
         batch = len(index)
-        if batch == 0 or bool(((index < -1) | (index >= batch)).any()):
-            raise ValueError(f"references: expected values in [-1, {batch - 1}] (batch items), got {index.tolist()}")
+        if bool(((index < -1) | (index >= batch)).any()):
+            raise ValueError(f"references: expected values in [-1, {batch - 1}] (batch items), got {given}")
         if bool((index[index.clamp_min(0)] >= 0).logical_and(index >= 0).any()):
             raise ValueError(f"references: a reference must be its own (-1), got {index.tolist()}")
         if self._anchor_index is not None:
