@@ -770,6 +770,19 @@ def render(results: Path) -> str:
                 ],
             )
         )
+        missing = [name for name in ("enformer", "borzoi", "alphagenome") if name not in {r["port"] for r in fidelity}]
+        if missing:
+            add("")
+            why = (
+                " AlphaGenome at 1 Mb needs about 30 GB for one forward (its peak on the H200 is 29.5 GiB, "
+                "BENCHMARKS.md), more than a 24 GB CPU machine holds."
+                if "alphagenome" in missing and any(r.get("device") == "cpu" for r in fidelity)
+                else ""
+            )
+            add(
+                f"Not in this run: {', '.join(missing)}.{why} `bash eval/gpu_eval.sh fidelity` runs all three ports "
+                "on a GPU."
+            )
     add("")
 
     # ---------------------------------------------------------------- training
