@@ -51,6 +51,9 @@
 #
 #   share       ~4 min    the default config (r8b4) at N = 65536, d = 64 and 128, with 0 .. 100 % of the K/V blocks
 #                         residual-free (benchmarks/shapes/share.toml), beside cuDNN: how speed depends on the data
+#   relative    ~4 min    Enformer / Borzoi attention cores (relative positions) at batch 1 and 8 / 4: the ports' math,
+#                         SDPA and FlexAttention with the position term built for them, kvbound fused (exact and
+#                         compressed K/V), time and peak memory (kvbound/bench/relative.py)
 #   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
 #                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
 #
@@ -59,7 +62,7 @@
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share models models2 alphagenome ring"
+PARTS="verify attention traffic sweep sweep-d128 share relative models models2 alphagenome ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -267,6 +270,10 @@ sweep | sweep-d128)
 share)
     bench "$RES/share.csv" --shapes benchmarks/shapes/share.toml --configs r8b4 --no-calibration
     step share 500 "$RES/share.csv" "${CMD[@]}"
+    ;;
+relative)
+    bench "$RES/relative.csv" --suite relative
+    step relative 500 "$RES/relative.csv" "${CMD[@]}"
     ;;
 models)
     install_wheels

@@ -10,7 +10,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "h200.sh"
 PARTS = (
-    "verify", "attention", "traffic", "sweep", "sweep-d128", "share", "models", "models2", "alphagenome", "ring"
+    "verify",
+    "attention",
+    "traffic",
+    "sweep",
+    "sweep-d128",
+    "share",
+    "relative",
+    "models",
+    "models2",
+    "alphagenome",
+    "ring",
 )
 
 # Stands in for python3: logs its arguments and writes a one-row CSV to --out, so the script's plumbing runs in

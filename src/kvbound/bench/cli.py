@@ -8,6 +8,8 @@ Suites (``--suite``, default ``attention``):
                (``kvbound.bench.encoder``);
 ``models``     whole forwards of Enformer, Borzoi and AlphaGenome, unpatched and under ``kvbound.patch``
                (``kvbound.bench.ports``; the GPU needs the ports' wheels: ``benchmarks/wheels.sh``);
+``relative``   one Enformer / Borzoi attention core (relative positions) against the ports' math, SDPA and
+               FlexAttention with the position term built for them (``kvbound.bench.relative``);
 ``ring``       context-parallel attention on 1 and 2 GPUs (``kvbound.bench.ring``).
 
     python -m kvbound.bench --out benchmarks/results/h200.csv            # seed + model shapes, default configs
@@ -35,7 +37,7 @@ from pathlib import Path
 
 __all__ = ["main", "build_parser", "SUITES"]
 
-SUITES = ("attention", "encoder", "models", "ring")
+SUITES = ("attention", "encoder", "models", "relative", "ring")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +192,15 @@ def _suite_rows(args, device, console):
             repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
             batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed)
         return model_rows(specs, device, config, options)
+    if args.suite == "relative":
+        from kvbound.bench.relative import RelativeOptions, relative_rows
+
+        options = RelativeOptions(
+            warmup_ms=args.warmup_ms if args.warmup_ms is not None else (2.0 if device.type == "cpu" else 25.0),
+            rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if device.type == "cpu" else 100.0),
+            seed=args.seed, zero_tile_share=args.zero_tile_share if args.zero_tile_share is not None else 0.5,
+            batches=tuple(args.batches) if args.batches else None)
+        return relative_rows(device, config, options, args.cpu_smoke)
     from kvbound.bench.ring import DEFAULT_LENGTHS, SMOKE_LENGTHS, RingOptions, ring_rows
 
     smoke = args.cpu_smoke
@@ -230,7 +241,8 @@ def _run_suite(args, argv: list[str], device) -> int:
         console.print(f"[{time.perf_counter() - started:7.1f} s] {row['shape']}{extra} {row['provider']}: "
                       f"{row['status']} {timing}", highlight=False)
     written = records.read_rows(out) if out.exists() else []
-    table_of = {"encoder": tables.encoder_table, "models": tables.models_table, "ring": tables.ring_table}
+    table_of = {"encoder": tables.encoder_table, "models": tables.models_table, "ring": tables.ring_table,
+                "relative": tables.relative_table}
     headers, body = table_of[args.suite](written)
     table = Table(title=f"kvbound bench --suite {args.suite}")
     for h in headers:

@@ -256,7 +256,7 @@ def _speed_tables(rows: list[dict]) -> str:
     timed = [r for r in rows if r["mode"] == "time"]
     ratios = tables.cudnn_ratios(timed)  # every run's rows: each row is compared with the cuDNN of its own run
     latest = tables.index_rows(timed, "time")
-    timed = [r for r in latest.values() if r.get("family") != "share"]  # the share sweep has its own table
+    timed = [r for r in latest.values() if r.get("family") not in ("share", "relative")]  # their own tables
     out = []
     shapes = list(dict.fromkeys(r["shape"] for r in timed))
     headers = ["provider", "config", "status", "p50 ms", "p20-p80 ms", "TFLOP/s", "vs cuDNN", "rel err",
@@ -362,6 +362,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "## Models end to end\n",
         _MODELS_METHOD,
         tables.to_markdown(*tables.models_table(rows)),
+        "## Relative-position attention against what a user could build\n",
+        _RELATIVE_METHOD,
+        tables.to_markdown(*tables.relative_table(rows)),
         "## Context-parallel ring\n",
         _RING_METHOD,
         tables.to_markdown(*tables.ring_table(rows)),
@@ -383,6 +386,14 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
                 parts.append(_ROOFLINE_NOTE)
     return "\n".join(parts) + "\n"
 
+
+_RELATIVE_METHOD = """One Enformer / Borzoi attention core (Transformer-XL relative positions: a position term that
+depends on the query, so no stock fused kernel runs it), 8 heads, dk 64, dv 192, bf16, as `kvbound bench --suite
+relative` times it (`kvbound/bench/relative.py`): the ports' eager math; SDPA and FlexAttention with the position
+term built for them in each call (a `[B, H, N, N]` bias, or a `[B, H, N, 2N - 1]` table read in `score_mod`); kvbound's
+fused call, on exact and on compressed K/V (encoding not included: `compress ms`). `vs best alternative` is against
+the faster of SDPA and FlexAttention. `bash benchmarks/h200.sh relative`.
+"""
 
 _SHARE_METHOD = """How the speed depends on the data. The default config (rank 8, 4 bits, tau 2^-5) on K/V generated
 with a set share of blocks whose residual stays below tau (`benchmarks/shapes/share.toml`, `kvbound/bench/data.py`);

@@ -36,6 +36,7 @@ __all__ = [
     "encoder_calibration_table",
     "models_table",
     "ring_table",
+    "relative_table",
     "share_points",
     "share_table",
     "legacy_encoder_table",
@@ -524,6 +525,39 @@ def ring_scaling_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 # ------------------------------------------------------------------------------------------- older schemas
 LEGACY_ENCODER_COLUMNS = ("encoder", "shape", "ms", "input_GBps", "copy_ms", "ratio", "max_err_over_tau")
 LEGACY_PUBLIC_API_COLUMNS = ("N", "heads", "d", "cudnn_ms", "kvbound_compressed_ms", "kvbound_dense_ms")
+
+
+_RELATIVE_ALTERNATIVES = ("sdpa-built-bias", "flex-built-table")
+
+
+def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """``--suite relative``: each provider's time on one relative-position attention layer, against the ports'
+    math and against the faster of the alternatives a user could assemble (SDPA or FlexAttention with the
+    position term built for them), with the allocator's peak."""
+    headers = ["layer", "B", "provider", "config", "status", "p50 ms", "vs port-eager", "vs best alternative",
+               "peak GiB", "rel err", "K/V ratio", "compress ms", "reason"]
+    latest = [r for r in index_rows([r for r in rows if r.get("family") == "relative"], "time").values()]
+    by_shape: dict[str, list[dict]] = {}
+    for r in latest:
+        by_shape.setdefault(r["shape"], []).append(r)
+    table = []
+    order = {"port-eager": 0, "sdpa-built-bias": 1, "flex-built-table": 2, "kvbound-relative": 3,
+             "kvbound-relative-compressed": 4}
+    for shape, group in by_shape.items():
+        ok = {r["provider"]: r["ms_p50"] for r in group if r["status"] == "ok" and r.get("ms_p50")}
+        port = ok.get("port-eager")
+        alternatives = [ok[name] for name in _RELATIVE_ALTERNATIVES if name in ok]
+        best = min(alternatives) if alternatives else None
+        for r in sorted(group, key=lambda r: order.get(r["provider"], 9)):
+            ms = r.get("ms_p50") if r["status"] == "ok" else None
+            table.append([
+                shape.rsplit("-b", 1)[0], str(r["batch"]), r["provider"], r.get("config") or "", r["status"],
+                _f(r.get("ms_p50"), ".4g"), _ratio(port, ms), _ratio(best, ms),
+                _f(r["peak_bytes"] / 2**30 if r.get("peak_bytes") is not None else None, ".2f"),
+                _f(r.get("err_rel"), ".2e"), _f(r.get("compression_ratio"), ".2f"), _f(r.get("compress_ms"), ".3g"),
+                _why(r, 80),
+            ])
+    return headers, table
 
 
 def share_points(rows: list[dict]) -> list[dict]:

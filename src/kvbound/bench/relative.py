@@ -1,0 +1,266 @@
+"""``kvbound bench --suite relative``: one Enformer / Borzoi attention layer's core against what a user could build.
+
+Transformer-XL relative attention (both ports) adds a term that depends on the query to every logit::
+
+    logits[i, j] = (scale q_i + u) . k_j  +  (scale q_i + w) . R[N - 1 + j - i]
+
+so no stock fused kernel computes it: a user either runs the ports' eager math or materialises the position term
+first and hands it to a fused kernel. Each row times one layer's attention core (B, 8 heads, dk 64, dv 192, bf16,
+Enformer's 1536 and Borzoi's 4096 tokens), every preparation a provider needs included in its time:
+
+``port-eager``                  the ports' math under autocast: ``[B, H, N, 2N - 1]`` position logits, the
+                                relative shift, ``[B, H, N, N]`` logits, softmax, ``@ v``;
+``sdpa-built-bias``             the position term built as a ``[B, H, N, N]`` bf16 bias
+                                (``kvbound.models.relative.relative_window``), then
+                                ``F.scaled_dot_product_attention(scale q + u, k, v, attn_mask=bias)``;
+``flex-built-table``            the ``[B, H, N, 2N - 1]`` position table built, then FlexAttention
+                                (``torch.compile``d on CUDA) adding ``table[b, h, i, N - 1 + j - i]`` in
+                                ``score_mod``;
+``kvbound-relative``            ``kvbound.attention(..., relative_keys=R, ...)``: one fused call, each tile's
+                                position term formed on chip from the ``BM + BN - 1`` rows of ``R`` it needs;
+``kvbound-relative-compressed`` the same on K/V compressed with the default config (bases calibrated on another
+                                draw); ``compress_ms`` is encoding K and V once, not included in ``ms_*``.
+
+``peak_bytes`` is the CUDA allocator's peak during one call above what was allocated before it. Before timing,
+batch item 0 of each output is compared with the float64 reference
+(``kvbound.models.reference.relative_position_attention_reference``; on the decompressed K/V for the compressed
+provider): ``err_max``, ``err_rel``; ``check_failed`` beyond ``err_rel`` 3e-2. K/V are structured as in the attention
+suite (``kvbound.bench.data``, half of the blocks residual-free), queries in K's subspace, ``R``, ``u``, ``w``
+Gaussian at the scale of the ports' projections.
+
+    python -m kvbound.bench --suite relative --out benchmarks/results/relative_h200.csv
+    python -m kvbound.bench --suite relative --cpu-smoke --out /tmp/relative.csv    # tiny sizes, CPU
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvbound.bench import data as bench_data
+from kvbound.bench.formulas import attention_flops, tflops
+
+__all__ = ["RELATIVE_PROVIDERS", "RelativeOptions", "RelativeSpec", "relative_rows", "relative_specs"]
+
+RELATIVE_PROVIDERS = (
+    "port-eager",
+    "sdpa-built-bias",
+    "flex-built-table",
+    "kvbound-relative",
+    "kvbound-relative-compressed",
+)
+_TOLERANCE = 3e-2
+
+
+@dataclass(frozen=True)
+class RelativeSpec:
+    name: str
+    tokens: int
+    batches: tuple[int, ...]
+    heads: int = 8
+    dk: int = 64
+    dv: int = 192
+
+
+def relative_specs(smoke: bool) -> tuple[RelativeSpec, ...]:
+    if smoke:
+        return (RelativeSpec("enformer-layer", 48, (1, 2), heads=2, dk=16, dv=24),)
+    return (RelativeSpec("enformer-layer", 1536, (1, 8)), RelativeSpec("borzoi-layer", 4096, (1, 4)))
+
+
+@dataclass
+class RelativeOptions:
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    seed: int = 0
+    zero_tile_share: float = 0.5
+    batches: tuple[int, ...] | None = None
+
+
+def _inputs(spec: RelativeSpec, batch: int, device: torch.device, dtype: torch.dtype, config, seed: int,
+            share: float) -> dict:
+    n, h = spec.tokens, spec.heads
+    k_sub = bench_data.kv_subspace(h, spec.dk, seed=seed * 100 + 1, device=device)
+    v_sub = bench_data.kv_subspace(h, spec.dv, seed=seed * 100 + 2, device=device)
+
+    def kv(sub, s):
+        return bench_data.structured_kv(batch, n, sub, zero_tile_share=share, block_size=config.block_size,
+                                        dtype=dtype, seed=s)
+
+    g = torch.Generator(device="cpu").manual_seed(seed * 100 + 7)
+    return {
+        "q": bench_data.structured_queries(batch, h, n, k_sub, dtype=dtype, seed=seed * 100 + 3),
+        "k": kv(k_sub, seed * 100 + 4),
+        "v": kv(v_sub, seed * 100 + 5),
+        "k_sample": kv(k_sub, seed * 100 + 14),
+        "v_sample": kv(v_sub, seed * 100 + 15),
+        "relative_keys": (torch.randn(h, 2 * n - 1, spec.dk, generator=g) * 0.5).to(device=device, dtype=dtype),
+        "u": (torch.randn(h, spec.dk, generator=g) * 0.1).to(device=device, dtype=dtype),
+        "w": (torch.randn(h, spec.dk, generator=g) * 0.1).to(device=device, dtype=dtype),
+        "scale": spec.dk**-0.5,
+    }
+
+
+def _port_eager(x: dict) -> torch.Tensor:
+    """The ports' math: bf16 einsums (as under autocast), the relative shift, float32 softmax."""
+    q, k, v, rel = x["q"], x["k"], x["v"], x["relative_keys"]
+    b, h, n, _ = q.shape
+    qs = q * x["scale"]
+    content = torch.einsum("bhid,bhjd->bhij", qs + x["u"][None, :, None], k)
+    table = torch.einsum("bhid,hmd->bhim", qs + x["w"][None, :, None], rel)  # [B, H, N, 2N - 1]
+    # the ports' relative shift (pad, reshape, slice): logits[i, j] = table[i, N - 1 + j - i]
+    padded = torch.nn.functional.pad(table, (1, 0))
+    shifted = padded.reshape(b, h, 2 * n, n)[:, :, 1:].reshape(b, h, n, 2 * n - 1)[..., :n]
+    weights = (content + shifted).float().softmax(dim=-1).to(v.dtype)
+    return weights @ v
+
+
+def _position_bias(x: dict) -> torch.Tensor:
+    from kvbound.models.relative import relative_window
+
+    q = x["q"]
+    n = q.shape[2]
+    query = q * x["scale"] + x["w"][None, :, None]
+    return relative_window(query, x["relative_keys"], 0, n, n).to(q.dtype)
+
+
+def _sdpa_built_bias(x: dict) -> torch.Tensor:
+    bias = _position_bias(x)
+    query = x["q"] * x["scale"] + x["u"][None, :, None]
+    return torch.nn.functional.scaled_dot_product_attention(query, x["k"], x["v"], attn_mask=bias, scale=1.0)
+
+
+def _flex_built_table(flex: Callable) -> Callable[[dict], torch.Tensor]:
+    def run(x: dict) -> torch.Tensor:
+        q = x["q"]
+        n = q.shape[2]
+        table = torch.einsum("bhid,hmd->bhim", q * x["scale"] + x["w"][None, :, None], x["relative_keys"])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[b, h, q_idx, n - 1 + kv_idx - q_idx]
+
+        query = q * x["scale"] + x["u"][None, :, None]
+        return flex(query, x["k"], x["v"], score_mod=score_mod, scale=1.0)
+
+    return run
+
+
+def _kvbound_relative(k_name: str, v_name: str) -> Callable[[dict], torch.Tensor]:
+    def run(x: dict) -> torch.Tensor:
+        from kvbound.models.relative import relative_position_attention
+
+        return relative_position_attention(x["q"], x[k_name], x[v_name], x["relative_keys"], x["u"][None, :, None],
+                                           x["w"][None, :, None], scale=x["scale"], backend="kvbound")
+
+    return run
+
+
+def _flex_function(device: torch.device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type == "cuda":
+        return torch.compile(flex_attention, dynamic=False)
+    return flex_attention
+
+
+def _reference(x: dict, k, v) -> torch.Tensor:
+    from kvbound.models.reference import relative_position_attention_reference
+
+    return relative_position_attention_reference(x["q"][:1], k[:1], v[:1], x["relative_keys"], x["u"], x["w"],
+                                                 scale=x["scale"])
+
+
+def _peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int | None, int | None]:
+    if device.type != "cuda":
+        return None, None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline, baseline
+
+
+def _measured(fn: Callable[[dict], torch.Tensor], x: dict, expected: torch.Tensor, device: torch.device,
+              options: RelativeOptions, flops: int) -> dict:
+    """Check batch item 0 against ``expected``, then time ``fn(x)`` and take its peak memory."""
+    from kvbound.bench.runner import measure
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = fn(x)
+        diff = out[:1].double() - expected
+        rel = float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected))
+        finite = bool(torch.isfinite(out).all())
+        del out
+        times = measure(lambda: fn(x), device, options.warmup_ms, options.rep_ms)
+        peak, baseline = _peak_bytes(lambda: fn(x), device)
+    return {
+        "status": "ok" if finite and rel <= _TOLERANCE else "check_failed",
+        "reason": "" if finite else "output has NaN or Inf",
+        "err_max": float(diff.abs().max()), "err_rel": rel,
+        "ms_p20": times[0], "ms_p50": times[1], "ms_p80": times[2],
+        "tflops": tflops(flops, times[1]), "peak_bytes": peak, "baseline_bytes": baseline,
+    }
+
+
+def relative_rows(device: torch.device, config, options: RelativeOptions, smoke: bool) -> Iterator[dict]:
+    """One row per (layer, batch, provider); see the module docstring."""
+    import kvbound
+
+    dtype = torch.float16 if smoke else torch.bfloat16  # the CPU interpreter's dot is unreliable on bfloat16
+    flex = None
+    for spec in relative_specs(smoke):
+        for batch in options.batches or spec.batches:
+            x = _inputs(spec, batch, device, dtype, config, options.seed, options.zero_tile_share)
+            n = spec.tokens
+            base = {
+                "mode": "time", "suite": "relative", "shape": f"{spec.name}-b{batch}", "family": "relative",
+                "batch": batch, "q_heads": spec.heads, "kv_heads": spec.heads, "q_len": n, "kv_len": n,
+                "head_dim_qk": spec.dk, "head_dim_v": spec.dv, "causal": False, "dtype": str(dtype).split(".")[-1],
+                "bias": "relpos", "softcap": 0.0,
+                "flops": attention_flops(batch, spec.heads, n, n, spec.dk, spec.dv, False),
+            }
+            exact = _reference(x, x["k"], x["v"])
+            for provider in RELATIVE_PROVIDERS:
+                row = {**base, "provider": provider, "config": "", "semantics": "exact"}
+                try:
+                    expected = exact
+                    if provider == "port-eager":
+                        fn = _port_eager
+                    elif provider == "sdpa-built-bias":
+                        fn = _sdpa_built_bias
+                    elif provider == "flex-built-table":
+                        if flex is None:
+                            flex = _flex_function(device)
+                        fn = _flex_built_table(flex)
+                    elif provider == "kvbound-relative":
+                        fn = _kvbound_relative("k", "v")
+                    else:
+                        bases = {w: kvbound.calibrate(x[f"{w}_sample"], config) for w in ("k", "v")}
+                        impl = "triton" if device.type == "cuda" else "eager"
+                        tic = time.perf_counter()
+                        x["ck"] = kvbound.compress_kv(x["k"], config, bases["k"], impl=impl)
+                        x["cv"] = kvbound.compress_kv(x["v"], config, bases["v"], impl=impl)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        ratio = (x["ck"].dense_nbytes + x["cv"].dense_nbytes) / (x["ck"].nbytes + x["cv"].nbytes)
+                        row.update(config=f"r{config.rank}b{config.bits}", rank=config.rank, bits=config.bits,
+                                   block_size=config.block_size, tau=config.tau, basis="calibrated",
+                                   compression_ratio=ratio, compress_ms=(time.perf_counter() - tic) * 1e3)
+                        expected = _reference(x, x["ck"].decompress().to(dtype), x["cv"].decompress().to(dtype))
+                        fn = _kvbound_relative("ck", "cv")
+                    row.update(_measured(fn, x, expected, device, options, base["flops"]))
+                except Exception as error:  # a provider that cannot run here gets its row, with why
+                    unsupported = isinstance(error, (NotImplementedError, RuntimeError)) and device.type == "cpu"
+                    text = str(error).splitlines()[0][:300] if str(error) else ""
+                    row.update(status="unsupported" if unsupported else "error",
+                               reason=f"{type(error).__name__}: {text}")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                yield row
+            del x
