@@ -664,3 +664,14 @@ def test_enformer_variants_block_scores_changes_without_code_flip_noise(enformer
     )
     assert torch.equal(anchored[0], independent[0])  # the reference is encoded on its own either way
     assert float(noise_anchored.median()) < 0.5 * float(noise_independent.median())
+
+
+def test_encode_time_accumulates_per_forward(enformer):
+    model, _ = enformer
+    x = _enformer_input(32, seed=5)
+    with torch.no_grad(), patch(model, CONFIG, query_chunk=16, backend="eager") as handle:
+        model(x)
+        first = [r.encode_seconds for r in handle.modules]
+        model(x)
+        second = [r.encode_seconds for r in handle.modules]
+    assert all(t > 0 for t in first) and all(b > a for a, b in zip(first, second, strict=True))

@@ -66,7 +66,9 @@ published; `patch-dense`: `kvbound.patch(model, compress=False)`; `patch-compres
 calls. Peak: `torch.cuda.max_memory_allocated` during one forward; "above baseline" subtracts what was allocated
 before it (weights, inputs, the reference output). Diff: the output against the unpatched output on the same input
 (max abs; rel = L2 norm of the difference over the L2 norm of the reference). Encode ms:
-`CompressedKV.encode_seconds` summed over layers per forward.
+the patched modules' `encode_seconds` per forward (device time between CUDA events around the encoder calls;
+rows measured up to commit 363ab4c summed the encoders' host time, which includes waiting for the GPU work queued before
+each call, and overstate it).
 """
 
 _RING_DESIGN = """\

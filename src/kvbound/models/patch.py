@@ -52,11 +52,24 @@ class PatchedModule:
     calls: int = 0
     last_k_ratio: float | None = None
     last_v_ratio: float | None = None
-    encode_seconds: float = 0.0
+    _encode_total: float = field(default=0.0, repr=False)
+    # CUDA events around each forward's encoding, read (and folded into the total) when the time is asked for
+    _encode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
     _original: object = field(default=_MISSING, repr=False)
     _installed: object = field(default=None, repr=False)
     _captured_k: list[torch.Tensor] = field(default_factory=list, repr=False)
     _captured_v: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def encode_seconds(self) -> float:
+        """Time spent compressing this module's K and V, over all its forwards. On CUDA it is the device time
+        between events recorded around the encoder calls (host time would include waiting for the work queued
+        before them); reading it waits for those events. On the CPU, the encoders' own wall time."""
+        for start, end in self._encode_events:
+            end.synchronize()
+            self._encode_total += start.elapsed_time(end) / 1e3
+        self._encode_events.clear()
+        return self._encode_total
 
 
 class _PatchedMethod:
@@ -142,6 +155,10 @@ class PatchHandle:
             return k, v
         if not self.compress:
             return k, v
+        events = None
+        if k.is_cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         ck = compress_kv(k, self.config, record.basis_k, impl=_encoder(k, self.config, record.basis_k))
         cv = compress_kv(v, self.config, record.basis_v, impl=_encoder(v, self.config, record.basis_v))
         if self._anchor_index is not None:
@@ -157,7 +174,11 @@ class PatchHandle:
             cv = encode_anchored(v, cv, cv, index, source=v)
         record.last_k_ratio = ck.compression_ratio
         record.last_v_ratio = cv.compression_ratio
-        record.encode_seconds += ck.encode_seconds + cv.encode_seconds
+        if events is not None:
+            events[1].record()
+            record._encode_events.append(events)
+        else:
+            record._encode_total += ck.encode_seconds + cv.encode_seconds
         return ck, cv
 
     # ---------------------------------------------------------------------------------------------- public
