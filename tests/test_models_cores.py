@@ -300,3 +300,32 @@ def test_explicit_kvbound_backend_never_falls_back():
         out = tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="kvbound")
         expected = tile_bias_attention_reference(q, k, v, bias.values, scale=0.25, softcap=5.0)
         assert (out.double() - expected).abs().max().item() < 1e-4
+
+
+def test_patched_module_folds_finished_encode_events():
+    # On CUDA each compressed forward records a pair of events around its encoder calls; finished pairs are folded
+    # into the total as new ones arrive, so an inference loop that never reads encode_seconds keeps few alive.
+    import torch
+
+    from kvbound.models.patch import PatchedModule
+
+    class Event:  # stands in for torch.cuda.Event (no GPU here)
+        def __init__(self, t, done):
+            self.t, self.done = t, done
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    record = PatchedModule(name="m", kind="k", role="attention", module=torch.nn.Identity())
+    for i in range(100):
+        record._add_encode_events(Event(i, True), Event(i + 0.002, True))
+    assert len(record._encode_events) == 1
+    record._add_encode_events(Event(0, False), Event(0.5, False))  # still running: kept, then waited for
+    assert len(record._encode_events) == 1
+    assert abs(record.encode_seconds - (100 * 0.002 + 0.5)) < 1e-9 and record._encode_events == []

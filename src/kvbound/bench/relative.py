@@ -9,20 +9,22 @@ first and hands it to a fused kernel. Each row times one layer's attention core 
 Enformer's 1536 and Borzoi's 4096 tokens), every preparation a provider needs included in its time:
 
 ``port-eager``                  the ports' math under autocast: ``[B, H, N, 2N - 1]`` position logits, the
-                                relative shift, ``[B, H, N, N]`` logits, softmax, ``@ v``;
-``sdpa-built-bias``             the position term built as a ``[B, H, N, N]`` bf16 bias
-                                (``kvbound.models.relative.relative_window``), then
+                                port's relative shift (Enformer: pad and reshape; Borzoi: a strided view),
+                                ``[B, H, N, N]`` logits, softmax, ``@ v``;
+``sdpa-built-bias``             the position term built as a ``[B, H, N, N]`` bf16 bias (one einsum and one
+                                copy of its shifted view), then
                                 ``F.scaled_dot_product_attention(scale q + u, k, v, attn_mask=bias)``;
 ``flex-built-table``            the ``[B, H, N, 2N - 1]`` position table built, then FlexAttention
                                 (``torch.compile``d on CUDA) adding ``table[b, h, i, N - 1 + j - i]`` in
                                 ``score_mod``;
 ``kvbound-relative``            ``kvbound.attention(..., relative_keys=R, ...)``: one fused call, each tile's
                                 position term formed on chip from the ``BM + BN - 1`` rows of ``R`` it needs;
-``kvbound-relative-compressed`` the same on K/V compressed with the default config (bases calibrated on another
-                                draw); ``compress_ms`` is encoding K and V once, not included in ``ms_*``.
+``kvbound-relative-compressed`` encoding this forward's K and V with the default config (bases calibrated on
+                                another draw), then the same fused call on the compressed form: a compressed
+                                forward's work per layer; ``compress_ms`` is the encoding alone.
 
 ``peak_bytes`` is the CUDA allocator's peak during one call above what was allocated before it. Before timing,
-batch item 0 of each output is compared with the float64 reference
+the first and last batch items of each output are compared with the float64 reference
 (``kvbound.models.reference.relative_position_attention_reference``; on the decompressed K/V for the compressed
 provider): ``err_max``, ``err_rel``; ``check_failed`` beyond ``err_rel`` 3e-2. K/V are structured as in the attention
 suite (``kvbound.bench.data``, half of the blocks residual-free), queries in K's subspace, ``R``, ``u``, ``w``
@@ -34,7 +36,6 @@ Gaussian at the scale of the ports' projections.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,12 +65,19 @@ class RelativeSpec:
     heads: int = 8
     dk: int = 64
     dv: int = 192
+    shift: str = "pad"  # the port's relative shift: Enformer pads and reshapes, Borzoi takes a strided view
 
 
 def relative_specs(smoke: bool) -> tuple[RelativeSpec, ...]:
     if smoke:
-        return (RelativeSpec("enformer-layer", 48, (1, 2), heads=2, dk=16, dv=24),)
-    return (RelativeSpec("enformer-layer", 1536, (1, 8)), RelativeSpec("borzoi-layer", 4096, (1, 4)))
+        return (
+            RelativeSpec("enformer-layer", 48, (1, 2), heads=2, dk=16, dv=24),
+            RelativeSpec("borzoi-layer", 40, (1,), heads=2, dk=16, dv=24, shift="strided"),
+        )
+    return (
+        RelativeSpec("enformer-layer", 1536, (1, 8)),
+        RelativeSpec("borzoi-layer", 4096, (1, 4), shift="strided"),
+    )
 
 
 @dataclass
@@ -102,30 +110,37 @@ def _inputs(spec: RelativeSpec, batch: int, device: torch.device, dtype: torch.d
         "u": (torch.randn(h, spec.dk, generator=g) * 0.1).to(device=device, dtype=dtype),
         "w": (torch.randn(h, spec.dk, generator=g) * 0.1).to(device=device, dtype=dtype),
         "scale": spec.dk**-0.5,
+        "shift": spec.shift,
     }
 
 
+def _shifted(table: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, 2N - 1] -> [B, H, N, N]`` view with ``out[i, j] = table[i, N - 1 + j - i]`` (no copy)."""
+    b, h, n, width = table.shape
+    table = table.contiguous()
+    return table.as_strided((b, h, n, n), (h * n * width, n * width, width - 1, 1), table.storage_offset() + n - 1)
+
+
 def _port_eager(x: dict) -> torch.Tensor:
-    """The ports' math: bf16 einsums (as under autocast), the relative shift, float32 softmax."""
+    """The ports' math: bf16 einsums (as under autocast), the port's relative shift, float32 softmax."""
     q, k, v, rel = x["q"], x["k"], x["v"], x["relative_keys"]
     b, h, n, _ = q.shape
     qs = q * x["scale"]
     content = torch.einsum("bhid,bhjd->bhij", qs + x["u"][None, :, None], k)
     table = torch.einsum("bhid,hmd->bhim", qs + x["w"][None, :, None], rel)  # [B, H, N, 2N - 1]
-    # the ports' relative shift (pad, reshape, slice): logits[i, j] = table[i, N - 1 + j - i]
-    padded = torch.nn.functional.pad(table, (1, 0))
-    shifted = padded.reshape(b, h, 2 * n, n)[:, :, 1:].reshape(b, h, n, 2 * n - 1)[..., :n]
+    if x["shift"] == "pad":  # enformer-pytorch's relative_shift: pad, reshape, slice (copies)
+        padded = torch.nn.functional.pad(table, (1, 0))
+        shifted = padded.reshape(b, h, 2 * n, n)[:, :, 1:].reshape(b, h, n, 2 * n - 1)[..., :n]
+    else:  # borzoi-pytorch's fast_relative_shift: a strided view
+        shifted = _shifted(table)
     weights = (content + shifted).float().softmax(dim=-1).to(v.dtype)
     return weights @ v
 
 
 def _position_bias(x: dict) -> torch.Tensor:
-    from kvbound.models.relative import relative_window
-
-    q = x["q"]
-    n = q.shape[2]
-    query = q * x["scale"] + x["w"][None, :, None]
-    return relative_window(query, x["relative_keys"], 0, n, n).to(q.dtype)
+    """The position term as a contiguous ``[B, H, N, N]`` bias in the input dtype (one einsum, one gather copy)."""
+    query = x["q"] * x["scale"] + x["w"][None, :, None]
+    return _shifted(torch.einsum("bhid,hmd->bhim", query, x["relative_keys"])).contiguous()
 
 
 def _sdpa_built_bias(x: dict) -> torch.Tensor:
@@ -167,10 +182,12 @@ def _flex_function(device: torch.device):
     return flex_attention
 
 
-def _reference(x: dict, k, v) -> torch.Tensor:
+def _reference(x: dict, k, v, item: int) -> torch.Tensor:
+    """float64 attention of batch item ``item`` (``[1, H, N, Dv]``)."""
     from kvbound.models.reference import relative_position_attention_reference
 
-    return relative_position_attention_reference(x["q"][:1], k[:1], v[:1], x["relative_keys"], x["u"], x["w"],
+    one = slice(item, item + 1)
+    return relative_position_attention_reference(x["q"][one], k[one], v[one], x["relative_keys"], x["u"], x["w"],
                                                  scale=x["scale"])
 
 
@@ -185,27 +202,48 @@ def _peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int | N
     return torch.cuda.max_memory_allocated(device) - baseline, baseline
 
 
-def _measured(fn: Callable[[dict], torch.Tensor], x: dict, expected: torch.Tensor, device: torch.device,
-              options: RelativeOptions, flops: int) -> dict:
-    """Check batch item 0 against ``expected``, then time ``fn(x)`` and take its peak memory."""
+def _measured(fn: Callable[[dict], torch.Tensor], x: dict, references: dict[int, torch.Tensor],
+              device: torch.device, options: RelativeOptions, flops: int) -> dict:
+    """Check the batch items in ``references`` (first and last) against float64, then time ``fn(x)`` and take its
+    peak memory."""
     from kvbound.bench.runner import measure
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        if device.type == "cpu":  # FlexAttention runs eagerly there, on purpose
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         out = fn(x)
-        diff = out[:1].double() - expected
-        rel = float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected))
         finite = bool(torch.isfinite(out).all())
+        worst_rel, worst_abs = 0.0, 0.0
+        for item, expected in references.items():
+            diff = out[item].double() - expected[0]
+            worst_rel = max(worst_rel, float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected)))
+            worst_abs = max(worst_abs, float(diff.abs().max()))
         del out
         times = measure(lambda: fn(x), device, options.warmup_ms, options.rep_ms)
         peak, baseline = _peak_bytes(lambda: fn(x), device)
+    if not finite:
+        status, reason = "check_failed", "output has NaN or Inf"
+    elif worst_rel > _TOLERANCE:
+        status, reason = "check_failed", f"err_rel {worst_rel:.3g} > {_TOLERANCE:g} against float64"
+    else:
+        status, reason = "ok", ""
     return {
-        "status": "ok" if finite and rel <= _TOLERANCE else "check_failed",
-        "reason": "" if finite else "output has NaN or Inf",
-        "err_max": float(diff.abs().max()), "err_rel": rel,
+        "status": status, "reason": reason, "err_max": worst_abs, "err_rel": worst_rel,
         "ms_p20": times[0], "ms_p50": times[1], "ms_p80": times[2],
         "tflops": tflops(flops, times[1]), "peak_bytes": peak, "baseline_bytes": baseline,
     }
+
+
+def _compress_and_attend(config, bases: dict, impl: str) -> Callable[[dict], torch.Tensor]:
+    """What a compressed forward does per layer: encode this forward's K and V, then the fused call."""
+    def run(x: dict) -> torch.Tensor:
+        import kvbound
+
+        x["ck"] = kvbound.compress_kv(x["k"], config, bases["k"], impl=impl)
+        x["cv"] = kvbound.compress_kv(x["v"], config, bases["v"], impl=impl)
+        return _kvbound_relative("ck", "cv")(x)
+
+    return run
 
 
 def relative_rows(device: torch.device, config, options: RelativeOptions, smoke: bool) -> Iterator[dict]:
@@ -213,10 +251,10 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
     import kvbound
 
     dtype = torch.float16 if smoke else torch.bfloat16  # the CPU interpreter's dot is unreliable on bfloat16
+    impl = "triton" if device.type == "cuda" else "eager"
     flex = None
     for spec in relative_specs(smoke):
         for batch in options.batches or spec.batches:
-            x = _inputs(spec, batch, device, dtype, config, options.seed, options.zero_tile_share)
             n = spec.tokens
             base = {
                 "mode": "time", "suite": "relative", "shape": f"{spec.name}-b{batch}", "family": "relative",
@@ -225,11 +263,18 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
                 "bias": "relpos", "softcap": 0.0,
                 "flops": attention_flops(batch, spec.heads, n, n, spec.dk, spec.dv, False),
             }
-            exact = _reference(x, x["k"], x["v"])
+            items = sorted({0, batch - 1})
+            try:
+                x = _inputs(spec, batch, device, dtype, config, options.seed, options.zero_tile_share)
+                exact = {item: _reference(x, x["k"], x["v"], item) for item in items}
+            except Exception as error:  # no inputs: every provider of this shape gets the reason
+                for provider in RELATIVE_PROVIDERS:
+                    yield {**base, "provider": provider, "status": "error", "reason": _reason(error)}
+                continue
             for provider in RELATIVE_PROVIDERS:
                 row = {**base, "provider": provider, "config": "", "semantics": "exact"}
                 try:
-                    expected = exact
+                    references = exact
                     if provider == "port-eager":
                         fn = _port_eager
                     elif provider == "sdpa-built-bias":
@@ -241,26 +286,34 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
                     elif provider == "kvbound-relative":
                         fn = _kvbound_relative("k", "v")
                     else:
+                        from kvbound.bench.runner import measure
+
                         bases = {w: kvbound.calibrate(x[f"{w}_sample"], config) for w in ("k", "v")}
-                        impl = "triton" if device.type == "cuda" else "eager"
-                        tic = time.perf_counter()
-                        x["ck"] = kvbound.compress_kv(x["k"], config, bases["k"], impl=impl)
-                        x["cv"] = kvbound.compress_kv(x["v"], config, bases["v"], impl=impl)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        ratio = (x["ck"].dense_nbytes + x["cv"].dense_nbytes) / (x["ck"].nbytes + x["cv"].nbytes)
+                        fn = _compress_and_attend(config, bases, impl)
+                        fn(x)  # the encodings the reference reads (the encoder is deterministic), and a warm-up
+
+                        def encode(x=x, bases=bases):
+                            kvbound.compress_kv(x["k"], config, bases["k"], impl=impl)
+                            kvbound.compress_kv(x["v"], config, bases["v"], impl=impl)
+
+                        encode_ms = measure(encode, device, options.warmup_ms, options.rep_ms)[1]
+                        ck, cv = x["ck"], x["cv"]
+                        ratio = (ck.dense_nbytes + cv.dense_nbytes) / (ck.nbytes + cv.nbytes)
                         row.update(config=f"r{config.rank}b{config.bits}", rank=config.rank, bits=config.bits,
                                    block_size=config.block_size, tau=config.tau, basis="calibrated",
-                                   compression_ratio=ratio, compress_ms=(time.perf_counter() - tic) * 1e3)
-                        expected = _reference(x, x["ck"].decompress().to(dtype), x["cv"].decompress().to(dtype))
-                        fn = _kvbound_relative("ck", "cv")
-                    row.update(_measured(fn, x, expected, device, options, base["flops"]))
+                                   compression_ratio=ratio, compress_ms=encode_ms,
+                                   note="time includes encoding K and V (compress ms: encoding alone)")
+                        references = {item: _reference(x, ck.decompress(), cv.decompress(), item) for item in items}
+                    row.update(_measured(fn, x, references, device, options, base["flops"]))
                 except Exception as error:  # a provider that cannot run here gets its row, with why
-                    unsupported = isinstance(error, (NotImplementedError, RuntimeError)) and device.type == "cpu"
-                    text = str(error).splitlines()[0][:300] if str(error) else ""
-                    row.update(status="unsupported" if unsupported else "error",
-                               reason=f"{type(error).__name__}: {text}")
+                    row.update(status="unsupported" if isinstance(error, NotImplementedError) else "error",
+                               reason=_reason(error))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 yield row
-            del x
+            del x, exact
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).splitlines()[0][:300] if str(error) else ""
+    return f"{type(error).__name__}: {text}"

@@ -393,8 +393,8 @@ _RELATIVE_METHOD = """One Enformer / Borzoi attention core (Transformer-XL relat
 depends on the query, so no stock fused kernel runs it), 8 heads, dk 64, dv 192, bf16, as `kvbound bench --suite
 relative` times it (`kvbound/bench/relative.py`): the ports' eager math; SDPA and FlexAttention with the position
 term built for them in each call (a `[B, H, N, N]` bias, or a `[B, H, N, 2N - 1]` table read in `score_mod`); kvbound's
-fused call, on exact and on compressed K/V (encoding not included: `compress ms`). `vs best alternative` is against
-the faster of SDPA and FlexAttention. `bash benchmarks/h200.sh relative`.
+fused call on exact K/V, and on compressed K/V with this forward's encoding included (`compress ms`: the encoding
+alone). `vs best alternative` is against the faster of SDPA and FlexAttention. `bash benchmarks/h200.sh relative`.
 """
 
 _SHARE_METHOD = """How the speed depends on the data. The default config (rank 8, 4 bits, tau 2^-5) on K/V generated

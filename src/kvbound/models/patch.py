@@ -60,6 +60,13 @@ class PatchedModule:
     _captured_k: list[torch.Tensor] = field(default_factory=list, repr=False)
     _captured_v: list[torch.Tensor] = field(default_factory=list, repr=False)
 
+    def _add_encode_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        # fold the pairs already completed (no wait), so that a long inference loop keeps few events alive
+        while self._encode_events and self._encode_events[0][1].query():
+            done_start, done_end = self._encode_events.pop(0)
+            self._encode_total += done_start.elapsed_time(done_end) / 1e3
+        self._encode_events.append((start, end))
+
     @property
     def encode_seconds(self) -> float:
         """Time spent compressing this module's K and V, over all its forwards. On CUDA it is the device time
@@ -157,8 +164,9 @@ class PatchHandle:
             return k, v
         events = None
         if k.is_cuda:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+            stream = torch.cuda.current_stream(k.device)  # where the encoder's kernels go
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), stream)
+            events[0].record(stream)
         ck = compress_kv(k, self.config, record.basis_k, impl=_encoder(k, self.config, record.basis_k))
         cv = compress_kv(v, self.config, record.basis_v, impl=_encoder(v, self.config, record.basis_v))
         if self._anchor_index is not None:
@@ -175,8 +183,8 @@ class PatchHandle:
         record.last_k_ratio = ck.compression_ratio
         record.last_v_ratio = cv.compression_ratio
         if events is not None:
-            events[1].record()
-            record._encode_events.append(events)
+            events[1].record(events[2])
+            record._add_encode_events(events[0], events[1])
         else:
             record._encode_total += ck.encode_seconds + cv.encode_seconds
         return ck, cv
