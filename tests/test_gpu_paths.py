@@ -120,6 +120,28 @@ def test_gpu_byte_decode_every_tile_at_2_and_8_bits_bf16(bits, dk, dv):
     _check_every_tile(ck, cv, heads * 2, seed=33, uniforms=(None,))
 
 
+def test_gpu_asm_decode_through_the_byte_decode_checks():
+    """The opt-in PTX byte decode (KVBOUND_ASM_DECODE=1) through the byte-decode checks above, in a fresh process
+    (the flag is read at import and is part of every kernel's cache key)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tests = ["tests/test_gpu_paths.py", "-k", "(byte_decode or every_tile) and not asm"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *tests],
+        cwd=root,
+        env={**os.environ, "KVBOUND_ASM_DECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(done.stdout[-3000:], done.stderr[-2000:])
+    assert done.returncode == 0
+
+
 def _check_every_tile(ck, cv, q_heads: int, *, seed: int, uniforms) -> None:
     """bf16 queries against compressed K/V at every residual tile shape the autotuner may keep, pinned, with each
     ``uniform`` policy; the first 256 query rows against the float64 oracle. (The launcher keeps uniform runs off

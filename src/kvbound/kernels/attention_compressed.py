@@ -42,6 +42,7 @@ PyTorch's float32 setting asks for (``_common.float32_dot_precision``: full floa
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -69,6 +70,12 @@ from kvbound.kernels._common import (
 )
 
 __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"]
+
+# Opt-in (KVBOUND_ASM_DECODE=1, compiled kernels only): the byte decode of the uniform residual loop turns four
+# codes into float16 with six PTX instructions (two PRMT, two LOP3, two HFMA2) instead of the compiler's
+# per-element shifts and packs. Compiles for sm_90 (Triton 3.6); not yet checked or timed on a GPU, so off by
+# default. Part of every kernel's cache key (a module-level constexpr).
+_ASM_DECODE = tl.constexpr(os.environ.get("KVBOUND_ASM_DECODE", "0") == "1" and not _KERNELS_INTERPRETED)
 
 
 # ------------------------------------------------------------------------------------------- tile decoders
@@ -279,7 +286,42 @@ def _load_codes_bytes(
         raw = tl.load(ptrs, mask=rows_ok[:, None], other=0)
     else:
         raw = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0)
+    if _ASM_DECODE and not FP32:
+        return _exact_codes_asm(raw, shift, WIDTH)
     return _exact_codes((raw.to(tl.int32) >> shift[None, :]) & ((1 << WIDTH) - 1), WIDTH, FP32)
+
+
+@triton.jit
+def _exact_codes_asm(raw, shift, WIDTH: tl.constexpr):
+    """``_exact_codes`` of the ``WIDTH``-bit fields at bit ``shift[c]`` of the bytes ``raw`` [N, C] (uint8), as
+    float16, four codes per six instructions: PRMT spreads two bytes into the low bytes of two half-words, LOP3
+    keeps the field in place (mask ``(2**WIDTH - 1) << shift``) under the exponent of 2**10 (``0x6400``): the exact
+    half ``1024 + 2**shift u``; HFMA2 scales by ``2**-shift`` and subtracts ``1024 * 2**-shift + 2**(WIDTH - 1)``,
+    exactly (every value is a small integer times a power of two)."""
+    mask = (((1 << WIDTH) - 1) << shift).to(tl.uint16)
+    scale = tl.exp2(-shift.to(tl.float32))
+    offset = -(1024.0 * scale + (1 << (WIDTH - 1)))
+    _, mask = tl.broadcast(raw, mask[None, :])
+    _, scale16 = tl.broadcast(raw, scale.to(tl.float16)[None, :])
+    _, offset16 = tl.broadcast(raw, offset.to(tl.float16)[None, :])
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $2, 0, 0x4140;
+        prmt.b32 hi, $2, 0, 0x4342;
+        lop3.b32 lo, lo, $3, 0x64006400, 0xEA;
+        lop3.b32 hi, hi, $4, 0x64006400, 0xEA;
+        fma.rn.f16x2 $0, lo, $5, $7;
+        fma.rn.f16x2 $1, hi, $6, $8;
+        }
+        """,
+        constraints="=r,=r,r,r,r,r,r,r,r",
+        args=[raw, mask, scale16, offset16],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
