@@ -263,7 +263,7 @@ sweep | sweep-d128)
     d=64
     [[ "$PART" == "sweep-d128" ]] && d=128
     bench "$RES/sweep_d$d.csv" --shapes benchmarks/shapes/seed.toml \
-        --only "seed-n16384-d$d" "seed-n65536-d$d" --sweep --configs r16b8 r16b4 r8b2 r4b2 r8b4-perblock \
+        --only "seed-n16384-d$d" "seed-n65536-d$d" --sweep --configs r8b8 r16b8 r16b4 r8b2 r4b2 r8b4-perblock \
         --providers kvbound-compressed kvbound-dense sdpa-cudnn --no-calibration
     step "sweep-d$d" 500 "$RES/sweep_d$d.csv" "${CMD[@]}"
     ;;

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", default=None, metavar="LABEL",
                    help="run only these kvbound-compressed configs (e.g. r8b4 quant-r0b4 lowrank-r8)")
     p.add_argument("--sweep", action="store_true",
-                   help="also run the (rank, bits) sweep (16,8) (16,4) (8,2) (4,2) and the per-block basis")
+                   help="also run the (rank, bits) sweep (8,8) (16,8) (16,4) (8,2) (4,2) and the per-block basis")
     p.add_argument("--out", type=Path, default=None,
                    help="CSV to write (default: benchmarks/results/bench-<date>.csv); rows are appended as "
                         "they are measured, so an interrupted run keeps its rows")

@@ -238,6 +238,7 @@ DEFAULT_CONFIGS = (
     CompressedConfigSpec("lowrank-r8", rank=8, bits=4, lowrank_only=True),
 )
 SWEEP_CONFIGS = (
+    CompressedConfigSpec("r8b8", rank=8, bits=8),
     CompressedConfigSpec("r16b8", rank=16, bits=8),
     CompressedConfigSpec("r16b4", rank=16, bits=4),
     CompressedConfigSpec("r8b2", rank=8, bits=2),

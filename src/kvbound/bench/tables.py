@@ -54,7 +54,7 @@ __all__ = [
 
 DEFAULT_CONFIG = "r8b4"
 ABLATION_CONFIGS = (("lowrank-r8", "low-rank only"), ("quant-r0b4", "quantisation only"), ("r8b4", "fused (default)"))
-SWEEP_ORDER = ("r16b8", "r16b4", "r8b4", "r8b2", "r4b2", "r8b4-perblock")
+SWEEP_ORDER = ("r8b8", "r16b8", "r16b4", "r8b4", "r8b2", "r4b2", "r8b4-perblock")
 COMPRESSED = "kvbound-compressed"
 
 

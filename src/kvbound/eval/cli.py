@@ -11,8 +11,9 @@ randomly initialised, and every output says so), on held-out windows of the test
   change of expression at the TSS bin|``, labels from the simulator), overall and per distance stratum;
 * the same with K and V of every attention layer replaced through a hook by
   ``kvbound.compress_kv(...).decompress()`` for: the default config; the ablations "low-rank only" (rank 8,
-  residual dropped, no bound) and "quantisation only" (rank 0); the (rank, bits) sweep (16,8), (16,4),
-  (8,4), (8,2), (4,2); and a tau sweep 2^-7 .. 2^-2; plus "bf16 K/V" (rounding only, the common floor);
+  residual dropped, no bound) and "quantisation only" (rank 0); variant scoring with anchored encoding
+  (``paired``); the (rank, bits) sweep (8,8), (16,8), (16,4), (8,4), (8,2), (4,2); and a tau sweep
+  2^-7 .. 2^-2; plus "bf16 K/V" (rounding only, the common floor);
 * the no-attention ablation models (``<kind>_noattn``) when their weights exist;
 * per attention layer (default config, ``--layer-windows`` windows): the largest effective query 1-norm, the
   Hoelder bound ``||q||_1 * tau`` on the logit change from compressed K and the measured largest change
@@ -58,7 +59,7 @@ from kvbound.eval.windows import Benchmark, TrackNormalizer, load_benchmark, mak
 __all__ = ["Setting", "default_settings", "main"]
 
 REPOSITORY = Path(__file__).resolve().parents[3]
-SWEEP_RANK_BITS = ((16, 8), (16, 4), (8, 4), (8, 2), (4, 2))
+SWEEP_RANK_BITS = ((8, 8), (16, 8), (16, 4), (8, 4), (8, 2), (4, 2))
 SWEEP_TAU_EXPONENTS = (-7, -6, -5, -4, -3, -2)
 
 
