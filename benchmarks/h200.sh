@@ -54,6 +54,8 @@
 #   relative    ~4 min    Enformer / Borzoi attention cores (relative positions) at batch 1 and 8 / 4: the ports' math,
 #                         SDPA and FlexAttention with the position term built for them, kvbound fused (exact and
 #                         compressed K/V), time and peak memory (kvbound/bench/relative.py)
+#   asm         ~7 min    the opt-in PTX byte decode (KVBOUND_ASM_DECODE=1): the byte-decode GPU checks with it (4),
+#                         then benchmarks/residual_diag.py's uniform loop timed without and with it (1.5 each)
 #   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
 #                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
 #
@@ -62,7 +64,7 @@
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share relative models models2 alphagenome ring"
+PARTS="verify attention traffic sweep sweep-d128 share relative asm models models2 alphagenome ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -233,7 +235,7 @@ verify)
     # The GPU-only tests (one process), then the byte decode at every tile shape (one process per case).
     tiles=("$PY" benchmarks/byte_decode_tiles.py "$RES/byte_decode_tiles.csv" --jobs 10 --timeout-s 200)
     [[ "$SMOKE" == "1" ]] && tiles+=(--cpu-smoke)
-    step gpu-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests
+    step gpu-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests -k "not asm"
     step byte-decode-tiles 240 "$RES/byte_decode_tiles.csv" "${tiles[@]}"
     ;;
 attention)
@@ -270,6 +272,20 @@ sweep | sweep-d128)
 share)
     bench "$RES/share.csv" --shapes benchmarks/shapes/share.toml --configs r8b4 --no-calibration
     step share 500 "$RES/share.csv" "${CMD[@]}"
+    ;;
+asm)
+    # The GPU test reruns the byte-decode checks in a child process with the flag set; then the same layouts timed
+    # without and with it (uniform loop, dense and cuDNN beside them).
+    if [[ "$SMOKE" == "1" ]]; then
+        step asm-tests 120 /dev/null "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_paths.py -k asm
+    else
+        step asm-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests/test_gpu_paths.py -k asm
+    fi
+    diag=("$PY" benchmarks/residual_diag.py --layouts packed4,packed8,packed4_contig50 --providers uniform,dense,cudnn
+          --long-layouts "" --budget-s 80)
+    [[ "$SMOKE" == "1" ]] && diag+=(--cpu-smoke)
+    step residual-default 110 "$RES/residual_default.csv" "${diag[@]}" "$RES/residual_default.csv"
+    step residual-asm 110 "$RES/residual_asm.csv" env KVBOUND_ASM_DECODE=1 "${diag[@]}" "$RES/residual_asm.csv"
     ;;
 relative)
     bench "$RES/relative.csv" --suite relative

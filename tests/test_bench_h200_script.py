@@ -17,6 +17,7 @@ PARTS = (
     "sweep-d128",
     "share",
     "relative",
+    "asm",
     "models",
     "models2",
     "alphagenome",
