@@ -37,7 +37,7 @@ from kvbound.codec.eager import (
     _ulp32,
     _unpack,
     _valid_rows,
-    lay_out,
+    assemble,
     promotion_widths,
 )
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
@@ -260,26 +260,19 @@ def encode_anchored(
         raw_store.append(raw)
 
     raw_all = torch.cat(raw_store) if raw_store else torch.zeros(0, nb, block, d, dtype=x.dtype, device=device)
-    offset, codes_buf, raw_buf = lay_out(
-        n, d, block, promotion_widths(config.bits), mode, width, q_store, lambda sl: raw_all[sl], x.dtype
-    )
-    coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeff_dtype)
-    coeffs = coeffs.reshape(bh, nb * block, r)[:, :n].reshape(batch, heads, n, r).contiguous()
     if coeffs.dtype == torch.float32 and bool((coeffs.to(torch.float16).to(torch.float32) == coeffs).all()):
         coeffs = coeffs.to(torch.float16)  # the format's rule: float16 unless a coefficient needs more
-    basis_out = basis.contiguous() if fresh.shared_basis else basis.reshape(batch, heads, nb, r, d).contiguous()
-    return CompressedKV(
-        shape=(batch, heads, n, d),
-        dtype=x.dtype,
-        config=config,
-        coeffs=coeffs,
-        basis=basis_out,
-        mode=mode.reshape(batch, heads, nb).contiguous(),
-        scale=scale.reshape(batch, heads, nb).contiguous(),
-        bits=width.reshape(batch, heads, nb).contiguous(),
-        offset=offset.reshape(batch, heads, nb).contiguous(),
-        codes=codes_buf,
-        raw=raw_buf,
-        shared_basis=fresh.shared_basis,
-        encode_seconds=fresh.encode_seconds + time.perf_counter() - start,
+    return assemble(
+        x.shape,
+        x.dtype,
+        config,
+        mode,
+        width,
+        scale,
+        coeffs,
+        basis,
+        fresh.shared_basis,
+        q_store,
+        lambda sl: raw_all[sl],
+        fresh.encode_seconds + time.perf_counter() - start,
     )

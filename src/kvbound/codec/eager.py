@@ -200,18 +200,39 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
     def raw_rows(sl: slice) -> torch.Tensor:
         return _blocks(xs[sl], n, block)
 
-    offset, codes_buf, raw_buf = lay_out(n, d, block, widths, mode, width, q_store, raw_rows, x.dtype)
+    return assemble(
+        x.shape,
+        x.dtype,
+        config,
+        mode,
+        width,
+        scale,
+        coeffs,
+        projection_store,
+        basis is not None,
+        q_store,
+        raw_rows,
+        time.perf_counter() - start,
+    )
 
-    # Exact blocks carry zero coefficients, so a kernel can treat the stored block as the whole tile.
-    coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeff_dtype)
+
+def assemble(shape, dtype, config, mode, width, scale, coeffs, basis, shared_basis, q_store, raw_rows, seconds):
+    """The :class:`CompressedKV` of per-block choices: ``mode``/``width``/``scale`` [BH, NB], ``coeffs``
+    [BH, NB, Bn, r] in their stored dtype, ``basis`` [H, r, D] (shared) or [BH, NB, r, D], codes and exact values
+    as :func:`lay_out` takes them. Exact blocks get zero coefficients, so a kernel can treat the stored block as
+    the whole tile."""
+    batch, heads, n, d = shape
+    bh, nb = mode.shape
+    block, r = config.block_size, coeffs.shape[-1]
+    offset, codes_buf, raw_buf = lay_out(
+        n, d, block, promotion_widths(config.bits), mode, width, q_store, raw_rows, dtype
+    )
+    coeffs = torch.where((mode == MODE_RAW)[..., None, None], 0, coeffs).to(coeffs.dtype)
     coeffs = coeffs.reshape(bh, nb * block, r)[:, :n].reshape(batch, heads, n, r).contiguous()
-    if basis is not None:
-        basis_out = projection_store.contiguous()
-    else:
-        basis_out = projection_store.reshape(batch, heads, nb, r, d).contiguous()
+    basis_out = basis.contiguous() if shared_basis else basis.reshape(batch, heads, nb, r, d).contiguous()
     return CompressedKV(
         shape=(batch, heads, n, d),
-        dtype=x.dtype,
+        dtype=dtype,
         config=config,
         coeffs=coeffs,
         basis=basis_out,
@@ -221,8 +242,8 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
         offset=offset.reshape(batch, heads, nb).contiguous(),
         codes=codes_buf,
         raw=raw_buf,
-        shared_basis=basis is not None,
-        encode_seconds=time.perf_counter() - start,
+        shared_basis=shared_basis,
+        encode_seconds=seconds,
     )
 
 
