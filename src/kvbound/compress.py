@@ -61,4 +61,4 @@ def compress_kv(
         return fresh
     from kvbound.codec.anchored import encode_anchored
 
-    return encode_anchored(x, fresh, anchor, anchor_index, anchor_source)
+    return encode_anchored(x, fresh, anchor, anchor_index, anchor_source, check_fresh=False)  # fresh: just certified

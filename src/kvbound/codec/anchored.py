@@ -45,8 +45,9 @@ from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_
 __all__ = ["encode_anchored"]
 
 
-def _parts(ckv: CompressedKV, rows: torch.Tensor) -> dict:
-    """Per-block pieces of heads ``rows`` (indices into B*H) of ``ckv``, in float64 where they are numbers."""
+def _parts(ckv: CompressedKV, rows: torch.Tensor, low_rank: bool = True) -> dict:
+    """Per-block pieces of heads ``rows`` (indices into B*H) of ``ckv``, in float64 where they are numbers;
+    ``low_rank``: also the low-rank part ``C @ P`` and ``|C| @ |P|`` (the certificate's rounding term)."""
     batch, heads, n, d = ckv.shape
     block, r = ckv.config.block_size, ckv.rank
     nb = ckv.num_blocks
@@ -58,7 +59,6 @@ def _parts(ckv: CompressedKV, rows: torch.Tensor) -> dict:
         projection = ckv.basis[rows % heads][:, None]  # [c, 1, r, D]
     else:
         projection = ckv.basis.reshape(bh, nb, r, d)[rows]  # [c, NB, r, D]
-    cd, pd = coeff_rows.to(torch.float64), projection.to(torch.float64)
     mode = ckv.mode.reshape(bh, nb)[rows]
     width = ckv.bits.reshape(bh, nb)[rows]
     offset = ckv.offset.reshape(bh, nb)[rows]
@@ -79,8 +79,7 @@ def _parts(ckv: CompressedKV, rows: torch.Tensor) -> dict:
     return {
         "coeff_rows": coeff_rows,
         "projection": projection,
-        "low": cd @ pd,
-        "low_abs": cd.abs() @ pd.abs(),
+        **_low_rank(coeff_rows, projection, low_rank),
         "mode": mode,
         "width": width,
         "scale": ckv.scale.reshape(bh, nb)[rows],
@@ -95,6 +94,13 @@ def _certifies(codes, xb, low, low_abs, step, gamma, tau) -> tuple[torch.Tensor,
     y = (low + codes * step).to(torch.float32)
     error = (xb - y.to(torch.float64)).abs() + _ulp32(y)
     return error + gamma * (low_abs + codes.abs() * step) <= tau, y
+
+
+def _low_rank(coeff_rows: torch.Tensor, projection: torch.Tensor, wanted: bool) -> dict:
+    if not wanted:
+        return {}
+    cd, pd = coeff_rows.to(torch.float64), projection.to(torch.float64)
+    return {"low": cd @ pd, "low_abs": cd.abs() @ pd.abs()}
 
 
 def _check_pair(x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV) -> None:
@@ -122,6 +128,8 @@ def encode_anchored(
     anchor: CompressedKV,
     anchor_index: torch.Tensor | None = None,
     source: torch.Tensor | None = None,
+    *,
+    check_fresh: bool = True,
 ) -> CompressedKV:
     """Encode ``x`` [B, H, N, D] on the blocks of ``anchor`` wherever they still certify it (module docstring).
 
@@ -137,6 +145,8 @@ def encode_anchored(
             makes ``x``'s error closest to the anchor's own (their difference is at most half a step, and zero
             where nothing moved); exact anchor blocks then store ``x`` exactly (the anchor's error there is zero).
             Without it, an element keeps the anchor's code while that still certifies ``x``.
+        check_fresh: check that the blocks kept from ``fresh`` certify ``x`` (default). ``False`` is for a caller
+            that has just made ``fresh`` from ``x`` with a certifying encoder, and saves recomputing it.
 
     Returns:
         a :class:`CompressedKV` of ``x`` in the usual format, within ``tau`` of ``x`` element by element.
@@ -191,17 +201,18 @@ def encode_anchored(
     q_store, raw_store = [], []
     for sl in _chunks(bh, nb * block * d, device):
         rows = torch.arange(bh, device=device)[sl]
-        own = _parts(fresh, rows)
+        own = _parts(fresh, rows, low_rank=check_fresh)
         q, raw = own["q"], own["raw"]
         use = has_anchor[sl]
         xb = _blocks(xs[sl].to(torch.float64), n, block)
-        # fresh must encode x: every block that may be kept from it is checked (exact blocks: stored values equal)
-        own_step = own["scale"].to(torch.float64)[..., None, None]
-        own_y = (own["low"] + q * own_step).to(torch.float32)
-        own_ok = _certified(xb, own_y, gamma * (own["low_abs"] + q.abs() * own_step), tau, row_ok)
-        own_exact = ((raw.to(torch.float64) == xb) | ~row_ok).all(dim=-1).all(dim=-1)
-        own_ok = torch.where(own["mode"] == MODE_RAW, own_exact, own_ok)
-        fresh_bad = ~own_ok
+        fresh_bad = torch.zeros_like(own["mode"], dtype=torch.bool)
+        if check_fresh:
+            # every block that may be kept from fresh must certify x (exact blocks: the stored values equal x)
+            own_step = own["scale"].to(torch.float64)[..., None, None]
+            own_y = (own["low"] + q * own_step).to(torch.float32)
+            own_ok = _certified(xb, own_y, gamma * (own["low_abs"] + q.abs() * own_step), tau, row_ok)
+            own_exact = ((raw.to(torch.float64) == xb) | ~row_ok).all(dim=-1).all(dim=-1)
+            fresh_bad = ~torch.where(own["mode"] == MODE_RAW, own_exact, own_ok)
         if bool(use.any()):
             ref = _parts(anchor, anchor_row[sl].clamp_min(0))
             low, low_abs = ref["low"], ref["low_abs"]

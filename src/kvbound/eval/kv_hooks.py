@@ -166,7 +166,7 @@ class CompressedKVHook:
             index = torch.tensor(self.anchor_index, dtype=torch.int64, device=stored.device)
             source = stored if self.anchored == "changes" else None
             try:
-                compressed = encode_anchored(stored, compressed, compressed, index, source)
+                compressed = encode_anchored(stored, compressed, compressed, index, source, check_fresh=False)
             except ValueError as error:
                 raise ValueError(f"layer {layer} {name}: {error}") from error
         restored = compressed.decompress().to(x.device)

@@ -178,8 +178,8 @@ class PatchHandle:
                     f"of {k.shape[0]}"
                 )
             index = self._anchor_index.to(k.device)
-            ck = encode_anchored(k, ck, ck, index, source=k)
-            cv = encode_anchored(v, cv, cv, index, source=v)
+            ck = encode_anchored(k, ck, ck, index, source=k, check_fresh=False)  # both just encoded above
+            cv = encode_anchored(v, cv, cv, index, source=v, check_fresh=False)
         record.last_k_ratio = ck.compression_ratio
         record.last_v_ratio = cv.compression_ratio
         if events is not None:
