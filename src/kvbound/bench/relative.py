@@ -44,6 +44,7 @@ import torch
 
 from kvbound.bench import data as bench_data
 from kvbound.bench.formulas import attention_flops, tflops
+from kvbound.models.relative import shifted_view
 
 __all__ = ["RELATIVE_PROVIDERS", "RelativeOptions", "RelativeSpec", "relative_rows", "relative_specs"]
 
@@ -114,13 +115,6 @@ def _inputs(spec: RelativeSpec, batch: int, device: torch.device, dtype: torch.d
     }
 
 
-def _shifted(table: torch.Tensor) -> torch.Tensor:
-    """``[B, H, N, 2N - 1] -> [B, H, N, N]`` view with ``out[i, j] = table[i, N - 1 + j - i]`` (no copy)."""
-    b, h, n, width = table.shape
-    table = table.contiguous()
-    return table.as_strided((b, h, n, n), (h * n * width, n * width, width - 1, 1), table.storage_offset() + n - 1)
-
-
 def _port_eager(x: dict) -> torch.Tensor:
     """The ports' math: bf16 einsums (as under autocast), the port's relative shift, float32 softmax."""
     q, k, v, rel = x["q"], x["k"], x["v"], x["relative_keys"]
@@ -132,7 +126,7 @@ def _port_eager(x: dict) -> torch.Tensor:
         padded = torch.nn.functional.pad(table, (1, 0))
         shifted = padded.reshape(b, h, 2 * n, n)[:, :, 1:].reshape(b, h, n, 2 * n - 1)[..., :n]
     else:  # borzoi-pytorch's fast_relative_shift: a strided view
-        shifted = _shifted(table)
+        shifted = shifted_view(table, n)
     weights = (content + shifted).float().softmax(dim=-1).to(v.dtype)
     return weights @ v
 
@@ -140,7 +134,8 @@ def _port_eager(x: dict) -> torch.Tensor:
 def _position_bias(x: dict) -> torch.Tensor:
     """The position term as a contiguous ``[B, H, N, N]`` bias in the input dtype (one einsum, one gather copy)."""
     query = x["q"] * x["scale"] + x["w"][None, :, None]
-    return _shifted(torch.einsum("bhid,hmd->bhim", query, x["relative_keys"])).contiguous()
+    n = query.shape[2]
+    return shifted_view(torch.einsum("bhid,hmd->bhim", query, x["relative_keys"]), n).contiguous()
 
 
 def _sdpa_built_bias(x: dict) -> torch.Tensor:

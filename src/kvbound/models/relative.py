@@ -28,7 +28,7 @@ from kvbound.models._backend import (
     resolve_backend,
 )
 
-__all__ = ["relative_position_attention", "relative_window"]
+__all__ = ["relative_position_attention", "relative_window", "shifted_view"]
 
 
 def relative_window(query: torch.Tensor, relative_keys: torch.Tensor, start: int, stop: int, n_k: int) -> torch.Tensor:
@@ -41,11 +41,16 @@ def relative_window(query: torch.Tensor, relative_keys: torch.Tensor, start: int
     Returns:
         ``[B, H, stop - start, n_k]`` float32 with ``out[a, j] = query[a] . relative_keys[n_k - 1 + j - start - a]``.
     """
-    rows = stop - start
     window = relative_keys[:, n_k - stop : 2 * n_k - 1 - start]  # [H, rows + n_k - 1, Dk]
-    table = torch.einsum("bhad,hwd->bhaw", query, window).float().contiguous()
-    b, h, _, width = table.shape
-    # Row a of the result starts at column rows - 1 - a of row a of the table: a stride of width - 1.
+    return shifted_view(torch.einsum("bhad,hwd->bhaw", query, window).float(), n_k)
+
+
+def shifted_view(table: torch.Tensor, n_k: int) -> torch.Tensor:
+    """The relative shift as a view: ``[B, H, R, R + n_k - 1] -> [B, H, R, n_k]`` with
+    ``out[a, j] = table[a, R - 1 + j - a]`` (row ``a`` starts ``a`` columns further left: a row stride of
+    ``width - 1``). ``table`` is made contiguous first."""
+    table = table.contiguous()
+    b, h, rows, width = table.shape
     return table.as_strided(
         (b, h, rows, n_k),
         (h * rows * width, rows * width, width - 1, 1),
