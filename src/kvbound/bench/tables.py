@@ -148,7 +148,7 @@ def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["shape", "provider", "config", "status", "p50 ms", "cuDNN p50 ms", "vs cuDNN", "vs cuDNN (p80..p20)",
                "rel err", "err vs dense ref", "zero tiles", "target", "verdict"]
     timed = list(index_rows(rows, "time").values())
-    ratios = cudnn_ratios([r for r in rows if r["mode"] == "time"])
+    ratios = cudnn_ratios(rows)
     table = []
     order = {key: i for i, key in enumerate(TARGET_PROVIDERS)}
     mine = [r for r in timed if r.get("family") == "seed" and (r["provider"], r.get("config") or "") in order]
@@ -174,7 +174,7 @@ def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 def targets_summary(rows: list[dict]) -> str:
     """One sentence: how many targets were met, and which were missed or not measured."""
     timed = list(index_rows(rows, "time").values())
-    ratios = cudnn_ratios([r for r in rows if r["mode"] == "time"])
+    ratios = cudnn_ratios(rows)
     met, missed = [], []
     for r in timed:
         target = target_for(r)
@@ -279,7 +279,7 @@ def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[
                "p50 ms", "vs kvbound-dense", "vs cuDNN", "DRAM (ncu)", "traffic ratio (formula)",
                "seed claim"]
     table = []
-    same_run = cudnn_ratios([r for r in rows if r["mode"] == "time"])
+    same_run = cudnn_ratios(rows)
     for shape in _shapes(rows, family):
         name = shape["shape"]
         dense = _ok(timed.get(("kvbound-dense", "", name)))
@@ -536,7 +536,7 @@ def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     position term built for them), with the allocator's peak."""
     headers = ["layer", "B", "provider", "config", "status", "p50 ms", "vs port-eager", "vs best alternative",
                "peak GiB", "rel err", "K/V ratio", "compress ms", "reason"]
-    latest = [r for r in index_rows([r for r in rows if r.get("family") == "relative"], "time").values()]
+    latest = index_rows([r for r in rows if r.get("family") == "relative"], "time").values()
     by_shape: dict[str, list[dict]] = {}
     for r in latest:
         by_shape.setdefault(r["shape"], []).append(r)
@@ -563,9 +563,8 @@ def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 def share_points(rows: list[dict]) -> list[dict]:
     """The residual-free share sweep (shapes of family ``share``): per head dim and measured share, the latest
     ok kvbound-compressed row of the default config with its same-run cuDNN ratio, sorted by (d, share)."""
-    timed = [r for r in rows if r["mode"] == "time"]
-    ratios = cudnn_ratios(timed)
-    latest = index_rows([r for r in timed if r.get("family") == "share"], "time")
+    ratios = cudnn_ratios(rows)
+    latest = index_rows([r for r in rows if r.get("family") == "share"], "time")
     points = []
     for (provider, config, _), r in latest.items():
         if provider != COMPRESSED or config != DEFAULT_CONFIG or r["status"] != "ok" or not r.get("ms_p50"):
