@@ -54,8 +54,9 @@
 #   relative    ~4 min    Enformer / Borzoi attention cores (relative positions) at batch 1 and 8 / 4: the ports' math,
 #                         SDPA and FlexAttention with the position term built for them, kvbound fused (exact and
 #                         compressed K/V), time and peak memory (kvbound/bench/relative.py)
-#   asm         ~7 min    the opt-in PTX byte decode (KVBOUND_ASM_DECODE=1): the byte-decode GPU checks with it (4),
-#                         then benchmarks/residual_diag.py's uniform loop timed without and with it (1.5 each)
+#   asm         ~4 min    the PTX byte decode (default) against the compiler's (KVBOUND_ASM_DECODE=0): the byte-decode
+#                         GPU checks with the compiler's (2.5), then benchmarks/residual_diag.py's uniform loop timed
+#                         with each (0.5 each)
 #   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
 #                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
 #
@@ -235,7 +236,7 @@ verify)
     # The GPU-only tests (one process), then the byte decode at every tile shape (one process per case).
     tiles=("$PY" benchmarks/byte_decode_tiles.py "$RES/byte_decode_tiles.csv" --jobs 10 --timeout-s 200)
     [[ "$SMOKE" == "1" ]] && tiles+=(--cpu-smoke)
-    step gpu-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests -k "not asm"
+    step gpu-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests -k "not plain_decode"
     step byte-decode-tiles 240 "$RES/byte_decode_tiles.csv" "${tiles[@]}"
     ;;
 attention)
@@ -274,18 +275,19 @@ share)
     step share 500 "$RES/share.csv" "${CMD[@]}"
     ;;
 asm)
-    # The GPU test reruns the byte-decode checks in a child process with the flag set; then the same layouts timed
-    # without and with it (uniform loop, dense and cuDNN beside them).
+    # The GPU test reruns the byte-decode checks in a child process with the compiler's decode
+    # (KVBOUND_ASM_DECODE=0); then the same layouts timed with the PTX decode (the default) and without it (uniform
+    # loop, dense and cuDNN beside them).
     if [[ "$SMOKE" == "1" ]]; then
-        step asm-tests 120 /dev/null "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_paths.py -k asm
+        step asm-tests 120 /dev/null "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_paths.py -k plain_decode
     else
-        step asm-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests/test_gpu_paths.py -k asm
+        step asm-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests/test_gpu_paths.py -k plain_decode
     fi
     diag=("$PY" benchmarks/residual_diag.py --layouts packed4,packed8,packed4_contig50 --providers uniform,dense,cudnn
           --long-layouts "" --budget-s 80)
     [[ "$SMOKE" == "1" ]] && diag+=(--cpu-smoke)
     step residual-default 110 "$RES/residual_default.csv" "${diag[@]}" "$RES/residual_default.csv"
-    step residual-asm 110 "$RES/residual_asm.csv" env KVBOUND_ASM_DECODE=1 "${diag[@]}" "$RES/residual_asm.csv"
+    step residual-plain 110 "$RES/residual_plain.csv" env KVBOUND_ASM_DECODE=0 "${diag[@]}" "$RES/residual_plain.csv"
     ;;
 relative)
     bench "$RES/relative.csv" --suite relative

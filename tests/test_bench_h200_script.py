@@ -127,7 +127,7 @@ def test_verify_part_runs_the_gpu_tests_then_the_tile_check(tmp_path, smoke):
     proc, out, _ = _run("verify", tmp_path, smoke=smoke)
     assert proc.returncode == 0, proc.stdout[-2000:]
     calls = [line for line in (tmp_path / "args.log").read_text().splitlines() if not line.startswith("-c ")]
-    assert calls[0] == "-m pytest -m gpu -v -rA -p no:cacheprovider tests -k not asm"  # part asm runs that one
+    assert calls[0] == "-m pytest -m gpu -v -rA -p no:cacheprovider tests -k not plain_decode"  # part asm runs that one
     assert calls[1].startswith("benchmarks/byte_decode_tiles.py ") and "/verify/byte_decode_tiles.csv" in calls[1]
     assert calls[1].endswith("--cpu-smoke") == smoke
     status = (out / "status.txt").read_text()
@@ -139,9 +139,9 @@ def test_asm_part_runs_the_gpu_check_then_both_timings(tmp_path, smoke):
     proc, out, _ = _run("asm", tmp_path, smoke=smoke)
     assert proc.returncode == 0, proc.stdout[-2000:]
     calls = [line for line in (tmp_path / "args.log").read_text().splitlines() if not line.startswith("-c ")]
-    assert calls[0].startswith("-m pytest") and calls[0].endswith("tests/test_gpu_paths.py -k asm")
+    assert calls[0].startswith("-m pytest") and calls[0].endswith("tests/test_gpu_paths.py -k plain_decode")
     assert [c.split()[0] for c in calls[1:]] == ["benchmarks/residual_diag.py"] * 2
-    assert calls[1].split()[-1].endswith("residual_default.csv") and calls[2].split()[-1].endswith("residual_asm.csv")
+    assert calls[1].split()[-1].endswith("residual_default.csv") and calls[2].split()[-1].endswith("residual_plain.csv")
     assert ("--cpu-smoke" in calls[1]) == smoke
     status = (out / "status.txt").read_text()
-    assert "asm-tests 0" in status and "residual-default 0" in status and "residual-asm 0" in status
+    assert "asm-tests 0" in status and "residual-default 0" in status and "residual-plain 0" in status

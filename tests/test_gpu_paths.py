@@ -120,20 +120,20 @@ def test_gpu_byte_decode_every_tile_at_2_and_8_bits_bf16(bits, dk, dv):
     _check_every_tile(ck, cv, heads * 2, seed=33, uniforms=(None,))
 
 
-def test_gpu_asm_decode_through_the_byte_decode_checks():
-    """The opt-in PTX byte decode (KVBOUND_ASM_DECODE=1) through the byte-decode checks above, in a fresh process
-    (the flag is read at import and is part of every kernel's cache key)."""
+def test_gpu_plain_decode_through_the_byte_decode_checks():
+    """The compiler's byte decode (KVBOUND_ASM_DECODE=0; the PTX decode is the default) through the byte-decode
+    checks above, in a fresh process (the flag is read at import and is part of every kernel's cache key)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    tests = ["tests/test_gpu_paths.py", "-k", "(byte_decode or every_tile) and not asm"]
+    tests = ["tests/test_gpu_paths.py", "-k", "(byte_decode or every_tile) and not plain_decode"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *tests],
         cwd=root,
-        env={**os.environ, "KVBOUND_ASM_DECODE": "1"},
+        env={**os.environ, "KVBOUND_ASM_DECODE": "0"},
         capture_output=True,
         text=True,
         timeout=900,

@@ -628,6 +628,18 @@ _FLEX_WIDE_OPTIONS = (
 _flex_compiled = None
 
 
+def flex_kernel_options(head_dim_qk: int, head_dim_v: int, first: dict | None = None) -> list[dict | None]:
+    """FlexAttention ``kernel_options`` to try in order on CUDA: ``first`` (a shape's own), the defaults where the
+    heads are at most 128 wide, then the explicit tiles that compile for wider heads (``None`` = the defaults)."""
+    candidates: list[dict | None] = []
+    if first:
+        candidates.append(dict(first))
+    if max(head_dim_qk, head_dim_v) <= 128:
+        candidates.append(None)
+    candidates += [dict(o) for o in _FLEX_WIDE_OPTIONS if dict(o) not in candidates]
+    return candidates
+
+
 def _compiled_flex():
     global _flex_compiled
     if _flex_compiled is None:
@@ -667,12 +679,7 @@ class Flex(Provider):
             block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s.q_len,
                                            s.kv_len, device=case.device)
         gqa = s.q_heads != s.kv_heads
-        candidates: list[dict | None] = []
-        if s.flex_options:
-            candidates.append(dict(s.flex_options))
-        if max(s.head_dim_qk, s.head_dim_v) <= 128:
-            candidates.append(None)
-        candidates += [dict(o) for o in _FLEX_WIDE_OPTIONS if dict(o) not in candidates]
+        candidates = flex_kernel_options(s.head_dim_qk, s.head_dim_v, s.flex_options)
         if not compiled:
             candidates = [None]  # kernel_options only matter to the compiled kernel
         failures = []

@@ -144,7 +144,7 @@ def _sdpa_built_bias(x: dict) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(query, x["k"], x["v"], attn_mask=bias, scale=1.0)
 
 
-def _flex_built_table(flex: Callable) -> Callable[[dict], torch.Tensor]:
+def _flex_built_table(flex: Callable, kernel_options: dict | None = None) -> Callable[[dict], torch.Tensor]:
     def run(x: dict) -> torch.Tensor:
         q = x["q"]
         n = q.shape[2]
@@ -154,9 +154,30 @@ def _flex_built_table(flex: Callable) -> Callable[[dict], torch.Tensor]:
             return score + table[b, h, q_idx, n - 1 + kv_idx - q_idx]
 
         query = q * x["scale"] + x["u"][None, :, None]
-        return flex(query, x["k"], x["v"], score_mod=score_mod, scale=1.0)
+        return flex(query, x["k"], x["v"], score_mod=score_mod, scale=1.0, kernel_options=kernel_options)
 
     return run
+
+
+def _flex_that_compiles(flex: Callable, x: dict, device: torch.device) -> tuple[Callable, str]:
+    """The first ``kernel_options`` (``providers.flex_kernel_options``) whose compiled kernel runs on ``x``: the
+    defaults run out of shared memory at dv = 192. On the CPU FlexAttention runs eagerly and takes the defaults."""
+    from kvbound.bench.providers import flex_kernel_options
+
+    if device.type != "cuda":
+        return _flex_built_table(flex), ""
+    failures = []
+    for options in flex_kernel_options(x["k"].shape[-1], x["v"].shape[-1]):
+        fn = _flex_built_table(flex, options)
+        try:
+            fn(x)
+            torch.cuda.synchronize(device)
+        except Exception as error:  # noqa: BLE001 - a failed compile is recorded and the next tile tried
+            failures.append(f"{options}: {_reason(error)[:160]}")
+            continue
+        label = "default" if options is None else ",".join(f"{k}={v}" for k, v in options.items())
+        return fn, f"kernel_options={label}"
+    raise RuntimeError("no kernel_options compiled: " + " | ".join(failures))
 
 
 def _kvbound_relative(k_name: str, v_name: str) -> Callable[[dict], torch.Tensor]:
@@ -277,7 +298,8 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
                     elif provider == "flex-built-table":
                         if flex is None:
                             flex = _flex_function(device)
-                        fn = _flex_built_table(flex)
+                        fn, flex_config = _flex_that_compiles(flex, x, device)
+                        row.update(config=flex_config)
                     elif provider == "kvbound-relative":
                         fn = _kvbound_relative("k", "v")
                     else:
