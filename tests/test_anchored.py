@@ -158,6 +158,40 @@ def test_with_the_source_errors_follow_the_anchors_within_half_a_step():
     assert torch.equal(same.decompress(), anchor.decompress())
 
 
+def test_with_the_source_a_small_change_inside_the_basis_moves_the_coefficients():
+    """A change far below half a step is lost by the codes, but the part of it inside the basis is carried by the
+    low-rank coefficients (to float16 rounding of the moved coefficients)."""
+    gen = torch.Generator().manual_seed(11)
+    h, n, d, r = 2, 256, 32, 4
+    structure = 0.3 * torch.randn(1, h, r, d, generator=gen)
+    ref = torch.randn(1, h, n, r, generator=gen) @ structure + 0.3 * torch.randn(1, h, n, d, generator=gen)
+    config = kvbound.CompressionConfig(block_size=64, rank=r, bits=4, tau=2.0**-5)
+    basis = kvbound.calibrate([ref], config)
+    projection = basis.projection.float()  # [H, r, D], orthonormal rows (before float16 rounding)
+    change = (2e-3 * torch.randn(1, h, n, r, generator=gen)) @ projection[None]  # in the basis
+    alt = ref + change
+    anchor = kvbound.compress_kv(ref, config, basis)
+    assert float(anchor.scale.min()) / 2 > 3 * float(change.abs().max())  # far below half a step
+    kept = kvbound.compress_kv(alt, config, basis, anchor=anchor)
+    followed = kvbound.compress_kv(alt, config, basis, anchor=anchor, anchor_source=ref)
+    assert_within_bound(alt, followed)
+    assert not bool(uncertified_blocks(followed, alt).any())
+    assert torch.equal(followed.mode, anchor.mode) and torch.equal(followed.scale, anchor.scale)
+    seen_kept = kept.decompress().double() - anchor.decompress().double()
+    seen_followed = followed.decompress().double() - anchor.decompress().double()
+    missed_kept = (seen_kept - change.double()).abs()
+    missed_followed = (seen_followed - change.double()).abs()
+    # keeping the codes drops the change (and moves a code by a step where the slack ran out)
+    assert float(missed_kept.mean()) > 0.9 * float(change.abs().mean())
+    # following it: the change, up to half a float16 ulp of each moved coefficient through the basis (and float32
+    # rounding), but where the slack ran out and another code certified
+    coeffs = followed.coeffs.double().abs().half()
+    ulp = torch.nextafter(coeffs, torch.tensor(float("inf"), dtype=torch.half)).double() - coeffs.double()
+    allowed = (ulp / 2) @ projection.double().abs()[None] + 2.0**-22 * (1 + followed.decompress().double().abs())
+    assert float((missed_followed <= allowed).double().mean()) > 0.99
+    assert float(missed_followed.mean()) < 0.3 * float(change.abs().mean())
+
+
 def test_with_the_source_exact_anchor_blocks_store_x():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, 1, 64, 16, generator=gen)

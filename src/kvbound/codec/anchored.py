@@ -21,6 +21,13 @@ value per element wherever it is within the bound, and ``x``'s own value elsewhe
 
 The price is a bias toward the reference: a change smaller than the slack is not represented at all. It is
 bounded by ``tau`` per element like every other error of the codec.
+
+With the reference's own values (``source``), the block follows the change instead. Its low-rank coefficients move
+by the change projected on the basis, ``c + (x - source) P^T`` (rounded to the stored coefficient dtype, whose
+step is far below the code step), and each code moves by the rounded remainder outside the basis, choosing among
+the certifying codes the one whose error is closest to the reference's. The part of a small change that lies in
+the basis (most of it, for K/V whose basis was calibrated on them) is then represented, to coefficient rounding,
+instead of being dropped; what stays unrepresented is the part outside the basis below half a step.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 
 from kvbound._validate import check_tensor
 from kvbound.codec.eager import (
+    _COEFF_FP16_LIMIT,
     _blocks,
     _certified,
     _chunks,
@@ -103,6 +111,11 @@ def _low_rank(coeff_rows: torch.Tensor, projection: torch.Tensor, wanted: bool) 
     return {"low": cd @ pd, "low_abs": cd.abs() @ pd.abs()}
 
 
+def step_of(parts: dict) -> torch.Tensor:
+    """The per-block step of ``_parts`` as float64 ``[c, NB, 1, 1]``."""
+    return parts["scale"].to(torch.float64)[..., None, None]
+
+
 def _check_pair(x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV) -> None:
     batch, heads, n, d = x.shape
     for name, ckv in (("fresh", fresh), ("anchor", anchor)):
@@ -143,7 +156,8 @@ def encode_anchored(
         source: optional, the tensor the anchor was encoded from (the anchor's shape). With it, each element
             follows the anchor's code moved by the rounded change ``round((x - source) / step)``, the choice that
             makes ``x``'s error closest to the anchor's own (their difference is at most half a step, and zero
-            where nothing moved); exact anchor blocks then store ``x`` exactly (the anchor's error there is zero).
+            where nothing moved), after the coefficients have moved by ``(x - source) P^T`` (module docstring);
+            exact anchor blocks then store ``x`` exactly (the anchor's error there is zero).
             Without it, an element keeps the anchor's code while that still certifies ``x``.
         check_fresh: check that the blocks kept from ``fresh`` certify ``x`` (default). ``False`` is for a caller
             that has just made ``fresh`` from ``x`` with a certifying encoder, and saves recomputing it.
@@ -216,6 +230,23 @@ def encode_anchored(
         if bool(use.any()):
             ref = _parts(anchor, anchor_row[sl].clamp_min(0))
             low, low_abs = ref["low"], ref["low_abs"]
+            coeff_new = ref["coeff_rows"].to(coeff_dtype)
+            if source is not None:
+                src = _blocks(source_rows[anchor_row[sl].clamp_min(0)].to(torch.float64), n, block)
+                anchor_error = (low + ref["q"] * step_of(ref)).to(torch.float32).to(torch.float64) - src
+                if r > 0:
+                    # the low-rank part follows the change inside the basis: coefficients c + (x - source) P^T
+                    # (rounded to the stored dtype), so only the change outside it is left to the codes
+                    projection = ref["projection"].to(torch.float64)
+                    moved = ref["coeff_rows"].to(torch.float64) + (xb - src) @ projection.transpose(-1, -2)
+                    fits = torch.isfinite(moved).all(dim=-1, keepdim=True)
+                    if coeff_dtype == torch.float16:
+                        fits &= (moved.abs() <= _COEFF_FP16_LIMIT).all(dim=-1, keepdim=True)
+                    coeff_new = torch.where(fits, moved, ref["coeff_rows"].to(torch.float64)).to(coeff_dtype)
+                    moved_parts = _low_rank(coeff_new, ref["projection"], True)
+                    low_ref = low
+                    low, low_abs = moved_parts["low"], moved_parts["low_abs"]
+                    src = src + (low - low_ref)  # the source as seen against the moved low-rank part
             step = ref["scale"].to(torch.float64)[..., None, None]
             kind = ref["mode"]
             # codes: follow the anchor's (moved by the rounded change when the source says what changed) where
@@ -230,8 +261,6 @@ def encode_anchored(
                 q_new = torch.where(keep, ref["q"], nearest)
             else:
                 # among the codes that certify x, the one whose error is closest to the anchor's own error
-                src = _blocks(source_rows[anchor_row[sl].clamp_min(0)].to(torch.float64), n, block)
-                anchor_error = (low + ref["q"] * step).to(torch.float32).to(torch.float64) - src
                 follow = ref["q"] + torch.round((xb - src) / safe_step).to(torch.int64)
                 q_new, best = nearest, torch.full_like(xb, float("inf"))
                 for codes in (nearest, follow + 1, follow - 1, follow):
@@ -259,7 +288,7 @@ def encode_anchored(
             mode[sl] = torch.where(take, kind, mode[sl])
             width[sl] = torch.where(take, ref["width"], width[sl])
             scale[sl] = torch.where(take, ref["scale"], scale[sl])
-            coeffs[sl] = torch.where(t4, ref["coeff_rows"].to(coeff_dtype), coeffs[sl])
+            coeffs[sl] = torch.where(t4, coeff_new, coeffs[sl])
             if not fresh.shared_basis:
                 basis[sl] = torch.where(t4, ref["projection"], basis[sl])
         if bool(fresh_bad.any()):
