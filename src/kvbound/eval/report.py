@@ -213,12 +213,15 @@ def _noise_section(add, quality: list[dict]) -> None:
     add("")
     add(
         "When the reference's K/V values are at hand (`anchor_source=`, as inside `kvbound.patch`'s "
-        "`handle.variants()` and the `anchored to changes` setting), each code instead moves by the rounded change "
-        "of its value, or to the certified code nearest that: the variant's error then differs from the "
-        "reference's by at most half a step where the step allows, and changes of half a step or more are kept. "
-        "In the CPU experiment above (40 variants, Enformer-style), median |change - exact change| was 1.15e-3 / "
-        "1.90e-3 (negatives / positives) encoded independently, 4.2e-4 / 2.2e-3 keeping codes and 3.2e-4 / 1.7e-3 "
-        "following changes. A run without an `anchored to changes` row in this table predates that setting."
+        "`handle.variants()` and the `anchored to changes` setting), the block follows the change instead: its "
+        "low-rank coefficients move by the change projected on the basis (stored in float16, whose step is far "
+        "finer than the code step), and each code moves by the rounded remainder outside the basis, or to the "
+        "certified code nearest that. Most of a small change of these K/V lies in their calibrated basis, so it is "
+        "carried instead of dropped. In the CPU experiment above (40 variants, Enformer-style), median |change - "
+        "exact change| was 1.15e-3 / 1.90e-3 (negatives / positives) encoded independently, 4.2e-4 / 2.2e-3 keeping "
+        "codes, 3.2e-4 / 1.7e-3 moving codes only, and 1.9e-4 / 7.4e-4 moving coefficients and codes (bf16 "
+        "rounding of K/V alone: 8.0e-5 / 4.3e-4). The table's row is from the run named in its header; rows of runs "
+        "before 10a106e moved codes only."
     )
     add("")
 
