@@ -536,7 +536,10 @@ def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     position term built for them), with the allocator's peak."""
     headers = ["layer", "B", "provider", "config", "status", "p50 ms", "vs port-eager", "vs best alternative",
                "peak GiB", "rel err", "K/V ratio", "compress ms", "reason"]
-    latest = index_rows([r for r in rows if r.get("family") == "relative"], "time").values()
+    # one row per layer, batch and provider (and codec config): the latest run's, whatever its other columns
+    # (a FlexAttention row records the kernel_options that compiled in its config)
+    latest = latest_rows([r for r in rows if r.get("family") == "relative"], "time",
+                         ("shape", "provider", "rank", "bits", "tau"))
     by_shape: dict[str, list[dict]] = {}
     for r in latest:
         by_shape.setdefault(r["shape"], []).append(r)
