@@ -134,7 +134,8 @@ def test_report_flags_breaches_and_chooses_tau(tmp_path):
     _write(tmp_path / "quality.csv", noisy)
     text = report.render(tmp_path)
     assert "### Why compression costs AUROC here" in text
-    assert "| enformer | default r8 b4 | 0.03125 | 4.00 | 1.80e-04 | 4.00x | 6.50e-05 | 0.8990 |" in text
+    # without effects.csv the change errors are unknown
+    assert "| enformer | default r8 b4 | 0.03125 | 4.00 | 1.80e-04 | 4.00x | 6.50e-05 | n/a | n/a | 0.8990 |" in text
     assert "| enformer_noattn | exact" not in text.split("### Why compression")[1].split("##")[0]
     _write(tmp_path / "quality.csv", at_chance)
     assert "float32 (shorter rerun)" not in report.render(tmp_path)
@@ -179,3 +180,22 @@ def test_fidelity_smoke_on_fixture_dna(tmp_path):
     # exact K/V through kvbound's attention is closer to the port than compressed K/V, and both are close
     assert float(dense["vs_unpatched_sqnr_db"]) > float(compressed["vs_unpatched_sqnr_db"]) > 20.0
     assert 0 < float(compressed["vs_dense_max_abs_error"]) and float(compressed["vs_dense_sqnr_db"]) > 20.0
+
+
+def test_change_errors_match_each_variant_to_its_exact_change():
+    def row(setting, gene, position, label, effect):
+        return {"model": "m", "setting": setting, "gene": gene, "position": str(position), "alt": "A",
+                "label": str(label), "effect": str(effect)}
+
+    effects = [
+        row("exact", "g", 1, 0, 0.010), row("exact", "g", 2, 0, -0.020), row("exact", "g", 2, 0, 0.030),  # a repeat
+        row("exact", "h", 9, 1, 0.500),
+        # the compressed rows come in another order: matched by gene, position, allele and repeat, not by row
+        row("codec", "h", 9, 1, 0.450), row("codec", "g", 2, 0, -0.021), row("codec", "g", 1, 0, 0.014),
+        row("codec", "g", 2, 0, 0.036),
+    ]
+    errors = report.change_errors(effects)
+    assert set(errors) == {("m", "codec")}
+    negatives, positives = errors[("m", "codec")]
+    assert negatives == pytest.approx(0.004)  # median of 0.004, 0.001 and 0.006
+    assert positives == pytest.approx(0.05)
