@@ -298,3 +298,21 @@ def test_coefficients_stay_float16_unless_a_stored_one_needs_more():
     out = encode_anchored(x, fresh, anchor, torch.tensor([-1, -1]))
     assert out.coeffs.dtype == torch.float16 and out.nbytes == fresh.nbytes
     assert torch.equal(out.decompress(), fresh.decompress())
+
+
+def test_with_the_source_exact_blocks_keep_zero_coefficients_and_float16():
+    """Exact blocks store no low-rank part: following a change must not leave moved coefficients there (they
+    would keep the whole tensor's coefficients in float32)."""
+    gen = torch.Generator().manual_seed(4)
+    config = kvbound.CompressionConfig(block_size=16, rank=2, bits=4, tau=2.0**-5)
+    ref = torch.randn(1, 1, 32, 16, generator=gen)
+    ref[0, 0, 20] = 6e4  # block 1 of the reference: stored exactly, with float32 coefficients
+    alt = ref.clone()
+    alt[0, 0, 20] = torch.randn(16, generator=gen)  # the variant lost the spike
+    alt[0, 0, :16] += 5.0 * torch.randn(16, 16, generator=gen)  # and block 0 moved too far to follow
+    anchor = kvbound.compress_kv(ref, config)
+    assert anchor.coeffs.dtype == torch.float32
+    out = kvbound.compress_kv(alt, config, anchor=anchor, anchor_source=ref)
+    assert_within_bound(alt, out)
+    assert out.mode.tolist() == [[[MODE_RAW, MODE_RAW]]]
+    assert float(out.coeffs.abs().max()) == 0.0 and out.coeffs.dtype == torch.float16

@@ -141,7 +141,7 @@ def test_asm_part_runs_the_gpu_check_then_both_timings(tmp_path, smoke):
     calls = [line for line in (tmp_path / "args.log").read_text().splitlines() if not line.startswith("-c ")]
     assert calls[0].startswith("-m pytest") and calls[0].endswith("tests/test_gpu_paths.py -k plain_decode")
     assert [c.split()[0] for c in calls[1:]] == ["benchmarks/residual_diag.py"] * 2
-    assert calls[1].split()[-1].endswith("residual_default.csv") and calls[2].split()[-1].endswith("residual_plain.csv")
+    assert calls[1].split()[-1].endswith("residual_ptx.csv") and calls[2].split()[-1].endswith("residual_plain.csv")
     assert ("--cpu-smoke" in calls[1]) == smoke
     status = (out / "status.txt").read_text()
-    assert "asm-tests 0" in status and "residual-default 0" in status and "residual-plain 0" in status
+    assert "asm-tests 0" in status and "residual-ptx 0" in status and "residual-plain 0" in status

@@ -283,3 +283,17 @@ def test_uncertified_blocks_flags_tampering():
     ckv.scale[0, 1, 2] *= 1.5  # a wrong step breaks the bound of that block only
     bad = uncertified_blocks(ckv, x)
     assert bad.reshape(-1).tolist() == [False] * 5 + [True]
+
+
+def test_uncertified_blocks_passes_exact_blocks_of_large_values():
+    """An exact block holds x itself: certified, even where float32's spacing at |x| exceeds tau."""
+    from kvbound.codec.eager import uncertified_blocks
+
+    x = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(0)) * 1e4
+    ckv = kvbound.compress_kv(x, kvbound.CompressionConfig(block_size=16, rank=0, bits=2, tau=2.0**-12))
+    assert ckv.mode.tolist() == [[[MODE_RAW]]] and float((ckv.decompress() - x).abs().max()) == 0.0
+    assert not bool(uncertified_blocks(ckv, x).any())
+    tampered = ckv.raw.clone()
+    tampered[0] += 1.0
+    ckv.raw.copy_(tampered)
+    assert bool(uncertified_blocks(ckv, x).all())

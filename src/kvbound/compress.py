@@ -40,8 +40,9 @@ def compress_kv(
             (``kvbound.codec.anchored``). Same config, basis, dtype, heads, N and D as ``x``.
         anchor_index: int64 ``[B]``: the anchor's batch item for each item of ``x`` (-1: encode that item on its
             own). Default: item for item when the batches match, item 0 when the anchor has one.
-        anchor_source: optional, the tensor the anchor was encoded from: codes then follow the anchor's moved by
-            the rounded change, which tracks real changes of half a step and more (``encode_anchored``).
+        anchor_source: optional, the tensor the anchor was encoded from: each block then follows the change, its
+            low-rank coefficients moved by the change projected on the basis and its codes by the rounded
+            remainder, so that small changes inside the basis are carried too (``encode_anchored``).
 
     Returns:
         a :class:`CompressedKV` whose ``decompress()`` is within ``config.tau`` of ``x`` element-wise.

@@ -191,9 +191,14 @@ def _kvbound_relative(k_name: str, v_name: str) -> Callable[[dict], torch.Tensor
 
 
 def _flex_function(device: torch.device):
+    """FlexAttention compiled on CUDA (dynamo's recompile limits raised, so that no shape or ``kernel_options``
+    candidate silently falls back to eager), eager on the CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type == "cuda":
+        from kvbound.bench.providers import raise_recompile_limits
+
+        raise_recompile_limits()
         return torch.compile(flex_attention, dynamic=False)
     return flex_attention
 

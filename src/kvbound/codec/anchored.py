@@ -288,6 +288,8 @@ def encode_anchored(
             mode[sl] = torch.where(take, kind, mode[sl])
             width[sl] = torch.where(take, ref["width"], width[sl])
             scale[sl] = torch.where(take, ref["scale"], scale[sl])
+            # exact blocks store no low-rank part (zero coefficients, as assemble() writes them)
+            coeff_new = torch.where(is_raw[..., None, None], torch.zeros_like(coeff_new), coeff_new)
             coeffs[sl] = torch.where(t4, coeff_new, coeffs[sl])
             if not fresh.shared_basis:
                 basis[sl] = torch.where(t4, ref["projection"], basis[sl])

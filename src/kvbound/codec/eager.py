@@ -347,14 +347,19 @@ def uncertified_blocks(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
     """Bool [B, H, NB]: blocks of ``ckv`` whose decoded values fail the certificate against ``x``.
 
     Exactly the check the eager encoder applies when it chooses a mode, run on the stored numbers; an encoder
-    that computes in lower precision (the Triton one) calls this to certify what it wrote.
+    that computes in lower precision (the Triton one) calls this to certify what it wrote. An exact block also
+    passes when it holds ``x`` itself (as the Triton encoder checks them), whatever float32's spacing at ``|x|``.
     """
     batch, heads, n, d = ckv.shape
     block = ckv.config.block_size
     valid = _valid_rows(n, block, ckv.device)
+    row_ok = valid[None, :, :, None]
     xs = x.detach().reshape(batch * heads, n, d)
+    modes = ckv.mode.reshape(batch * heads, -1)
     bad = torch.zeros(batch * heads, ckv.num_blocks, dtype=torch.bool, device=ckv.device)
     for sl, y32, rounding in _decode_chunks(ckv, with_rounding=True):
         xb = _blocks(xs[sl].to(torch.float64), n, block)
-        bad[sl] = ~_certified(xb, y32, rounding, ckv.config.tau, valid[None, :, :, None])
+        certified = _certified(xb, y32, rounding, ckv.config.tau, row_ok)
+        exact = ((y32.to(torch.float64) == xb) | ~row_ok).all(dim=-1).all(dim=-1)
+        bad[sl] = ~(certified | ((modes[sl] == MODE_RAW) & exact))
     return bad.reshape(batch, heads, -1)

@@ -111,8 +111,9 @@ class CompressedKVHook:
     ``anchored`` ("codes" or "changes"): while ``anchor_index`` is set (one entry per batch item: the item of the
     same batch whose encoding it follows, -1 for a reference), each item is encoded against its reference item's
     blocks (``kvbound.codec.anchored``): "codes" keeps the reference's codes wherever they still certify the item
-    (no change below the bound's slack survives), "changes" moves them by the rounded change of the K/V (the
-    reference's values are in the batch). Same format, same certified bound.
+    (no change below the bound's slack survives), "changes" follows the change of the K/V (the reference's values
+    are in the batch): coefficients moved by the change projected on the basis, codes by the rounded remainder.
+    Same format, same certified bound.
 
     ``bases``: ``{(layer_index, "k" | "v"): kvbound.Basis}`` from :func:`calibrate_bases` (shared per-head
     projections); missing entries use the codec's per-block SVD. ``strict``: raise if an element misses the

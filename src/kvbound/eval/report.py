@@ -55,9 +55,14 @@ def _sci(value) -> str:
     return "n/a" if math.isnan(number) else f"{number:.2e}"
 
 
+def _cell(value) -> str:
+    """A table cell: a ``|`` inside it (``median |change|``) escaped, so that it does not split the cell."""
+    return str(value).replace("|", "\\|")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -154,8 +159,9 @@ def change_errors(effects: list[dict]) -> dict[tuple[str, str], tuple[float, flo
             continue
         gaps: dict[int, list[float]] = {0: [], 1: []}
         for key, (label, change) in per.items():
-            if key in exact and label in gaps:
-                gaps[label].append(abs(change - exact[key][1]))
+            gap = abs(change - exact[key][1]) if key in exact else math.nan
+            if label in gaps and math.isfinite(gap):
+                gaps[label].append(gap)
         out[(model, setting)] = tuple(statistics.median(g) if g else math.nan for g in (gaps[0], gaps[1]))
     return out
 
@@ -217,7 +223,8 @@ def _noise_section(add, quality: list[dict], effects: list[dict] | None = None) 
             ]
         )
     add(_table(["model", "setting", "tau", "K/V ratio", "median |change| negatives", "vs exact",
-                "median |change| positives", "median |change - exact change| negatives", "positives", "AUROC"],
+                "median |change| positives", "median |change - exact change| negatives",
+                "median |change - exact change| positives", "AUROC"],
                table))  # fmt: skip
     add("")
     add(
