@@ -49,8 +49,10 @@
 #                         ring-compressed vs ring-dense vs all-gather of dense K/V, bytes on the wire per rank.
 #                         Needs the 2-GPU machine (nvidia-h200-x2); on one GPU the 2-GPU rows are `unsupported`.
 #
-#   share       ~4 min    the default config (r8b4) at N = 65536, d = 64 and 128, with 0 .. 100 % of the K/V blocks
-#                         residual-free (benchmarks/shapes/share.toml), beside cuDNN: how speed depends on the data
+#   share       ~2 min    the default config (r8b4) at N = 65536, d = 64 and 128, with 0 .. 100 % of the K/V blocks
+#                         residual-free (benchmarks/shapes/share.toml), beside cuDNN: how speed depends on the data;
+#                         also the split launch (kvbound-compressed-split: low-rank runs in a kernel without
+#                         residual code, merged by log-sum-exp)
 #   relative    ~4 min    Enformer / Borzoi attention cores (relative positions) at batch 1 and 8 / 4: the ports' math,
 #                         SDPA and FlexAttention with the position term built for them, kvbound fused (exact and
 #                         compressed K/V), time and peak memory (kvbound/bench/relative.py)
@@ -286,7 +288,7 @@ asm)
     diag=("$PY" benchmarks/residual_diag.py --layouts packed4,packed8,packed4_contig50 --providers uniform,dense,cudnn
           --long-layouts "" --budget-s 80)
     [[ "$SMOKE" == "1" ]] && diag+=(--cpu-smoke)
-    step residual-default 110 "$RES/residual_default.csv" "${diag[@]}" "$RES/residual_default.csv"
+    step residual-ptx 110 "$RES/residual_ptx.csv" "${diag[@]}" "$RES/residual_ptx.csv"
     step residual-plain 110 "$RES/residual_plain.csv" env KVBOUND_ASM_DECODE=0 "${diag[@]}" "$RES/residual_plain.csv"
     ;;
 relative)

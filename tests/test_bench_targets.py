@@ -155,3 +155,13 @@ def test_share_sweep_table_and_plot(tmp_path):
     assert "share-n65536" not in report._speed_tables(rows)
     assert tables.targets_table(rows)[1] == []
     assert plots.speed_vs_share(rows, tmp_path / "share.png").stat().st_size > 10_000
+    # the split launch, where the run has it, in its own columns of the same row
+    assert table[1][headers.index("split launch p50 ms")] == "-"
+    split = _row(65536, 64, "kvbound-compressed-split", 38.0, "r8b4", family="share", shape="share-n65536-d64-z5000",
+                 zero_residual_share=0.5, compression_ratio=3.0)
+    headers, table = tables.share_table([*rows, split])
+    assert len(table) == 6
+    assert table[1][headers.index("split launch p50 ms")] == "38"
+    assert table[1][headers.index("split vs cuDNN")] == f"{19.0 / 38.0:.2f}x"
+    assert table[1][headers.index("kvbound p50 ms")] == "50"
+    assert plots.speed_vs_share([*rows, split], tmp_path / "share_split.png").stat().st_size > 10_000

@@ -11,6 +11,9 @@ Each provider turns a :class:`Case` (one shape's inputs) into a :class:`Prepared
                         the same calls inside one ``kvbound.deferred_checks()`` block around the check and the
                         timing loop (as ``kvbound.patch`` runs a model's forward): the NaN/Inf checks are read once
                         at the end instead of one host synchronisation per call.
+``kvbound-compressed-split`` (config r8b4; only on shapes that list it, e.g. ``benchmarks/shapes/share.toml``)
+                        the compressed call with ``KVBOUND_SPLIT_LOWRANK=1``: low-rank-only runs of key blocks in a
+                        second launch of the kernel compiled without residual code, merged by log-sum-exp.
 ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``
                         ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced. On the
                         models' shapes they run plain attention without bias or soft-cap: the floor of what
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
 import types
 import warnings
 from collections.abc import Callable
@@ -319,19 +323,43 @@ def _run_kvbound(attention, q, k, v, case: Case) -> torch.Tensor:
 
 class _Kvbound(Provider):
     """kvbound.attention providers; ``deferred``: the ``-deferred`` variant, whose check and timing loop run inside
-    one ``kvbound.deferred_checks()`` block."""
+    one ``kvbound.deferred_checks()`` block; ``split``: the ``-split`` variant (compressed only), run with
+    ``KVBOUND_SPLIT_LOWRANK=1`` (low-rank runs in a second launch without residual code), on the shapes that list
+    it only."""
 
-    def __init__(self, deferred: bool = False) -> None:
-        self.deferred = deferred
+    def __init__(self, deferred: bool = False, split: bool = False) -> None:
+        self.deferred, self.split = deferred, split
         if deferred:
             self.name = f"{type(self).name}-deferred"
+        if split:
+            self.name = f"{type(self).name}-split"
+
+    def applies(self, shape: AttentionShape) -> bool:
+        return not self.split or self.name in shape.providers
 
     def context(self) -> contextlib.AbstractContextManager:
-        if not self.deferred:
-            return contextlib.nullcontext()
-        import kvbound
+        stack = contextlib.ExitStack()
+        if self.split:
+            stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", "1"))
+        if self.deferred:
+            import kvbound
 
-        return kvbound.deferred_checks()
+            stack.enter_context(kvbound.deferred_checks())
+        return stack
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, the previous state restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 class KvboundDense(_Kvbound):
@@ -380,6 +408,8 @@ class KvboundCompressed(_Kvbound):
         return None
 
     def configs(self, sweep: bool) -> list[CompressedConfigSpec | None]:
+        if self.split:
+            return [c for c in DEFAULT_CONFIGS if c.label == "r8b4"]  # a config with a residual: something to split
         if self.deferred:
             return [c for c in DEFAULT_CONFIGS if c.label in ("r8b4", "lowrank-r8")]
         return list(DEFAULT_CONFIGS) + (list(SWEEP_CONFIGS) if sweep else [])
@@ -640,19 +670,25 @@ def flex_kernel_options(head_dim_qk: int, head_dim_v: int, first: dict | None = 
     return candidates
 
 
+def raise_recompile_limits() -> None:
+    """One compiled FlexAttention graph per shape, score_mod and kernel_options: dynamo's default limit (8) would
+    silently fall back to eager past it."""
+    import torch._dynamo
+
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 256)
+    for knob in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 4096)
+
+
 def _compiled_flex():
     global _flex_compiled
     if _flex_compiled is None:
-        import torch._dynamo
         from torch.nn.attention.flex_attention import flex_attention
 
-        # One compiled graph per shape and score_mod; the default limit (8) would silently fall back to eager.
-        for knob in ("cache_size_limit", "recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 256)
-        for knob in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 4096)
+        raise_recompile_limits()
         _flex_compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     return _flex_compiled
 
@@ -757,6 +793,7 @@ def all_providers() -> list[Provider]:
         KvboundDense(),
         KvboundCompressed(deferred=True),
         KvboundDense(deferred=True),
+        KvboundCompressed(split=True),
         SdpaBackend("sdpa-cudnn", "CUDNN_ATTENTION"),
         SdpaBackend("sdpa-flash", "FLASH_ATTENTION"),
         SdpaBackend("sdpa-efficient", "EFFICIENT_ATTENTION"),

@@ -563,14 +563,15 @@ def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, table
 
 
-def share_points(rows: list[dict]) -> list[dict]:
+def share_points(rows: list[dict], provider_name: str = COMPRESSED) -> list[dict]:
     """The residual-free share sweep (shapes of family ``share``): per head dim and measured share, the latest
-    ok kvbound-compressed row of the default config with its same-run cuDNN ratio, sorted by (d, share)."""
+    ok row of ``provider_name`` (kvbound-compressed, or its ``-split`` variant) of the default config with its
+    same-run cuDNN ratio, sorted by (d, share)."""
     ratios = cudnn_ratios(rows)
     latest = index_rows([r for r in rows if r.get("family") == "share"], "time")
     points = []
     for (provider, config, _), r in latest.items():
-        if provider != COMPRESSED or config != DEFAULT_CONFIG or r["status"] != "ok" or not r.get("ms_p50"):
+        if provider != provider_name or config != DEFAULT_CONFIG or r["status"] != "ok" or not r.get("ms_p50"):
             continue
         found = ratios.get(id(r))
         points.append({"row": r, "d": r["head_dim_qk"], "share": r.get("zero_residual_share"),
@@ -582,16 +583,22 @@ def share_points(rows: list[dict]) -> list[dict]:
 def share_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """How the default config's speed against cuDNN depends on the share of residual-free K/V blocks."""
     headers = ["N", "d", "residual-free blocks", "kvbound p50 ms", "cuDNN p50 ms", "vs cuDNN", "K/V ratio",
-               "rel err", "err vs dense ref"]
+               "rel err", "err vs dense ref", "split launch p50 ms", "split vs cuDNN", "split rel err"]
+    split = {p["row"]["shape"]: p for p in share_points(rows, COMPRESSED + "-split")}
     table = []
     for p in share_points(rows):
         r = p["row"]
         cudnn = p["cudnn"]["ms_p50"] if p["cudnn"] else None
+        other = split.get(r["shape"])
+        same_run = other is not None and _run_key(other["row"]) == _run_key(r)
         table.append([str(r["q_len"]), str(p["d"]), _f(p["share"], ".1%"), _f(r["ms_p50"], ".4g"),
                       _f(cudnn, ".4g") + ("" if p["same_run"] or cudnn is None else " (other run)"),
                       _f(p["ratio"], ".2f") + ("x" if p["ratio"] is not None else ""),
                       _f(r.get("compression_ratio"), ".2f"), _f(r.get("err_rel"), ".2e"),
-                      _f(r.get("err_vs_dense_rel"), ".2e")])
+                      _f(r.get("err_vs_dense_rel"), ".2e"),
+                      "-" if other is None else _f(other["row"]["ms_p50"], ".4g") + ("" if same_run else " (other run)"),
+                      "-" if other is None or other["ratio"] is None else f"{other['ratio']:.2f}x",
+                      "-" if other is None else _f(other["row"].get("err_rel"), ".2e")])
     return headers, table
 
 

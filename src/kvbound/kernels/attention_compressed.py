@@ -77,7 +77,9 @@ __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"
 # KVBOUND_ASM_DECODE=0 restores the compiler's decode (the interpreter and ROCm always use it). Part of every
 # kernel's cache key (a module-level constexpr).
 _ASM_DECODE = tl.constexpr(
-    os.environ.get("KVBOUND_ASM_DECODE", "1") != "0" and not _KERNELS_INTERPRETED and torch.version.hip is None
+    os.environ.get("KVBOUND_ASM_DECODE", "1").strip().lower() not in ("0", "false", "off", "no")
+    and not _KERNELS_INTERPRETED
+    and torch.version.hip is None
 )
 
 
@@ -1181,6 +1183,7 @@ COMPRESSED_TUNE_KEY = [
     "V_RESIDUAL",
     "SPLIT_RANK",
     "PREDICATED_RESIDUAL",
+    "PASS",
     "FAST_BITS_K",
     "FAST_BITS_V",
     "K_PLANES",
@@ -1284,6 +1287,7 @@ def _attention_compressed_fwd(
     K_PLANES: tl.constexpr,
     V_PLANES: tl.constexpr,
     RUN_KINDS: tl.constexpr,
+    PASS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BIAS_TILE: tl.constexpr,
@@ -1297,6 +1301,8 @@ def _attention_compressed_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    tl.static_assert(PASS == 0 or PASS == 1 or PASS == 2)
+    tl.static_assert(PASS != 1 or not (K_RESIDUAL or V_RESIDUAL), "pass 1 is compiled without residual code")
     if RELATIVE:
         tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
     tl.static_assert(
@@ -1414,12 +1420,14 @@ def _attention_compressed_fwd(
     # compiled in (the rank-space fast path); loop B1 the uniform runs (compile-time width, no branch per
     # tile); loop B2 the general residual runs; loop C the masked tail (ragged last tile, causal diagonal).
     # Softmax accumulation is order-independent, and each run is a plain range loop that the software
-    # pipeliner can prefetch. ----
+    # pipeliner can prefetch. PASS splits the work over two launches (``split`` in the launcher): 1 walks loop A
+    # only, in a kernel compiled without residual code (its own tile shape and registers), 2 the other loops;
+    # the launcher merges the two partial results by their log-sum-exp. 0: everything in one launch. ----
     unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     full_super = unmasked_end // SUPER_BLOCK
-    if K_RESIDUAL or V_RESIDUAL:
-        runs_row = Runs + pid_bh.to(tl.int64) * (2 * RUN_KINDS * NUM_SUPER)
-        counts_row = RunCounts + pid_bh.to(tl.int64) * RUN_KINDS
+    runs_row = Runs + pid_bh.to(tl.int64) * (2 * RUN_KINDS * NUM_SUPER)
+    counts_row = RunCounts + pid_bh.to(tl.int64) * RUN_KINDS
+    if (K_RESIDUAL or V_RESIDUAL or PASS == 1) and PASS != 2:
         for run in range(0, tl.load(counts_row)):
             run_lo = tl.load(runs_row + run)
             run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
@@ -1508,7 +1516,7 @@ def _attention_compressed_fwd(
                 K_PLANES,
                 V_PLANES,
             )
-    else:
+    elif PASS == 0:
         # Nothing to skip: one plain loop over every full super-block.
         accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
             accumulator,
@@ -1791,91 +1799,93 @@ def _attention_compressed_fwd(
                 K_PLANES,
                 V_PLANES,
             )
-    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-        accumulator,
-        accumulator_max,
-        rank_accumulator,
-        running_sum,
-        running_max,
-        q_op,
-        q_res_mult,
-        query_rank,
-        query_rank_lo,
-        query_rank_mult,
-        K_coeff_head,
-        k_coeff_desc,
-        K_basis,
-        K_mode,
-        K_scale,
-        K_bits,
-        K_offset,
-        K_codes,
-        K_raw,
-        V_coeff_head,
-        v_coeff_desc,
-        V_basis,
-        V_mode,
-        V_scale,
-        V_bits,
-        V_offset,
-        V_codes,
-        V_raw,
-        stride_kcn,
-        stride_kcr,
-        stride_vcn,
-        stride_vcr,
-        k_meta_base,
-        v_meta_base,
-        bias_rows,
-        stride_bk,
-        row_query,
-        row_valid,
-        full_super * SUPER_BLOCK,
-        end,
-        N_K,
-        bias_mult,
-        softcap_log2,
-        HEAD_DIM_K,
-        HEAD_DIM_V,
-        DK_PAD,
-        DV_PAD,
-        RANK_K,
-        RANK_V,
-        RK_PAD,
-        RV_PAD,
-        BLOCK_SIZE_K,
-        BLOCK_SIZE_V,
-        K_PER_BLOCK,
-        V_PER_BLOCK,
-        K_RESIDUAL,
-        V_RESIDUAL,
-        SPLIT_RANK,
-        BLOCK_M,
-        BLOCK_N,
-        HAS_BIAS,
-        SOFTCAP,
-        CAUSAL,
-        True,
-        FP32,
-        PRECISION,
-        USE_TMA,
-        False,
-        BIAS_TILE,
-        FIXED_MAX,
-        q_position,
-        relative_head,
-        stride_rh_row,
-        stride_rh_d,
-        row_start,
-        N_Q,
-        N_Q + N_K - 1,
-        logit_mult,
-        RELATIVE,
-        0,
-        0,
-        K_PLANES,
-        V_PLANES,
-    )
+    if PASS != 1:
+        # the masked tail (the residual-capable launch's when the work is split)
+        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+            accumulator,
+            accumulator_max,
+            rank_accumulator,
+            running_sum,
+            running_max,
+            q_op,
+            q_res_mult,
+            query_rank,
+            query_rank_lo,
+            query_rank_mult,
+            K_coeff_head,
+            k_coeff_desc,
+            K_basis,
+            K_mode,
+            K_scale,
+            K_bits,
+            K_offset,
+            K_codes,
+            K_raw,
+            V_coeff_head,
+            v_coeff_desc,
+            V_basis,
+            V_mode,
+            V_scale,
+            V_bits,
+            V_offset,
+            V_codes,
+            V_raw,
+            stride_kcn,
+            stride_kcr,
+            stride_vcn,
+            stride_vcr,
+            k_meta_base,
+            v_meta_base,
+            bias_rows,
+            stride_bk,
+            row_query,
+            row_valid,
+            full_super * SUPER_BLOCK,
+            end,
+            N_K,
+            bias_mult,
+            softcap_log2,
+            HEAD_DIM_K,
+            HEAD_DIM_V,
+            DK_PAD,
+            DV_PAD,
+            RANK_K,
+            RANK_V,
+            RK_PAD,
+            RV_PAD,
+            BLOCK_SIZE_K,
+            BLOCK_SIZE_V,
+            K_PER_BLOCK,
+            V_PER_BLOCK,
+            K_RESIDUAL,
+            V_RESIDUAL,
+            SPLIT_RANK,
+            BLOCK_M,
+            BLOCK_N,
+            HAS_BIAS,
+            SOFTCAP,
+            CAUSAL,
+            True,
+            FP32,
+            PRECISION,
+            USE_TMA,
+            False,
+            BIAS_TILE,
+            FIXED_MAX,
+            q_position,
+            relative_head,
+            stride_rh_row,
+            stride_rh_d,
+            row_start,
+            N_Q,
+            N_Q + N_K - 1,
+            logit_mult,
+            RELATIVE,
+            0,
+            0,
+            K_PLANES,
+            V_PLANES,
+        )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
     if not V_PER_BLOCK:
@@ -2317,6 +2327,7 @@ def attention_compressed_fwd(
     fixed_max: bool = True,
     uniform: bool | None = None,
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2343,7 +2354,14 @@ def attention_compressed_fwd(
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``), as in the dense launcher: the logit
     of ``(i, j)`` becomes ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 +
     j - i]`` (+ bias), with ``k_j`` the decoded key.
+    ``split``: when some super-blocks have a residual and others do not, run the low-rank-only ones in a second
+    launch of the kernel compiled without residual code (its own tile shape and registers, as when no block has a
+    residual), the rest in the residual-capable kernel, and merge the two partial results by their log-sum-exp
+    (float32 partials, one rounding to q's dtype). None: the environment's ``KVBOUND_SPLIT_LOWRANK`` (``1`` on;
+    off by default until timed on a GPU). Costs one more host sync (whether any low-rank run exists).
     """
+    if split is None:
+        split = os.environ.get("KVBOUND_SPLIT_LOWRANK", "0") == "1"
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
@@ -2475,16 +2493,46 @@ def attention_compressed_fwd(
     else:
         runs = run_counts = _placeholder(q.device, torch.int32)
     args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, *sizes)
-    tune_key = (
-        sizes[-2],
-        sizes[-1],
-        *[constexprs[name] for name in COMPRESSED_TUNE_KEY[2:]],
-        q.dtype,
-        bias_arg.dtype,
-        k.coeffs.dtype,
-        v.coeffs.dtype,
-        k.raw.dtype,
-        v.raw.dtype,
-    )
-    launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
+    constexprs["PASS"] = 0
+
+    def launch(args, constexprs):
+        tune_key = (
+            sizes[-2],
+            sizes[-1],
+            *[constexprs[name] for name in COMPRESSED_TUNE_KEY[2:]],
+            q.dtype,
+            bias_arg.dtype,
+            k.coeffs.dtype,
+            v.coeffs.dtype,
+            k.raw.dtype,
+            v.raw.dtype,
+        )
+        launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
+
+    if not (split and (residual[0] or residual[1]) and bool((run_counts[:, 0] > 0).any())):
+        launch(args, constexprs)
+        return out, lse
+    # Low-rank runs in a kernel without residual code (pass 1), the rest in the residual-capable one (pass 2).
+    partial = [
+        (torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)
+    ]
+    lowrank = dict(constexprs, K_RESIDUAL=False, V_RESIDUAL=False, FAST_BITS_K=0, FAST_BITS_V=0, K_PLANES=1,
+                   V_PLANES=1, PASS=1)  # fmt: skip
+    launch((*args[:2], *partial[0], *args[4:]), lowrank)
+    launch((*args[:2], *partial[1], *args[4:]), dict(constexprs, PASS=2))
+    return merge_partials(partial, out, lse)
+
+
+def merge_partials(
+    partial: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of disjoint key sets from each set's normalised output and log-sum-exp (natural
+    log; ``-inf`` and a zero output for a row that saw no key), written into ``out`` and ``lse``."""
+    top = torch.stack([part_lse for _, part_lse in partial]).amax(dim=0)
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = [torch.exp(part_lse - safe) for _, part_lse in partial]
+    total = torch.stack(weights).sum(dim=0)
+    merged = sum(part_out * weight[..., None] for (part_out, _), weight in zip(partial, weights, strict=True))
+    out.copy_(merged / torch.where(total > 0, total, torch.ones_like(total))[..., None])
+    lse.copy_(torch.where(total > 0, safe + torch.log(total), torch.full_like(total, float("-inf"))))
     return out, lse

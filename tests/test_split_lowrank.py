@@ -1,0 +1,165 @@
+"""The split launch of compressed attention (``split=True`` / ``KVBOUND_SPLIT_LOWRANK=1``): low-rank-only runs in
+a kernel without residual code, the rest in the residual-capable kernel, merged by log-sum-exp. It must compute
+the same attention as one launch, within the 2x criterion against float64, on every mode and option."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbound import CompressionConfig, calibrate, compress_kv
+from kvbound.attention import attention
+from kvbound.kernels import attention_compressed as kernels
+from kvbound.kernels.attention_compressed import merge_partials
+from kvbound.models.reference import relative_position_attention_reference
+from test_attention import all_modes, check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
+
+
+def _launches(monkeypatch) -> list[int]:
+    """The PASS of every kernel launch from now on."""
+    passes: list[int] = []
+    original = kernels.launch_tuned
+
+    def spy(kernel, tuned, grid, args, constexprs, tune_key, config):
+        passes.append(constexprs["PASS"])
+        return original(kernel, tuned, grid, args, constexprs, tune_key, config)
+
+    monkeypatch.setattr(kernels, "launch_tuned", spy)
+    return passes
+
+
+def _shared_case():
+    cfg = CompressionConfig(block_size=16, rank=8)
+    k = structured(1, 2, 200, 64, torch.float16, 1)
+    v = structured(1, 2, 200, 40, torch.float16, 2)
+    ck = compress_kv(k, cfg, calibrate(structured(1, 2, 200, 64, torch.float16, 1, spikes=False), cfg))
+    cv = compress_kv(v, cfg, calibrate(structured(1, 2, 200, 40, torch.float16, 2, spikes=False), cfg))
+    assert all_modes(ck) and all_modes(cv), (ck.mode_fractions(), cv.mode_fractions())
+    q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    return q, ck, cv
+
+
+@pytest.mark.parametrize("causal, softcap, with_bias", [(False, None, False), (True, 5.0, True), (False, 30.0, True)])
+def test_split_matches_one_launch_and_float64_every_mode_gqa(monkeypatch, causal, softcap, with_bias):
+    q, ck, cv = _shared_case()
+    bias = torch.randn(1, 4, 1, 200, generator=torch.Generator().manual_seed(5)) if with_bias else None
+    kwargs = dict(causal=causal, bias=bias, softcap=softcap)
+    one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)
+    passes = _launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    split, split_lse = attention(q, ck, cv, return_lse=True, **kwargs)
+    assert passes == [1, 2]  # the low-rank runs, then the rest
+    check_against_reference(split, q, ck.decompress(), cv.decompress(), **kwargs)
+    # the same function as one launch: outputs within a few float16 roundings, log-sum-exp to float32 precision
+    assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-11 * float(one.float().abs().max())
+    assert torch.allclose(split_lse, one_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_split_per_block_basis_mqa_fp32(monkeypatch):
+    cfg = CompressionConfig(block_size=16, rank=8, bits=4)
+    k = structured(2, 1, 77, 40, torch.float32, 3)
+    v = structured(2, 1, 77, 192, torch.float32, 4)
+    ck, cv = compress_kv(k, cfg), compress_kv(v, cfg)
+    assert not ck.shared_basis and all_modes(ck) and all_modes(cv)
+    q = torch.randn(2, 8, 37, 40, generator=torch.Generator().manual_seed(6))
+    passes = _launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    out = attention(q, ck, cv)
+    assert passes == [1, 2]
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
+
+
+def test_split_relative_positions(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    h, n, dk, dv = 2, 96, 32, 48
+    cfg = CompressionConfig(block_size=16, rank=8)
+    k = structured(1, h, n, dk, torch.float32, 11)
+    v = structured(1, h, n, dv, torch.float32, 12)
+    ck = compress_kv(k, cfg, calibrate(structured(1, h, n, dk, torch.float32, 11, spikes=False), cfg))
+    cv = compress_kv(v, cfg, calibrate(structured(1, h, n, dv, torch.float32, 12, spikes=False), cfg))
+    assert 0 < ck.mode_fractions()["lowrank"] < 1
+    q = torch.randn(1, h, n, dk, generator=g)
+    table = torch.randn(h, 2 * n - 1, dk, generator=g) * 0.3
+    u, w = torch.randn(h, dk, generator=g) * 0.5, torch.randn(h, dk, generator=g) * 0.5
+    relative = dict(relative_keys=table, relative_content_bias=u, relative_position_bias=w)
+    one = attention(q, ck, cv, **relative)
+    passes = _launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    out = attention(q, ck, cv, **relative)
+    assert passes == [1, 2]
+    expected = relative_position_attention_reference(
+        q, ck.decompress(), cv.decompress(), table, u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk), scale=dk**-0.5
+    )
+    err, one_err = (float((x.double() - expected).abs().max()) for x in (out, one))
+    print(f"relative max err: split {err:.3e}, one launch {one_err:.3e}")
+    assert err <= 2 * one_err + 1e-6
+
+
+def test_split_is_one_launch_when_nothing_to_split(monkeypatch):
+    """Without a low-rank run (every block coded) or without a residual (every block low rank), one launch."""
+    cfg = CompressionConfig(block_size=16, rank=0, bits=4)
+    k = structured(1, 2, 64, 32, torch.float16, 13)
+    ck = compress_kv(k, cfg)
+    assert ck.mode_fractions()["lowrank"] == 0
+    q = torch.randn(1, 2, 20, 32, generator=torch.Generator().manual_seed(14)).to(torch.float16)
+    passes = _launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    attention(q, ck, ck)
+    low = structured(1, 2, 64, 32, torch.float16, 15, spikes=False)
+    cfg8 = CompressionConfig(block_size=16, rank=8)
+    cl = compress_kv(low, cfg8, calibrate(low, cfg8))
+    assert cl.mode_fractions()["lowrank"] == 1
+    attention(q, cl, cl)
+    assert passes == [0, 0]
+
+
+def test_merge_partials_is_attention_over_the_union():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 5, 9, generator=g, dtype=torch.float64)
+    values = torch.randn(2, 3, 9, 4, generator=g, dtype=torch.float64)
+    logits[0, 0, 0, :4] = -math.inf  # a row that sees no key of the first set
+    parts = []
+    for keys in (slice(0, 4), slice(4, 9)):
+        lse = torch.logsumexp(logits[..., keys], dim=-1)
+        weights = torch.softmax(logits[..., keys], dim=-1).nan_to_num(0.0)
+        parts.append(((weights @ values[:, :, keys]).float(), lse.float()))
+    out, lse = torch.empty(2, 3, 5, 4), torch.empty(2, 3, 5)
+    merge_partials(parts, out, lse)
+    assert torch.allclose(out.double(), torch.softmax(logits, dim=-1) @ values, atol=1e-6)
+    assert torch.allclose(lse.double(), torch.logsumexp(logits, dim=-1), atol=1e-6)
+    # a row that no set saw: a zero output and -inf, as one launch gives
+    empty = [(torch.zeros(1, 1, 1, 2), torch.full((1, 1, 1), -math.inf)) for _ in range(2)]
+    out, lse = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1)
+    merge_partials(empty, out, lse)
+    assert torch.equal(out, torch.zeros(1, 1, 1, 2)) and lse.item() == -math.inf
+
+
+def _half_lowrank(h: int, n: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """Rank-8 rows, with noise that needs residual codes in every other block of 128 keys."""
+    basis = torch.linalg.qr(torch.randn(h, d, 8, generator=g))[0].transpose(1, 2)
+    x = torch.randn(1, h, n, 8, generator=g) * math.sqrt(d / 8) @ basis
+    noisy = (torch.arange(n) // 128) % 2 == 1
+    x[:, :, noisy] += torch.randn(1, h, int(noisy.sum()), d, generator=g) * 0.05
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_split_lowrank_bf16(monkeypatch, d):
+    g = torch.Generator().manual_seed(d)
+    h, n = 8, 8192
+    k, v = _half_lowrank(h, n, d, g).cuda(), _half_lowrank(h, n, d, g).cuda()
+    cfg = CompressionConfig()
+    ck, cv = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
+    assert 0.3 < ck.mode_fractions()["lowrank"] < 0.7, ck.mode_fractions()
+    q = torch.randn(1, h, n, d, generator=g).to(torch.bfloat16).cuda()
+    one = attention(q, ck, cv)
+    passes = _launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    split = attention(q, ck, cv)
+    assert passes == [1, 2]
+    rows = slice(0, 128)
+    check_against_reference(split[:, :, rows].contiguous(), q[:, :, rows].contiguous(), ck.decompress(), cv.decompress())
+    assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-8 * float(one.float().abs().max())
