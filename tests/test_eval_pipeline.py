@@ -259,6 +259,11 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
             assert paired["effect_median_negatives"] != default["effect_median_negatives"]
         codes, changes = (by[(f"{kind}_toy", f"default r8 b4, anchored{tail}")] for tail in ("", " to changes"))
         assert codes["effect_median_positives"] != changes["effect_median_positives"]  # the source is used
+        wide = by[(f"{kind}_toy", "default r8 b4, anchored to changes, float32 K/V")]
+        assert int(wide["bound_violations"]) == 0 and float(wide["max_abs_error_k"]) <= 2.0**-5
+        assert (wide["kv_storage"], changes["kv_storage"], by[(f"{kind}_toy", "exact")]["kv_storage"]) == (
+            "float32", "bfloat16", "")
+        assert wide["effect_median_positives"] != changes["effect_median_positives"]  # encoded from float32
         low_rank = by[(f"{kind}_toy", "low-rank only r8")]
         assert float(low_rank["max_abs_error_k"]) > 2.0**-5  # no bound without the residual
         assert {row["setting"] for row in rows if row["model"] == f"{kind}_noattn_toy"} == {"exact"}

@@ -78,11 +78,14 @@ class Setting:
     # "codes" keeps the reference's codes where they certify the variant; "changes" moves them by the rounded
     # change of the K/V (the reference's values known, as in kvbound.patch's handle.variants()); "" independent
     anchored: str = ""
+    # codec only: the dtype K/V are encoded from: "" the forward's K/V rounded to bfloat16 first (kv_hooks), or
+    # "float32" as the forward computed them (what kvbound.patch encodes in a float32 forward)
+    storage: str = ""
 
     @property
     def key(self) -> tuple:
         """Settings with equal keys compute the same thing (e.g. "r8 b4" and "tau 2^-5" are the default)."""
-        return (self.method, self.rank, self.bits, self.tau, self.block_size, self.anchored)
+        return (self.method, self.rank, self.bits, self.tau, self.block_size, self.anchored, self.storage)
 
 
 def default_settings(block_size: int = 128) -> list[Setting]:
@@ -120,6 +123,17 @@ def default_settings(block_size: int = 128) -> list[Setting]:
             default.tau,
             block_size,
             anchored="changes",
+        ),
+        Setting(
+            "paired",
+            f"default r{default.rank} b{default.bits}, anchored to changes, float32 K/V",
+            "codec",
+            default.rank,
+            default.bits,
+            default.tau,
+            block_size,
+            anchored="changes",
+            storage="float32",
         ),
         Setting(
             "ablation", f"low-rank only r{default.rank}", "lowrank_only", default.rank, 0, float("nan"), block_size
@@ -219,7 +233,8 @@ def _hook_for(setting: Setting, bases: dict, impl: str):
         return kv_hooks.LowRankOnlyHook(setting.rank, setting.block_size, bases.get(setting.rank))
     config = CompressionConfig(block_size=setting.block_size, rank=setting.rank, bits=setting.bits, tau=setting.tau)
     return kv_hooks.CompressedKVHook(
-        config, bases.get(setting.rank), strict=False, impl=impl, anchored=setting.anchored
+        config, bases.get(setting.rank), strict=False, impl=impl, anchored=setting.anchored,
+        storage=getattr(torch, setting.storage) if setting.storage else None,
     )
 
 
@@ -533,6 +548,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
         "tau": setting.tau,
         "block_size": setting.block_size,
         "anchored": setting.anchored,
+        "kv_storage": (setting.storage or "bfloat16") if setting.method == "codec" else "",
         "basis": args.basis if setting.rank > 0 else "",
         "ratio": stats.ratio() if stats else 1.0,
         "ratio_k": stats.ratio("k") if stats else 1.0,

@@ -106,7 +106,9 @@ def _dense_bytes(x: torch.Tensor) -> int:
 
 
 class CompressedKVHook:
-    """Replace K and V by ``compress_kv(x.to(bf16), config, basis).decompress()``.
+    """Replace K and V by ``compress_kv(x.to(bf16), config, basis).decompress()`` (``storage``: another dtype to
+    encode from instead of bfloat16, e.g. float32 to encode a float32 forward's K/V as they are; the compression
+    ratio is still counted against bfloat16 K/V).
 
     ``anchored`` ("codes" or "changes"): while ``anchor_index`` is set (one entry per batch item: the item of the
     same batch whose encoding it follows, -1 for a reference), each item is encoded against its reference item's
@@ -123,10 +125,20 @@ class CompressedKVHook:
     """
 
     def __init__(
-        self, config, bases: dict | None = None, *, strict: bool = True, impl: str = "eager", anchored: str = ""
+        self,
+        config,
+        bases: dict | None = None,
+        *,
+        strict: bool = True,
+        impl: str = "eager",
+        anchored: str = "",
+        storage: torch.dtype | None = None,
     ):
         if anchored not in ("", "codes", "changes"):
             raise ValueError(f"anchored: expected '', 'codes' or 'changes', got {anchored!r}")
+        if storage is not None and storage not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"storage: expected float16, bfloat16 or float32, got {storage}")
+        self.storage = STORAGE_DTYPE if storage is None else storage
         self.config = config
         self.bases = bases or {}
         self.strict = strict
@@ -147,7 +159,7 @@ class CompressedKVHook:
     def _one(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
         import kvbound
 
-        stored = x.detach().to(STORAGE_DTYPE)
+        stored = x.detach().to(self.storage)
         basis = self.bases.get((layer, name))
         impl = self.impl
         if impl == "auto":  # the fused encoder where it applies, as kvbound.patch chooses

@@ -176,6 +176,7 @@ def _noise_section(add, quality: list[dict], effects: list[dict] | None = None) 
         "default r8 b4",
         "default r8 b4, anchored",
         "default r8 b4, anchored to changes",
+        "default r8 b4, anchored to changes, float32 K/V",
         "tau 2^-6",
         "tau 2^-7",
     )
