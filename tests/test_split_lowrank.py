@@ -97,22 +97,46 @@ def test_split_relative_positions(monkeypatch):
     assert err <= 2 * one_err + 1e-6
 
 
-def test_split_is_one_launch_when_nothing_to_split(monkeypatch):
-    """Without a low-rank run (every block coded) or without a residual (every block low rank), one launch."""
+def test_split_without_a_low_rank_run_and_without_a_residual(monkeypatch):
+    """Every block coded: both passes still run (no host read decides it) and pass 1 adds nothing. Every block
+    low rank: nothing to split, one launch."""
     cfg = CompressionConfig(block_size=16, rank=0, bits=4)
     k = structured(1, 2, 64, 32, torch.float16, 13)
     ck = compress_kv(k, cfg)
     assert ck.mode_fractions()["lowrank"] == 0
     q = torch.randn(1, 2, 20, 32, generator=torch.Generator().manual_seed(14)).to(torch.float16)
+    one, one_lse = attention(q, ck, ck, return_lse=True)
     passes = _launches(monkeypatch)
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
-    attention(q, ck, ck)
+    split, split_lse = attention(q, ck, ck, return_lse=True)
+    assert torch.equal(split, one) and torch.allclose(split_lse, one_lse, rtol=1e-6, atol=1e-6)
     low = structured(1, 2, 64, 32, torch.float16, 15, spikes=False)
     cfg8 = CompressionConfig(block_size=16, rank=8)
     cl = compress_kv(low, cfg8, calibrate(low, cfg8))
     assert cl.mode_fractions()["lowrank"] == 1
     attention(q, cl, cl)
-    assert passes == [0, 0]
+    assert passes == [1, 2, 0]
+
+
+@pytest.mark.parametrize("rows", [(64, 32), (32, 64), (128, 32)])
+def test_split_causal_when_the_passes_tile_rows_differently(monkeypatch, rows):
+    """The passes are tuned apart and may choose different BLOCK_M: a causal row must still see every key once."""
+    q, ck, cv = _shared_case()
+    q = torch.cat([q, q, q, q], dim=2)[:, :, :140].contiguous()  # more rows than one tile of 128
+    kwargs = dict(causal=True, softcap=30.0)
+    one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)
+    block_m = {1: rows[0], 2: rows[1]}
+
+    def pinned(kernel, tuned, grid, args, constexprs, tune_key, config):
+        tile = dict(BLOCK_M=block_m[constexprs["PASS"]], BLOCK_N=16)
+        kernel.fn[grid](*args, **constexprs, **tile, num_warps=4, num_stages=1)
+
+    monkeypatch.setattr(kernels, "launch_tuned", pinned)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    split, split_lse = attention(q, ck, cv, return_lse=True, **kwargs)
+    check_against_reference(split, q, ck.decompress(), cv.decompress(), **kwargs)
+    assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-11 * float(one.float().abs().max())
+    assert torch.allclose(split_lse, one_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_partials_is_attention_over_the_union():
@@ -155,11 +179,17 @@ def test_gpu_split_lowrank_bf16(monkeypatch, d):
     ck, cv = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
     assert 0.3 < ck.mode_fractions()["lowrank"] < 0.7, ck.mode_fractions()
     q = torch.randn(1, h, n, d, generator=g).to(torch.bfloat16).cuda()
-    one = attention(q, ck, cv)
-    passes = _launches(monkeypatch)
-    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
-    split = attention(q, ck, cv)
-    assert passes == [1, 2]
-    rows = slice(0, 128)
-    check_against_reference(split[:, :, rows].contiguous(), q[:, :, rows].contiguous(), ck.decompress(), cv.decompress())
-    assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-8 * float(one.float().abs().max())
+    for causal in (False, True):
+        one = attention(q, ck, cv, causal=causal)
+        passes = _launches(monkeypatch)
+        monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+        split = attention(q, ck, cv, causal=causal)
+        monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK")
+        assert passes == [1, 2]
+        rows = slice(0, 128)  # against float64 (with causal, these rows see keys 0 .. row)
+        k_ref, v_ref = (ck.decompress()[:, :, rows], cv.decompress()[:, :, rows]) if causal else (ck.decompress(),
+                                                                                                cv.decompress())
+        check_against_reference(split[:, :, rows].contiguous(), q[:, :, rows].contiguous(), k_ref.contiguous(),
+                                v_ref.contiguous(), causal=causal)
+        # every row against one launch
+        assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-8 * float(one.float().abs().max())

@@ -337,15 +337,16 @@ class _Kvbound(Provider):
     def applies(self, shape: AttentionShape) -> bool:
         return not self.split or self.name in shape.providers
 
-    def context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        if self.split:
-            stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", "1"))
-        if self.deferred:
-            import kvbound
+    @contextlib.contextmanager
+    def context(self):
+        with contextlib.ExitStack() as stack:
+            if self.split:
+                stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", "1"))
+            if self.deferred:
+                import kvbound
 
-            stack.enter_context(kvbound.deferred_checks())
-        return stack
+                stack.enter_context(kvbound.deferred_checks())
+            yield
 
 
 @contextlib.contextmanager

@@ -1096,6 +1096,10 @@ def _attention_compressed_inner(
 
 
 # ----------------------------------------------------------------------------------------------- autotune
+# Causal split launches (PASS 1 and 2) end their runs at a boundary of this many rows, whatever each pass's BLOCK_M
+# (every tile shape's BLOCK_M divides it).
+SPLIT_ROWS = tl.constexpr(128)
+
 # Tile shapes of the relative-position variant, (BLOCK_M, BLOCK_N, warps, stages): its [BLOCK_M, 2 max(BLOCK_M,
 # BLOCK_N)] float32 relative table and the live position query need 64 rows on two warpgroups to stay clear of
 # spills (kernels/README.md has the register counts). Those not in the general list are relative-only.
@@ -1424,6 +1428,14 @@ def _attention_compressed_fwd(
     # only, in a kernel compiled without residual code (its own tile shape and registers), 2 the other loops;
     # the launcher merges the two partial results by their log-sum-exp. 0: everything in one launch. ----
     unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    if CAUSAL and PASS != 0:
+        # The two passes of a split launch are tuned apart and may pick different BLOCK_M; where the runs end and
+        # the masked tail begins must not depend on it, or a row would lose or repeat key tiles. So the split
+        # passes take it from the row group of SPLIT_ROWS (a multiple of every BLOCK_M) holding the tile.
+        tl.static_assert(SPLIT_ROWS % BLOCK_M == 0)
+        unmasked_end, _ = key_loop_bounds(
+            (row_start // SPLIT_ROWS) * SPLIT_ROWS, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL
+        )
     full_super = unmasked_end // SUPER_BLOCK
     runs_row = Runs + pid_bh.to(tl.int64) * (2 * RUN_KINDS * NUM_SUPER)
     counts_row = RunCounts + pid_bh.to(tl.int64) * RUN_KINDS
@@ -2357,11 +2369,12 @@ def attention_compressed_fwd(
     ``split``: when some super-blocks have a residual and others do not, run the low-rank-only ones in a second
     launch of the kernel compiled without residual code (its own tile shape and registers, as when no block has a
     residual), the rest in the residual-capable kernel, and merge the two partial results by their log-sum-exp
-    (float32 partials, one rounding to q's dtype). None: the environment's ``KVBOUND_SPLIT_LOWRANK`` (``1`` on;
-    off by default until timed on a GPU). Costs one more host sync (whether any low-rank run exists).
+    (float32 partials, one rounding to q's dtype). None: the environment's ``KVBOUND_SPLIT_LOWRANK`` (``1``,
+    ``true``, ``on`` or ``yes``; off by default until timed on a GPU). No extra host read: with a residual, both
+    passes run.
     """
     if split is None:
-        split = os.environ.get("KVBOUND_SPLIT_LOWRANK", "0") == "1"
+        split = os.environ.get("KVBOUND_SPLIT_LOWRANK", "0").strip().lower() in ("1", "true", "on", "yes")
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
@@ -2509,9 +2522,11 @@ def attention_compressed_fwd(
         )
         launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
 
-    if not (split and (residual[0] or residual[1]) and bool((run_counts[:, 0] > 0).any())):
+    if not (split and (residual[0] or residual[1])):
         launch(args, constexprs)
         return out, lse
+    # Both passes whether or not a low-rank run exists (finding out would read the device from the host; without
+    # one, pass 1 only writes empty partials).
     # Low-rank runs in a kernel without residual code (pass 1), the rest in the residual-capable one (pass 2).
     partial = [
         (torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)
