@@ -2,7 +2,7 @@
 # The quality benchmark on one GPU, after eval/gpu_run.sh has trained the models (eval/weights/*.safetensors
 # present in the tree), or the fidelity check of the public ports; results packed into one archive.
 #
-#   bash eval/gpu_eval.sh eval       `kvbound eval` within EVAL_BUDGET_S [460] seconds (needs eval/.cache)
+#   bash eval/gpu_eval.sh eval       `kvbound eval` within EVAL_BUDGET_S [530] seconds (needs eval/.cache)
 #   bash eval/gpu_eval.sh fidelity   python -m kvbound.eval.fidelity: Enformer, Borzoi, AlphaGenome ports at full
 #                                    size, random weights, one real chrX window, batch 1 (needs eval/.cache/genome,
 #                                    motifs, tss, manifest.json and the ports' wheels in .whl/, see
@@ -30,7 +30,7 @@ case "$mode" in
   eval)
     # shellcheck disable=SC2086
     "$python_bin" -m kvbound.eval.cli "${data_args[@]}" "${device_args[@]}" --out eval/results \
-      --time-budget-s "${EVAL_BUDGET_S:-460}" --batch-size "${EVAL_BATCH:-8}" ${EVAL_ARGS:-} \
+      --time-budget-s "${EVAL_BUDGET_S:-530}" --batch-size "${EVAL_BATCH:-8}" ${EVAL_ARGS:-} \
       > eval/results/logs/eval.log 2>&1 || status=$?
     files=(eval/results/quality.csv eval/results/quality_by_stratum.csv eval/results/effects.csv eval/results/layers.csv
            eval/results/scaling.csv eval/results/variants.csv eval/results/eval_run.json eval/results/pareto.png

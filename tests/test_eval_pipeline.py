@@ -204,7 +204,7 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
         "--max-variants",
         "30",
         "--settings",
-        "default,paired,ablation,floor",
+        "default,paired,paired_tau,ablation,floor",
         "--block-size",
         "16",
         "--layer-windows",
@@ -264,6 +264,10 @@ def test_eval_end_to_end_with_trained_weights(fixture_dir, tmp_path):
         assert (wide["kv_storage"], changes["kv_storage"], by[(f"{kind}_toy", "exact")]["kv_storage"]) == (
             "float32", "bfloat16", "")
         assert wide["effect_median_positives"] != changes["effect_median_positives"]  # encoded from float32
+        for e in (-6, -7):  # the anchored tau sweep: within its own, smaller bound
+            fine = by[(f"{kind}_toy", f"r8 b4 tau 2^{e}, anchored to changes, float32 K/V")]
+            assert fine["group"] == "paired_tau" and float(fine["tau"]) == 2.0**e
+            assert int(fine["bound_violations"]) == 0 and float(fine["max_abs_error_k"]) <= 2.0**e
         low_rank = by[(f"{kind}_toy", "low-rank only r8")]
         assert float(low_rank["max_abs_error_k"]) > 2.0**-5  # no bound without the residual
         assert {row["setting"] for row in rows if row["model"] == f"{kind}_noattn_toy"} == {"exact"}

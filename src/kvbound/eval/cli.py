@@ -12,7 +12,8 @@ randomly initialised, and every output says so), on held-out windows of the test
 * the same with K and V of every attention layer replaced through a hook by
   ``kvbound.compress_kv(...).decompress()`` for: the default config; the ablations "low-rank only" (rank 8,
   residual dropped, no bound) and "quantisation only" (rank 0); variant scoring with anchored encoding
-  (``paired``); the (rank, bits) sweep (8,8), (16,8), (16,4), (8,4), (8,2), (4,2); and a tau sweep
+  (``paired``: keeping codes, following changes from bf16 K/V and from the float32 K/V; ``paired_tau``: following
+  changes from float32 K/V at tau 2^-6 and 2^-7); the (rank, bits) sweep (8,8), (16,8), (16,4), (8,4), (8,2), (4,2); and a tau sweep
   2^-7 .. 2^-2; plus "bf16 K/V" (rounding only, the common floor);
 * the no-attention ablation models (``<kind>_noattn``) when their weights exist;
 * per attention layer (default config, ``--layer-windows`` windows): the largest effective query 1-norm, the
@@ -21,8 +22,8 @@ randomly initialised, and every output says so), on held-out windows of the test
 * context length: exact against the default config with the trained weights at ``--scaling`` multiples of
   the training window (``--scaling-windows`` windows, ``--scaling-variants`` variants).
 
-``--time-budget-s``: the work runs in order of importance (exact, default, floor, ablations, layers, the two
-sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is skipped
+``--time-budget-s``: the work runs in order of importance (exact, default, paired, floor, paired_tau, ablations,
+layers, the two sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is skipped
 and listed under ``skipped`` in ``eval_run.json``.
 
 Writes ``quality.csv`` (one row per model and setting), ``quality_by_stratum.csv``, ``effects.csv`` (the
@@ -67,7 +68,7 @@ SWEEP_TAU_EXPONENTS = (-7, -6, -5, -4, -3, -2)
 class Setting:
     """One way of feeding K/V to attention."""
 
-    group: str  # exact | floor | default | paired | ablation | sweep_rank_bits | sweep_tau
+    group: str  # exact | floor | default | paired | paired_tau | ablation | sweep_rank_bits | sweep_tau
     name: str
     method: str  # exact | bf16 | codec | lowrank_only
     rank: int = 0
@@ -135,6 +136,24 @@ def default_settings(block_size: int = 128) -> list[Setting]:
             anchored="changes",
             storage="float32",
         ),
+    ]
+    # Paired scoring at smaller tau (the same anchoring and float32 K/V): what a variant-effect study would choose
+    # when the default's errors matter, at the ratio shown
+    out += [
+        Setting(
+            "paired_tau",
+            f"r{default.rank} b{default.bits} tau 2^{e}, anchored to changes, float32 K/V",
+            "codec",
+            default.rank,
+            default.bits,
+            2.0**e,
+            block_size,
+            anchored="changes",
+            storage="float32",
+        )
+        for e in (-6, -7)
+    ]
+    out += [
         Setting(
             "ablation", f"low-rank only r{default.rank}", "lowrank_only", default.rank, 0, float("nan"), block_size
         ),
@@ -400,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--settings",
         default="all",
-        help="all, or a comma list of groups (exact,floor,default,paired,ablation,sweep_rank_bits,sweep_tau)",
+        help="all, or a comma list of groups (exact,floor,default,paired,paired_tau,ablation,sweep_rank_bits,"
+        "sweep_tau)",
     )
     parser.add_argument(
         "--basis",
@@ -793,7 +813,9 @@ def main(argv: list[str] | None = None) -> int:
         write_variants(contexts[0].variants, args.out / "variants.csv")
     # Work in order of importance, so that a time budget cuts the sweeps, not the headline numbers.
     stages: list[tuple[str, list]] = [("exact", [s for s in settings if s.method == "exact"])]
-    for group in ("default", "paired", "floor", "ablation", "layers", "sweep_rank_bits", "sweep_tau", "scaling"):
+    for group in (
+        "default", "paired", "floor", "paired_tau", "ablation", "layers", "sweep_rank_bits", "sweep_tau", "scaling"
+    ):
         stages.append((group, [s for s in settings if s.group == group]))
     rows_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
     stratum_by_model: dict[str, list] = {c.loaded.name: [] for c in contexts}
