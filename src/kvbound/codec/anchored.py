@@ -111,11 +111,6 @@ def _low_rank(coeff_rows: torch.Tensor, projection: torch.Tensor, wanted: bool) 
     return {"low": cd @ pd, "low_abs": cd.abs() @ pd.abs()}
 
 
-def step_of(parts: dict) -> torch.Tensor:
-    """The per-block step of ``_parts`` as float64 ``[c, NB, 1, 1]``."""
-    return parts["scale"].to(torch.float64)[..., None, None]
-
-
 def _check_pair(x: torch.Tensor, fresh: CompressedKV, anchor: CompressedKV) -> None:
     batch, heads, n, d = x.shape
     for name, ckv in (("fresh", fresh), ("anchor", anchor)):
@@ -231,9 +226,10 @@ def encode_anchored(
             ref = _parts(anchor, anchor_row[sl].clamp_min(0))
             low, low_abs = ref["low"], ref["low_abs"]
             coeff_new = ref["coeff_rows"].to(coeff_dtype)
+            step = ref["scale"].to(torch.float64)[..., None, None]
             if source is not None:
                 src = _blocks(source_rows[anchor_row[sl].clamp_min(0)].to(torch.float64), n, block)
-                anchor_error = (low + ref["q"] * step_of(ref)).to(torch.float32).to(torch.float64) - src
+                anchor_error = (low + ref["q"] * step).to(torch.float32).to(torch.float64) - src
                 if r > 0:
                     # the low-rank part follows the change inside the basis: coefficients c + (x - source) P^T
                     # (rounded to the stored dtype), so only the change outside it is left to the codes
@@ -247,7 +243,6 @@ def encode_anchored(
                     low_ref = low
                     low, low_abs = moved_parts["low"], moved_parts["low_abs"]
                     src = src + (low - low_ref)  # the source as seen against the moved low-rank part
-            step = ref["scale"].to(torch.float64)[..., None, None]
             kind = ref["mode"]
             # codes: follow the anchor's (moved by the rounded change when the source says what changed) where
             # that certifies x; re-quantise the rest on the anchor's grid
