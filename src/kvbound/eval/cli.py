@@ -105,52 +105,23 @@ def default_settings(block_size: int = 128) -> list[Setting]:
             default.tau,
             block_size,
         ),
-        Setting(
-            "paired",
-            f"default r{default.rank} b{default.bits}, anchored",
-            "codec",
-            default.rank,
-            default.bits,
-            default.tau,
-            block_size,
-            anchored="codes",
-        ),
-        Setting(
-            "paired",
-            f"default r{default.rank} b{default.bits}, anchored to changes",
-            "codec",
-            default.rank,
-            default.bits,
-            default.tau,
-            block_size,
-            anchored="changes",
-        ),
-        Setting(
-            "paired",
-            f"default r{default.rank} b{default.bits}, anchored to changes, float32 K/V",
-            "codec",
-            default.rank,
-            default.bits,
-            default.tau,
-            block_size,
-            anchored="changes",
-            storage="float32",
-        ),
     ]
-    # Paired scoring at smaller tau (the same anchoring and float32 K/V): what a variant-effect study would choose
-    # when the default's errors matter, at the ratio shown
+    # Variant scoring with anchored encoding (name suffix, anchoring, dtype encoded from), at the default tau, then
+    # following changes from float32 K/V at smaller tau: what a variant-effect study would choose when the
+    # default's errors matter, at the ratio shown
+    paired = (
+        (", anchored", "codes", ""),
+        (", anchored to changes", "changes", ""),
+        (", anchored to changes, float32 K/V", "changes", "float32"),
+    )
     out += [
-        Setting(
-            "paired_tau",
-            f"r{default.rank} b{default.bits} tau 2^{e}, anchored to changes, float32 K/V",
-            "codec",
-            default.rank,
-            default.bits,
-            2.0**e,
-            block_size,
-            anchored="changes",
-            storage="float32",
-        )
+        Setting("paired", f"default r{default.rank} b{default.bits}{suffix}", "codec", default.rank, default.bits,
+                default.tau, block_size, anchored=anchored, storage=storage)
+        for suffix, anchored, storage in paired
+    ]
+    out += [
+        Setting("paired_tau", f"r{default.rank} b{default.bits} tau 2^{e}, anchored to changes, float32 K/V", "codec",
+                default.rank, default.bits, 2.0**e, block_size, anchored="changes", storage="float32")
         for e in (-6, -7)
     ]
     out += [
