@@ -144,7 +144,9 @@ def test_lse_is_natural_log_sum_exp(softcap):
 
 
 # -------------------------------------------------------------------------------------------- compressed
-def test_compressed_shared_basis_every_mode_gqa_causal_bias_softcap():
+def every_mode_case():
+    """float16 q [1, 4, 37, 64] (GQA over 2 K/V heads), K and V of 200 keys compressed with a shared basis into
+    every storage mode (dk 64, dv 40)."""
     cfg = CompressionConfig(block_size=16, rank=8)
     k = structured(1, 2, 200, 64, torch.float16, 1)
     v = structured(1, 2, 200, 40, torch.float16, 2)
@@ -153,6 +155,11 @@ def test_compressed_shared_basis_every_mode_gqa_causal_bias_softcap():
     cv = compress_kv(v, cfg, calibrate(structured(1, 2, 200, 40, torch.float16, 2, spikes=False), cfg))
     assert all_modes(ck) and all_modes(cv), (ck.mode_fractions(), cv.mode_fractions())
     q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    return q, ck, cv
+
+
+def test_compressed_shared_basis_every_mode_gqa_causal_bias_softcap():
+    q, ck, cv = every_mode_case()
     bias = torch.randn(1, 4, 1, 200, generator=torch.Generator().manual_seed(5))
     out = attention(q, ck, cv, causal=True, bias=bias, softcap=5.0)
     check_against_reference(out, q, ck.decompress(), cv.decompress(), causal=True, bias=bias, softcap=5.0)

@@ -14,7 +14,12 @@ from kvbound.attention import attention
 from kvbound.kernels import attention_compressed as kernels
 from kvbound.kernels.attention_compressed import merge_partials
 from kvbound.models.reference import relative_position_attention_reference
-from test_attention import all_modes, check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
+from test_attention import (  # tests/ is on sys.path (rootdir conftest)
+    all_modes,
+    check_against_reference,
+    every_mode_case,
+    structured,
+)
 
 
 def _launches(monkeypatch) -> list[int]:
@@ -30,20 +35,9 @@ def _launches(monkeypatch) -> list[int]:
     return passes
 
 
-def _shared_case():
-    cfg = CompressionConfig(block_size=16, rank=8)
-    k = structured(1, 2, 200, 64, torch.float16, 1)
-    v = structured(1, 2, 200, 40, torch.float16, 2)
-    ck = compress_kv(k, cfg, calibrate(structured(1, 2, 200, 64, torch.float16, 1, spikes=False), cfg))
-    cv = compress_kv(v, cfg, calibrate(structured(1, 2, 200, 40, torch.float16, 2, spikes=False), cfg))
-    assert all_modes(ck) and all_modes(cv), (ck.mode_fractions(), cv.mode_fractions())
-    q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(4)).to(torch.float16)
-    return q, ck, cv
-
-
 @pytest.mark.parametrize("causal, softcap, with_bias", [(False, None, False), (True, 5.0, True), (False, 30.0, True)])
 def test_split_matches_one_launch_and_float64_every_mode_gqa(monkeypatch, causal, softcap, with_bias):
-    q, ck, cv = _shared_case()
+    q, ck, cv = every_mode_case()
     bias = torch.randn(1, 4, 1, 200, generator=torch.Generator().manual_seed(5)) if with_bias else None
     kwargs = dict(causal=causal, bias=bias, softcap=softcap)
     one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)
@@ -121,7 +115,7 @@ def test_split_without_a_low_rank_run_and_without_a_residual(monkeypatch):
 @pytest.mark.parametrize("rows", [(64, 32), (32, 64), (128, 32)])
 def test_split_causal_when_the_passes_tile_rows_differently(monkeypatch, rows):
     """The passes are tuned apart and may choose different BLOCK_M: a causal row must still see every key once."""
-    q, ck, cv = _shared_case()
+    q, ck, cv = every_mode_case()
     q = torch.cat([q, q, q, q], dim=2)[:, :, :140].contiguous()  # more rows than one tile of 128
     kwargs = dict(causal=True, softcap=30.0)
     one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)

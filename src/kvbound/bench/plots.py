@@ -76,12 +76,15 @@ def speed_vs_share(rows: list[dict], path: str | Path) -> Path | None:
     """Compressed attention (default config) against cuDNN vs the share of residual-free K/V blocks, per d."""
     from kvbound.bench.tables import share_points
 
-    points = [p for p in share_points(rows) if p["ratio"] is not None and p["share"] is not None]
+    def plotted(provider: str) -> list[dict]:
+        return [p for p in share_points(rows, provider) if p["ratio"] is not None and p["share"] is not None]
+
+    points = plotted("kvbound-compressed")
     if not points:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    split = [p for p in share_points(rows, "kvbound-compressed-split") if p["ratio"] is not None and p["share"] is not None]
+    split = plotted("kvbound-compressed-split")
     for d in sorted({p["d"] for p in points}):
         mine = [p for p in points if p["d"] == d]
         line = ax.plot([100 * p["share"] for p in mine], [p["ratio"] for p in mine], marker="o", label=f"d = {d}")

@@ -590,13 +590,15 @@ def share_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         r = p["row"]
         cudnn = p["cudnn"]["ms_p50"] if p["cudnn"] else None
         other = split.get(r["shape"])
-        same_run = other is not None and _run_key(other["row"]) == _run_key(r)
+        split_ms = "-" if other is None else _f(other["row"]["ms_p50"], ".4g")
+        if other is not None and _run_key(other["row"]) != _run_key(r):
+            split_ms += " (other run)"
         table.append([str(r["q_len"]), str(p["d"]), _f(p["share"], ".1%"), _f(r["ms_p50"], ".4g"),
                       _f(cudnn, ".4g") + ("" if p["same_run"] or cudnn is None else " (other run)"),
                       _f(p["ratio"], ".2f") + ("x" if p["ratio"] is not None else ""),
                       _f(r.get("compression_ratio"), ".2f"), _f(r.get("err_rel"), ".2e"),
                       _f(r.get("err_vs_dense_rel"), ".2e"),
-                      "-" if other is None else _f(other["row"]["ms_p50"], ".4g") + ("" if same_run else " (other run)"),
+                      split_ms,
                       "-" if other is None or other["ratio"] is None else f"{other['ratio']:.2f}x",
                       "-" if other is None else _f(other["row"].get("err_rel"), ".2e")])
     return headers, table

@@ -13,8 +13,8 @@ randomly initialised, and every output says so), on held-out windows of the test
   ``kvbound.compress_kv(...).decompress()`` for: the default config; the ablations "low-rank only" (rank 8,
   residual dropped, no bound) and "quantisation only" (rank 0); variant scoring with anchored encoding
   (``paired``: keeping codes, following changes from bf16 K/V and from the float32 K/V; ``paired_tau``: following
-  changes from float32 K/V at tau 2^-6 and 2^-7); the (rank, bits) sweep (8,8), (16,8), (16,4), (8,4), (8,2), (4,2); and a tau sweep
-  2^-7 .. 2^-2; plus "bf16 K/V" (rounding only, the common floor);
+  changes from float32 K/V at tau 2^-6 and 2^-7); the (rank, bits) sweep (8,8), (16,8), (16,4), (8,4), (8,2),
+  (4,2); and a tau sweep 2^-7 .. 2^-2; plus "bf16 K/V" (rounding only, the common floor);
 * the no-attention ablation models (``<kind>_noattn``) when their weights exist;
 * per attention layer (default config, ``--layer-windows`` windows): the largest effective query 1-norm, the
   Hoelder bound ``||q||_1 * tau`` on the logit change from compressed K and the measured largest change
@@ -23,8 +23,8 @@ randomly initialised, and every output says so), on held-out windows of the test
   the training window (``--scaling-windows`` windows, ``--scaling-variants`` variants).
 
 ``--time-budget-s``: the work runs in order of importance (exact, default, paired, floor, paired_tau, ablations,
-layers, the two sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is skipped
-and listed under ``skipped`` in ``eval_run.json``.
+layers, the two sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is
+skipped and listed under ``skipped`` in ``eval_run.json``.
 
 Writes ``quality.csv`` (one row per model and setting), ``quality_by_stratum.csv``, ``effects.csv`` (the
 predicted change of every variant under every setting), ``layers.csv``, ``scaling.csv``, ``variants.csv``,
