@@ -47,6 +47,7 @@ from kvbound.codec.eager import (
     _valid_rows,
     assemble,
     promotion_widths,
+    uncertified_blocks,
 )
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
 
@@ -207,21 +208,19 @@ def encode_anchored(
     coeff_dtype = torch.float32 if torch.float32 in (fresh.coeffs.dtype, anchor.coeffs.dtype) else torch.float16
     coeffs = _blocks(fresh.coeffs.reshape(bh, n, r).to(coeff_dtype), n, block)  # [BH, NB, Bn, r]
     basis = fresh.basis if fresh.shared_basis else fresh.basis.reshape(bh, nb, r, d).clone()
+    # every block that may be kept from fresh must certify x (the codec's own check of stored numbers)
+    fresh_uncertified = uncertified_blocks(fresh, x).reshape(bh, nb) if check_fresh else None
     q_store, raw_store = [], []
     for sl in _chunks(bh, nb * block * d, device):
         rows = torch.arange(bh, device=device)[sl]
-        own = _parts(fresh, rows, low_rank=check_fresh)
+        own = _parts(fresh, rows, low_rank=False)
         q, raw = own["q"], own["raw"]
         use = has_anchor[sl]
         xb = _blocks(xs[sl].to(torch.float64), n, block)
-        fresh_bad = torch.zeros_like(own["mode"], dtype=torch.bool)
-        if check_fresh:
-            # every block that may be kept from fresh must certify x (exact blocks: the stored values equal x)
-            own_step = own["scale"].to(torch.float64)[..., None, None]
-            own_y = (own["low"] + q * own_step).to(torch.float32)
-            own_ok = _certified(xb, own_y, gamma * (own["low_abs"] + q.abs() * own_step), tau, row_ok)
-            own_exact = ((raw.to(torch.float64) == xb) | ~row_ok).all(dim=-1).all(dim=-1)
-            fresh_bad = ~torch.where(own["mode"] == MODE_RAW, own_exact, own_ok)
+        if fresh_uncertified is not None:
+            fresh_bad = fresh_uncertified[sl]
+        else:
+            fresh_bad = torch.zeros_like(own["mode"], dtype=torch.bool)
         if bool(use.any()):
             ref = _parts(anchor, anchor_row[sl].clamp_min(0))
             low, low_abs = ref["low"], ref["low_abs"]
