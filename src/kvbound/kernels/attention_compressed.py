@@ -73,7 +73,7 @@ __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"
 
 # The byte decode of the uniform residual loop turns four codes into float16 with six PTX instructions (two PRMT,
 # two LOP3, two HFMA2) instead of the compiler's per-element shifts and packs: checked tile by tile against float64
-# and 7-12 % faster on residual tiles on the H200 (kernels/README.md). On in compiled CUDA kernels;
+# and 7-11 % faster on 4-bit residual tiles on the H200 (kernels/README.md). On in compiled CUDA kernels;
 # KVBOUND_ASM_DECODE=0 restores the compiler's decode (the interpreter and ROCm always use it). Part of every
 # kernel's cache key (a module-level constexpr).
 _ASM_DECODE = tl.constexpr(
