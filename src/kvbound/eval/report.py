@@ -272,6 +272,37 @@ def _noise_section(add, quality: list[dict], effects: list[dict] | None = None) 
         "before 10a106e moved codes only."
     )
     add("")
+    _float32_paragraph(add, rows, errors)
+
+
+def _float32_paragraph(add, rows: list[dict], errors: dict) -> None:
+    """What encoding float32 K/V (no bf16 rounding first) does to the paired settings, from the run's rows."""
+    measured = [
+        row
+        for row in rows
+        if row.get("kv_storage") == "float32" and (row["model"], row["setting"]) in errors
+    ]
+    if not measured:
+        return
+    bf16 = {row["model"]: errors.get((row["model"], row["setting"])) for row in rows if row["setting"] == "bf16 K/V"}
+    parts = []
+    for row in sorted(measured, key=lambda r: (r["model"], -_float(r["tau"]))):
+        neg, pos = errors[(row["model"], row["setting"])]
+        floor = bf16.get(row["model"])
+        against = f" (bf16 K/V {_sci(floor[0])} / {_sci(floor[1])})" if floor else ""
+        parts.append(
+            f"{row['model']} tau {_fmt(row['tau'], 5)}: {_sci(neg)} / {_sci(pos)}{against}, "
+            f"dAUROC {_fmt(row['auroc_drop'], 4, signed=True)}, ratio {_fmt(row['ratio'], 2)}"
+        )
+    add(
+        "The `float32 K/V` rows encode the K/V as the float32 forward computed them, as `kvbound.patch` does in a "
+        "float32 forward; every other compressed row, like the `bf16 K/V` row, first rounds them to bf16, so it "
+        "carries that rounding's error too. Median |change - exact change| (negatives / positives): "
+        + "; ".join(parts)
+        + ". Their ratios are still counted against bf16 K/V, and their exact blocks are stored in float32 "
+        "(4 bytes an element), so a tau that leaves many blocks exact gives a ratio below 1."
+    )
+    add("")
 
 
 def render(results: Path) -> str:
