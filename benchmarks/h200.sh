@@ -51,8 +51,9 @@
 #
 #   share       ~2 min    the default config (r8b4) at N = 65536, d = 64 and 128, with 0 .. 100 % of the K/V blocks
 #                         residual-free (benchmarks/shapes/share.toml), beside cuDNN: how speed depends on the data;
-#                         also the split launch (kvbound-compressed-split: low-rank runs in a kernel without
-#                         residual code, merged by log-sum-exp)
+#                         the default launch, one launch (kvbound-compressed-one) and the split launch
+#                         (kvbound-compressed-split: low-rank runs in a kernel without residual code, merged by
+#                         log-sum-exp) side by side
 #   relative    ~4 min    Enformer / Borzoi attention cores (relative positions) at batch 1 and 8 / 4: the ports' math,
 #                         SDPA and FlexAttention with the position term built for them, kvbound fused (exact and
 #                         compressed K/V), time and peak memory (kvbound/bench/relative.py)

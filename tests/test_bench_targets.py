@@ -159,9 +159,14 @@ def test_share_sweep_table_and_plot(tmp_path):
     assert table[1][headers.index("split launch p50 ms")] == "-"
     split = _row(65536, 64, "kvbound-compressed-split", 38.0, "r8b4", family="share", shape="share-n65536-d64-z5000",
                  zero_residual_share=0.5, compression_ratio=3.0)
-    headers, table = tables.share_table([*rows, split])
+    one = _row(65536, 64, "kvbound-compressed-one", 47.5, "r8b4", family="share", shape="share-n65536-d64-z5000",
+               zero_residual_share=0.5, compression_ratio=3.0)
+    headers, table = tables.share_table([*rows, split, one])
     assert len(table) == 6
     assert table[1][headers.index("split launch p50 ms")] == "38"
     assert table[1][headers.index("split vs cuDNN")] == f"{19.0 / 38.0:.2f}x"
+    assert table[1][headers.index("one launch p50 ms")] == "47.5"
+    assert table[1][headers.index("one vs cuDNN")] == f"{19.0 / 47.5:.2f}x"
+    assert table[0][headers.index("one launch p50 ms")] == "-"
     assert table[1][headers.index("kvbound p50 ms")] == "50"
-    assert plots.speed_vs_share([*rows, split], tmp_path / "share_split.png").stat().st_size > 10_000
+    assert plots.speed_vs_share([*rows, split, one], tmp_path / "share_split.png").stat().st_size > 10_000

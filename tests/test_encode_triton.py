@@ -123,6 +123,8 @@ def test_triton_encoder_records_its_check_and_attention_reuses_it(outlier, monke
     ckv = kvbound.compress_kv(x, config, kvbound.calibrate(x, config), impl="triton")
     assert ckv._checked_residual() is (bool((ckv.mode != 0).any()))
     assert ckv._checked_residual() is outlier
+    assert ckv._checked_lowrank_share() == pytest.approx(ckv.mode_fractions()["lowrank"], abs=1e-12)
+    assert (ckv._checked_lowrank_share() < 1) is outlier
     seen = []
     original = attention_module._queue_checks
 

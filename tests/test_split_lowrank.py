@@ -1,10 +1,12 @@
 """The split launch of compressed attention (``split=True`` / ``KVBOUND_SPLIT_LOWRANK=1``): low-rank-only runs in
 a kernel without residual code, the rest in the residual-capable kernel, merged by log-sum-exp. It must compute
-the same attention as one launch, within the 2x criterion against float64, on every mode and option."""
+the same attention as one launch, within the 2x criterion against float64, on every mode and option; by default
+it runs when at least half of the super-blocks are low rank only."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from kvbound import CompressionConfig, calibrate, compress_kv
 from kvbound.attention import attention
 from kvbound.kernels import attention_compressed as kernels
-from kvbound.kernels.attention_compressed import merge_partials
+from kvbound.kernels.attention_compressed import joint_lowrank_share, merge_partials, split_setting
 from kvbound.models.reference import relative_position_attention_reference
 from test_attention import (  # tests/ is on sys.path (rootdir conftest)
     all_modes,
@@ -40,6 +42,7 @@ def test_split_matches_one_launch_and_float64_every_mode_gqa(monkeypatch, causal
     q, ck, cv = every_mode_case()
     bias = torch.randn(1, 4, 1, 200, generator=torch.Generator().manual_seed(5)) if with_bias else None
     kwargs = dict(causal=causal, bias=bias, softcap=softcap)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")  # one launch
     one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)
     passes = _launches(monkeypatch)
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
@@ -78,6 +81,7 @@ def test_split_relative_positions(monkeypatch):
     table = torch.randn(h, 2 * n - 1, dk, generator=g) * 0.3
     u, w = torch.randn(h, dk, generator=g) * 0.5, torch.randn(h, dk, generator=g) * 0.5
     relative = dict(relative_keys=table, relative_content_bias=u, relative_position_bias=w)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")  # one launch
     one = attention(q, ck, cv, **relative)
     passes = _launches(monkeypatch)
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
@@ -99,6 +103,7 @@ def test_split_without_a_low_rank_run_and_without_a_residual(monkeypatch):
     ck = compress_kv(k, cfg)
     assert ck.mode_fractions()["lowrank"] == 0
     q = torch.randn(1, 2, 20, 32, generator=torch.Generator().manual_seed(14)).to(torch.float16)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")  # one launch
     one, one_lse = attention(q, ck, ck, return_lse=True)
     passes = _launches(monkeypatch)
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
@@ -118,6 +123,7 @@ def test_split_causal_when_the_passes_tile_rows_differently(monkeypatch, rows):
     q, ck, cv = every_mode_case()
     q = torch.cat([q, q, q, q], dim=2)[:, :, :140].contiguous()  # more rows than one tile of 128
     kwargs = dict(causal=True, softcap=30.0)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")  # one launch
     one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)
     block_m = {1: rows[0], 2: rows[1]}
 
@@ -154,6 +160,74 @@ def test_merge_partials_is_attention_over_the_union():
     assert torch.equal(out, torch.zeros(1, 1, 1, 2)) and lse.item() == -math.inf
 
 
+def test_split_setting_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK", raising=False)
+    assert split_setting() == "auto"
+    cases = [("1", "on"), ("TRUE", "on"), (" on ", "on"), ("yes", "on"), ("0", "off"), ("false", "off"),
+             ("Off", "off"), ("no", "off"), ("", "auto"), ("auto", "auto")]  # fmt: skip
+    for value, expected in cases:
+        monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", value)
+        assert split_setting() == expected, value
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "sometimes")
+    with pytest.raises(ValueError, match=r"^KVBOUND_SPLIT_LOWRANK: expected one of .*auto, got 'sometimes'$"):
+        split_setting()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_joint_lowrank_share_never_overstates_the_super_blocks_without_residual(seed):
+    """Against the true share of super-blocks whose K and V blocks are all low rank, on random modes."""
+    g = torch.Generator().manual_seed(seed)
+    bk, bv = [(16, 16), (16, 32), (64, 16), (32, 32)][seed % 4]
+    sb = max(bk, bv)
+    n = sb * int(torch.randint(1, 40, (1,), generator=g))
+    density = torch.rand(2, generator=g) * 0.6
+    mode_k = (torch.rand(n // bk, generator=g) < density[0]).to(torch.int8)
+    mode_v = (torch.rand(n // bv, generator=g) < density[1]).to(torch.int8)
+    free_k = (mode_k.reshape(n // sb, sb // bk) == 0).all(dim=1)
+    free_v = (mode_v.reshape(n // sb, sb // bv) == 0).all(dim=1)
+    true = float((free_k & free_v).double().mean())
+    shares = [float((m == 0).double().mean()) for m in (mode_k, mode_v)]
+    bound = joint_lowrank_share(SimpleNamespace(block_size=bk), SimpleNamespace(block_size=bv), shares)
+    assert 0.0 <= bound <= true + 1e-12
+    if bk == bv:  # the same blocks free in K and V: the bound is exact when the residual blocks are the same
+        same = joint_lowrank_share(SimpleNamespace(block_size=bk), SimpleNamespace(block_size=bk), [shares[0]] * 2)
+        assert same == max(0.0, 2 * shares[0] - 1)
+    assert joint_lowrank_share(SimpleNamespace(block_size=16), SimpleNamespace(block_size=16), [-1.0, 1.0]) == 0.0
+
+
+@pytest.mark.parametrize("n, splits", [(256, True), (96, False)])
+def test_the_default_splits_from_half_the_super_blocks_low_rank(monkeypatch, n, splits):
+    """Rows 16-79 of ``structured`` need a residual: 12 of 16 blocks are low rank at n = 256 (split), 2 of 6 at
+    n = 96 (one launch). The shares come from the call's check, are recorded on the K/V and reused; inference
+    tensors, which keep no record, are checked on each call and decide the same way."""
+    monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK", raising=False)
+    cfg = CompressionConfig(block_size=16, rank=8, bits=4)
+    k, v = structured(1, 2, n, 32, torch.float16, 21), structured(1, 2, n, 48, torch.float16, 22)
+    bases = [calibrate(structured(1, 2, n, d, torch.float16, s, spikes=False), cfg) for d, s in ((32, 21), (48, 22))]
+    ck, cv = compress_kv(k, cfg, bases[0]), compress_kv(v, cfg, bases[1])
+    shares = [c.mode_fractions()["lowrank"] for c in (ck, cv)]
+    operand = SimpleNamespace(block_size=16)
+    assert (joint_lowrank_share(operand, operand, shares) >= kernels.SPLIT_MIN_SHARE) is splits, shares
+    q = torch.randn(1, 2, 40, 32, generator=torch.Generator().manual_seed(23)).to(torch.float16)
+    passes = _launches(monkeypatch)
+    out = attention(q, ck, cv)
+    assert passes == ([1, 2] if splits else [0])
+    assert [ck._checked_lowrank_share(), cv._checked_lowrank_share()] == pytest.approx(shares, abs=1e-12)
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")
+    attention(q, ck, cv)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    attention(q, ck, cv)
+    assert passes[-3:] == [0, 1, 2]
+    monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK")
+    with torch.inference_mode():
+        ci, vi, qi = compress_kv(k, cfg, bases[0]), compress_kv(v, cfg, bases[1]), q.clone()
+        assert ci._checked is None
+        del passes[:]
+        torch.testing.assert_close(attention(qi, ci, vi), out, rtol=0, atol=0)
+    assert passes == ([1, 2] if splits else [0])
+
+
 def _half_lowrank(h: int, n: int, d: int, g: torch.Generator) -> torch.Tensor:
     """Rank-8 rows, with noise that needs residual codes in every other block of 128 keys."""
     basis = torch.linalg.qr(torch.randn(h, d, 8, generator=g))[0].transpose(1, 2)
@@ -174,6 +248,7 @@ def test_gpu_split_lowrank_bf16(monkeypatch, d):
     assert 0.3 < ck.mode_fractions()["lowrank"] < 0.7, ck.mode_fractions()
     q = torch.randn(1, h, n, d, generator=g).to(torch.bfloat16).cuda()
     for causal in (False, True):
+        monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")
         one = attention(q, ck, cv, causal=causal)
         passes = _launches(monkeypatch)
         monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")

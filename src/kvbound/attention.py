@@ -142,10 +142,12 @@ def attention(
         # Same function the op runs, without the dispatcher's wrapping (nothing would observe the op).
         out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative)
     elif compressed:
-        known = (-1, -1)
+        known, shares = (-1, -1), (-1.0, -1.0)
         plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
         if plain:
-            known = (_recorded_residual(k, "k"), _recorded_residual(v, "v"))
+            known_k, share_k = _recorded_residual(k, "k")
+            known_v, share_v = _recorded_residual(v, "v")
+            known, shares = (known_k, known_v), (share_k, share_v)
         # In plain eager mode the op's implementation is called directly, as for dense K/V (see _plain_eager).
         run = _attention_compressed if plain else torch.ops.kvbound.attention_compressed
         out, lse = run(
@@ -180,6 +182,8 @@ def attention(
             *relative,
             k_residual=known[0],
             v_residual=known[1],
+            k_lowrank_share=shares[0],
+            v_lowrank_share=shares[1],
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -220,20 +224,23 @@ def _check_device(device: torch.device, q: torch.Tensor, name: str) -> None:
 _CHECKED_FIELDS = ("coeffs", "basis", "scale", "raw")
 
 
-def _recorded_residual(ckv: CompressedKV, name: str) -> int:
-    """1 / 0: ``ckv``'s stored tensors are finite and some / no block holds a residual, as recorded on the object
+def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
+    """``(1 / 0, share)``: ``ckv``'s stored tensors are finite and some / no block holds a residual, and the share
+    of its blocks that use low rank only (-1.0 where unknown), as recorded on the object
     (``CompressedKV._record_checked``) and unchanged since. The first call on an object without a record checks
     it here (one host synchronisation, under ``kvbound.deferred_checks()`` too) and records the result, so calls
     that reuse compressed K/V, and K/V fresh from the Triton encoder (which records what it certified), skip the
-    check. -1: no record can be kept (inference tensors); the op checks on every call."""
+    check. ``(-1, -1.0)``: no record can be kept (inference tensors); the op checks on every call."""
     residual = ckv._checked_residual()
     if residual is None:
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
-        (residual,) = _queue_checks(tensors, flags=(ckv.mode,))()  # with flags: never deferred
-        ckv._record_checked(residual)
+        (share,) = _queue_checks(tensors, flags=(ckv.mode,))()  # with flags: never deferred
+        ckv._record_checked(share < 1, share)
         if ckv._checked is None:  # nothing could be recorded
-            return -1
-    return int(residual)
+            return -1, -1.0
+        return int(share < 1), share
+    share = ckv._checked_lowrank_share()
+    return int(residual), -1.0 if share is None else share
 
 
 def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
@@ -363,14 +370,15 @@ def _queue_checks(
     tensors: dict[str, torch.Tensor | None] | tuple[tuple[str, torch.Tensor | None], ...],
     flags: tuple[torch.Tensor, ...] = (),
     full_bias_shape: tuple[int, ...] | None = None,
-) -> Callable[[], list[bool]]:
+) -> Callable[[], list[float]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
     (name -> tensor, a dict or ``(name, tensor)`` pairs; None entries are skipped) and returns, for each
-    nonnegative integer tensor in ``flags`` (modes), whether it has a nonzero element.
+    nonnegative integer tensor in ``flags`` (modes), the share of its elements that are zero (low-rank blocks; 1.0
+    for an empty tensor): below 1 exactly when it has a nonzero element.
 
     One float64 largest magnitude per tensor (``_checks.largest_magnitude``: NaN or Inf exactly when the tensor
-    holds one; the element-wise check then names the first), plus one sum per flag tensor, all stacked into one
+    holds one; the element-wise check then names the first), plus one count per flag tensor, all stacked into one
     tensor and read back at once. The launchers read the result after
     their host-side preparation, so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
@@ -385,10 +393,10 @@ def _queue_checks(
         deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present)
         return _no_flags
     checks = [_checks.largest_magnitude(t) for _, t in present]
-    checks += [torch.sum(f, dtype=torch.float64) for f in flags]
+    checks += [1 - torch.sum(f != 0, dtype=torch.float64) / max(1, f.numel()) for f in flags]
     stacked = torch.stack(checks) if checks else None
 
-    def read() -> list[bool]:
+    def read() -> list[float]:
         if stacked is None:
             return []
         values = stacked.tolist()
@@ -397,12 +405,12 @@ def _queue_checks(
                 if name == "bias" and full_bias_shape is not None:
                     t = t.expand(full_bias_shape)
                 check_finite_values(t, name)
-        return [x != 0 for x in values[len(present) :]]
+        return values[len(present) :]
 
     return read
 
 
-def _no_flags() -> list[bool]:
+def _no_flags() -> list[float]:
     return []
 
 
@@ -504,10 +512,13 @@ def _attention_compressed(
     relative_position_bias: torch.Tensor | None = None,
     k_residual: int = -1,
     v_residual: int = -1,
+    k_lowrank_share: float = -1.0,
+    v_lowrank_share: float = -1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``k_residual`` / ``v_residual``: -1, check that operand's stored tensors for NaN/Inf and read whether any
-    block holds a residual (which kernel variant runs); 1 / 0, already checked (``_recorded_residual``): with /
-    without residual blocks."""
+    block holds a residual (which kernel variant runs) and the share of low-rank-only blocks (whether the work is
+    split over two launches); 1 / 0, already checked (``_recorded_residual``): with / without residual blocks, and
+    ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split)."""
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
     n_k = k_coeffs.shape[2]
@@ -529,9 +540,18 @@ def _attention_compressed(
     # call is inside kvbound.deferred_checks()).
     read = _queue_checks(tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k))
 
-    def checks() -> list[bool]:
-        found = iter(read())
-        return [bool(known) if known >= 0 else next(found) for known in (k_residual, v_residual)]
+    read_once: list[list[tuple[bool, float]]] = []
+
+    def checked() -> list[tuple[bool, float]]:
+        if not read_once:
+            found, values = iter(read()), []
+            for known, share in ((k_residual, k_lowrank_share), (v_residual, v_lowrank_share)):
+                if known < 0:
+                    share = next(found)
+                    known = share < 1
+                values.append((bool(known), share))
+            read_once.append(values)
+        return read_once[0]
 
     # The kernel indexes the small per-block tensors and the flat buffers as contiguous (no-op when they are).
     k_op = CompressedOperand(
@@ -568,7 +588,17 @@ def _attention_compressed(
     if relative_keys is not None:
         relative = (relative_keys, relative_content_bias, relative_position_bias)
     return attention_compressed_fwd(
-        q, k_op, v_op, bias, scale, causal, softcap, residual=checks, bias_tile=bias_tile, relative=relative
+        q,
+        k_op,
+        v_op,
+        bias,
+        scale,
+        causal,
+        softcap,
+        residual=lambda: [residual for residual, _ in checked()],
+        lowrank_share=lambda: [share for _, share in checked()],
+        bias_tile=bias_tile,
+        relative=relative,
     )
 
 

@@ -84,14 +84,18 @@ def speed_vs_share(rows: list[dict], path: str | Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    split = plotted("kvbound-compressed-split")
+    variants = (
+        ("kvbound-compressed-one", "one launch", "v", "--"),
+        ("kvbound-compressed-split", "split launch", "s", ":"),
+    )
     for d in sorted({p["d"] for p in points}):
         mine = [p for p in points if p["d"] == d]
         line = ax.plot([100 * p["share"] for p in mine], [p["ratio"] for p in mine], marker="o", label=f"d = {d}")
-        theirs = [p for p in split if p["d"] == d]
-        if theirs:
-            ax.plot([100 * p["share"] for p in theirs], [p["ratio"] for p in theirs], marker="s", linestyle=":",
-                    color=line[0].get_color(), label=f"d = {d}, split launch")
+        for provider, label, marker, style in variants:
+            theirs = [p for p in plotted(provider) if p["d"] == d]
+            if theirs:
+                ax.plot([100 * p["share"] for p in theirs], [p["ratio"] for p in theirs], marker=marker,
+                        linestyle=style, color=line[0].get_color(), alpha=0.6, label=f"d = {d}, {label}")
     for level, text in ((1.0, "cuDNN"), (1.3, "target 1.3x")):
         ax.axhline(level, color="grey", linestyle="--", linewidth=0.8)
         ax.annotate(text, (0, level), xytext=(2, 2), textcoords="offset points", fontsize=7, color="grey")

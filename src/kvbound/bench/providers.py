@@ -11,9 +11,12 @@ Each provider turns a :class:`Case` (one shape's inputs) into a :class:`Prepared
                         the same calls inside one ``kvbound.deferred_checks()`` block around the check and the
                         timing loop (as ``kvbound.patch`` runs a model's forward): the NaN/Inf checks are read once
                         at the end instead of one host synchronisation per call.
-``kvbound-compressed-split`` (config r8b4; only on shapes that list it, e.g. ``benchmarks/shapes/share.toml``)
-                        the compressed call with ``KVBOUND_SPLIT_LOWRANK=1``: low-rank-only runs of key blocks in a
-                        second launch of the kernel compiled without residual code, merged by log-sum-exp.
+``kvbound-compressed-split``, ``kvbound-compressed-one`` (config r8b4; only on shapes that list them, e.g.
+                        ``benchmarks/shapes/share.toml``) the compressed call with ``KVBOUND_SPLIT_LOWRANK=1``
+                        (always split: low-rank-only runs of key blocks in a second launch of the kernel compiled
+                        without residual code, merged by log-sum-exp) and ``=0`` (one launch). The plain
+                        ``kvbound-compressed`` row is the default, which splits from a share of low-rank-only
+                        blocks on.
 ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``
                         ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced. On the
                         models' shapes they run plain attention without bias or soft-cap: the floor of what
@@ -323,25 +326,26 @@ def _run_kvbound(attention, q, k, v, case: Case) -> torch.Tensor:
 
 class _Kvbound(Provider):
     """kvbound.attention providers; ``deferred``: the ``-deferred`` variant, whose check and timing loop run inside
-    one ``kvbound.deferred_checks()`` block; ``split``: the ``-split`` variant (compressed only), run with
-    ``KVBOUND_SPLIT_LOWRANK=1`` (low-rank runs in a second launch without residual code), on the shapes that list
-    it only."""
+    one ``kvbound.deferred_checks()`` block; ``split`` (compressed only): True, the ``-split`` variant, run with
+    ``KVBOUND_SPLIT_LOWRANK=1`` (low-rank runs in a second launch without residual code); False, the ``-one``
+    variant, run with ``KVBOUND_SPLIT_LOWRANK=0`` (one launch); either on the shapes that list it only. None: the
+    default."""
 
-    def __init__(self, deferred: bool = False, split: bool = False) -> None:
+    def __init__(self, deferred: bool = False, split: bool | None = None) -> None:
         self.deferred, self.split = deferred, split
         if deferred:
             self.name = f"{type(self).name}-deferred"
-        if split:
-            self.name = f"{type(self).name}-split"
+        if split is not None:
+            self.name = f"{type(self).name}-{'split' if split else 'one'}"
 
     def applies(self, shape: AttentionShape) -> bool:
-        return not self.split or self.name in shape.providers
+        return self.split is None or self.name in shape.providers
 
     @contextlib.contextmanager
     def context(self):
         with contextlib.ExitStack() as stack:
-            if self.split:
-                stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", "1"))
+            if self.split is not None:
+                stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", "1" if self.split else "0"))
             if self.deferred:
                 import kvbound
 
@@ -409,7 +413,7 @@ class KvboundCompressed(_Kvbound):
         return None
 
     def configs(self, sweep: bool) -> list[CompressedConfigSpec | None]:
-        if self.split:
+        if self.split is not None:
             return [c for c in DEFAULT_CONFIGS if c.label == "r8b4"]  # a config with a residual: something to split
         if self.deferred:
             return [c for c in DEFAULT_CONFIGS if c.label in ("r8b4", "lowrank-r8")]
@@ -795,6 +799,7 @@ def all_providers() -> list[Provider]:
         KvboundCompressed(deferred=True),
         KvboundDense(deferred=True),
         KvboundCompressed(split=True),
+        KvboundCompressed(split=False),
         SdpaBackend("sdpa-cudnn", "CUDNN_ATTENTION"),
         SdpaBackend("sdpa-flash", "FLASH_ATTENTION"),
         SdpaBackend("sdpa-efficient", "EFFICIENT_ATTENTION"),

@@ -401,9 +401,12 @@ _SHARE_METHOD = """How the speed depends on the data. The default config (rank 8
 with a set share of blocks whose residual stays below tau (`benchmarks/shapes/share.toml`, `kvbound/bench/data.py`);
 the other blocks carry 4-bit codes read by the byte-decode loop. The share column is what the codec found. On the
 trained evaluation models at the default tau no block is residual-free and nearly every block is promoted to 5-8
-bits (EVAL.md), which is slower than any row here. The split launch columns (`kvbound-compressed-split`, opt-in
+bits (EVAL.md), which is slower than any row here. The split launch columns (`kvbound-compressed-split`,
 `KVBOUND_SPLIT_LOWRANK=1`) run the low-rank runs in a second kernel compiled without residual code and merge the two
-partial results (`kernels/README.md`); `-` where the run predates it. `bash benchmarks/h200.sh share`.
+partial results (`kernels/README.md`); the one launch columns (`kvbound-compressed-one`, `KVBOUND_SPLIT_LOWRANK=0`)
+never split. The kvbound columns are the default, which splits when at least half of the super-blocks are
+low-rank only; in runs at b979f83 and before, the default was one launch. `-` where the run predates a variant.
+`bash benchmarks/h200.sh share`.
 """
 
 _ROOFLINE_NOTE = """Every provider's FLOP count is that of dense attention at its shape (the `flops` column), so a

@@ -581,26 +581,33 @@ def share_points(rows: list[dict], provider_name: str = COMPRESSED) -> list[dict
 
 
 def share_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """How the default config's speed against cuDNN depends on the share of residual-free K/V blocks."""
+    """How the default config's speed against cuDNN depends on the share of residual-free K/V blocks, with the
+    one-launch and split-launch variants (``-one``, ``-split``) in their own columns where the run has them."""
+    variants = (("one launch", COMPRESSED + "-one"), ("split launch", COMPRESSED + "-split"))
     headers = ["N", "d", "residual-free blocks", "kvbound p50 ms", "cuDNN p50 ms", "vs cuDNN", "K/V ratio",
-               "rel err", "err vs dense ref", "split launch p50 ms", "split vs cuDNN", "split rel err"]
-    split = {p["row"]["shape"]: p for p in share_points(rows, COMPRESSED + "-split")}
+               "rel err", "err vs dense ref"]
+    for label, _ in variants:
+        headers += [f"{label} p50 ms", f"{label.split()[0]} vs cuDNN"]
+    headers.append("split rel err")
+    found = {name: {p["row"]["shape"]: p for p in share_points(rows, name)} for _, name in variants}
     table = []
     for p in share_points(rows):
         r = p["row"]
         cudnn = p["cudnn"]["ms_p50"] if p["cudnn"] else None
-        other = split.get(r["shape"])
-        split_ms = "-" if other is None else _f(other["row"]["ms_p50"], ".4g")
-        if other is not None and _run_key(other["row"]) != _run_key(r):
-            split_ms += " (other run)"
-        table.append([str(r["q_len"]), str(p["d"]), _f(p["share"], ".1%"), _f(r["ms_p50"], ".4g"),
-                      _f(cudnn, ".4g") + ("" if p["same_run"] or cudnn is None else " (other run)"),
-                      _f(p["ratio"], ".2f") + ("x" if p["ratio"] is not None else ""),
-                      _f(r.get("compression_ratio"), ".2f"), _f(r.get("err_rel"), ".2e"),
-                      _f(r.get("err_vs_dense_rel"), ".2e"),
-                      split_ms,
-                      "-" if other is None or other["ratio"] is None else f"{other['ratio']:.2f}x",
-                      "-" if other is None else _f(other["row"].get("err_rel"), ".2e")])
+        line = [str(r["q_len"]), str(p["d"]), _f(p["share"], ".1%"), _f(r["ms_p50"], ".4g"),
+                _f(cudnn, ".4g") + ("" if p["same_run"] or cudnn is None else " (other run)"),
+                _f(p["ratio"], ".2f") + ("x" if p["ratio"] is not None else ""),
+                _f(r.get("compression_ratio"), ".2f"), _f(r.get("err_rel"), ".2e"),
+                _f(r.get("err_vs_dense_rel"), ".2e")]
+        for _, name in variants:
+            other = found[name].get(r["shape"])
+            ms = "-" if other is None else _f(other["row"]["ms_p50"], ".4g")
+            if other is not None and _run_key(other["row"]) != _run_key(r):
+                ms += " (other run)"
+            line += [ms, "-" if other is None or other["ratio"] is None else f"{other['ratio']:.2f}x"]
+        split = found[COMPRESSED + "-split"].get(r["shape"])
+        line.append("-" if split is None else _f(split["row"].get("err_rel"), ".2e"))
+        table.append(line)
     return headers, table
 
 

@@ -456,7 +456,9 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
             _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, config)
 
     write_and_certify(codes, raw, summary[_UNCERTIFIED:])
-    code_words, raw_elements, nonfinite, beyond_fp16, uncertified = summary.tolist()  # the one host read
+    # The one host read: the summary and the number of low-rank blocks.
+    read = torch.cat([summary, (mode == MODE_LOWRANK).sum().view(1)]).tolist()
+    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = read
     if nonfinite:
         check_finite_values(x, "x")
     if beyond_fp16 and not ieee:
@@ -481,7 +483,7 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
         # Every coefficient is finite (the flag is raised by NaN too), hence so is the basis (each of its elements
         # enters some coefficient, and 0 * Inf is NaN); steps come from finite residuals, raw values from x. Some
         # block holds a residual exactly when there are codes or raw values. kvbound.attention reuses this record.
-        ckv._record_checked(code_words > 0 or raw_elements > 0)
+        ckv._record_checked(code_words > 0 or raw_elements > 0, lowrank / max(1, mode.numel()))
     return ckv
 
 

@@ -138,19 +138,31 @@ class CompressedKV:
         except (RuntimeError, NotImplementedError):
             return None
 
-    def _record_checked(self, residual: bool) -> None:
+    def _record_checked(self, residual: bool, lowrank_share: float | None = None) -> None:
         """Record that the stored tensors, as they are now, are finite and that the blocks do (``residual``) or do
-        not all use low rank only. ``kvbound.attention`` then skips both checks (the call's host synchronisation)
-        until any stored tensor is replaced or modified in place (its version counter moves)."""
+        not all use low rank only, and (``lowrank_share``, when known) which share of them does. ``kvbound.attention``
+        then skips both checks (the call's host synchronisation) until any stored tensor is replaced or modified in
+        place (its version counter moves)."""
         stamps = self._stamps()
-        self._checked = None if stamps is None else (stamps, bool(residual))
+        share = None if lowrank_share is None else float(lowrank_share)
+        self._checked = None if stamps is None else (stamps, bool(residual), share)
 
     def _checked_residual(self) -> bool | None:
         """What ``_record_checked`` recorded, if every stored tensor is unchanged since; else None."""
+        record = self._current_record()
+        return None if record is None else record[0]
+
+    def _checked_lowrank_share(self) -> float | None:
+        """The share of low-rank-only blocks ``_record_checked`` recorded, if recorded and every stored tensor is
+        unchanged since; else None."""
+        record = self._current_record()
+        return None if record is None else record[1]
+
+    def _current_record(self) -> tuple[bool, float | None] | None:
         if self._checked is None:
             return None
-        stamps, residual = self._checked
-        return residual if self._stamps() == stamps else None
+        stamps, residual, share = self._checked
+        return (residual, share) if self._stamps() == stamps else None
 
     # ----------------------------------------------------------------------------------------------- bytes
     def _metadata(self) -> dict[str, str]:

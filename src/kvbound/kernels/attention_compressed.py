@@ -2340,6 +2340,7 @@ def attention_compressed_fwd(
     uniform: bool | None = None,
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split: bool | None = None,
+    lowrank_share: Sequence[float] | Callable[[], Sequence[float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2369,12 +2370,13 @@ def attention_compressed_fwd(
     ``split``: when some super-blocks have a residual and others do not, run the low-rank-only ones in a second
     launch of the kernel compiled without residual code (its own tile shape and registers, as when no block has a
     residual), the rest in the residual-capable kernel, and merge the two partial results by their log-sum-exp
-    (float32 partials, one rounding to q's dtype). None: the environment's ``KVBOUND_SPLIT_LOWRANK`` (``1``,
-    ``true``, ``on`` or ``yes``; off by default until timed on a GPU). No extra host read: with a residual, both
-    passes run.
+    (float32 partials, one rounding to q's dtype). True / False: always / never. None: the environment's
+    ``KVBOUND_SPLIT_LOWRANK`` (``split_setting``); by default, split when at least ``SPLIT_MIN_SHARE`` of the
+    super-blocks are low-rank only for K and V alike, as far as ``lowrank_share`` (the share of low-rank-only
+    blocks of K and of V, or a function returning it, called with ``residual``'s; -1.0: unknown) proves it. None
+    reads it off the modes in ``residual``'s host read when ``residual`` is None too; otherwise no split.
     """
-    if split is None:
-        split = os.environ.get("KVBOUND_SPLIT_LOWRANK", "0").strip().lower() in ("1", "true", "on", "yes")
+    setting = split_setting() if split is None else ("on" if split else "off")
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
@@ -2480,9 +2482,15 @@ def attention_compressed_fwd(
         USE_TMA=(k_rank == 0 or tma_ready(k_coeffs)) and (v_rank == 0 or tma_ready(v_coeffs)),
     )
     if residual is None:
-        residual = torch.stack([(k.mode != 0).any(), (v.mode != 0).any()]).tolist()
+        counts = torch.stack([(k.mode != 0).sum(), (v.mode != 0).sum()]).tolist()
+        residual = [count > 0 for count in counts]
+        if lowrank_share is None:
+            sizes_kv = (k.mode.numel(), v.mode.numel())
+            lowrank_share = [1 - count / max(1, size) for count, size in zip(counts, sizes_kv, strict=True)]
     elif callable(residual):
         residual = residual()
+    if callable(lowrank_share):
+        lowrank_share = lowrank_share()
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
     if q.is_cuda and not constexprs["USE_TMA"] and (residual[0] or residual[1]):
         _warn_pointer_path(q.device)
@@ -2522,6 +2530,10 @@ def attention_compressed_fwd(
         )
         launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
 
+    if setting == "auto":
+        split = lowrank_share is not None and joint_lowrank_share(k, v, lowrank_share) >= SPLIT_MIN_SHARE
+    else:
+        split = setting == "on"
     if not (split and (residual[0] or residual[1])):
         launch(args, constexprs)
         return out, lse
@@ -2536,6 +2548,39 @@ def attention_compressed_fwd(
     launch((*args[:2], *partial[0], *args[4:]), lowrank)
     launch((*args[:2], *partial[1], *args[4:]), dict(constexprs, PASS=2))
     return merge_partials(partial, out, lse)
+
+
+# Split the work over two launches from this share of super-blocks without residual on (``split`` above). The share
+# sweep on the H200 (BENCHMARKS.md, b979f83; N = 65536, r8b4): the split launch was within 1 % at 25 % at d = 64 and
+# faster from 50 % at both d = 64 and d = 128 (1.04x / 1.01x there, 1.27x / 1.38x at 99.7-100 %); below, it costs up
+# to 5 % (0 %, d = 128).
+SPLIT_MIN_SHARE = 0.5
+
+
+def split_setting() -> str:
+    """``KVBOUND_SPLIT_LOWRANK``: ``on`` (``1``, ``true``, ``on``, ``yes``), ``off`` (``0``, ``false``, ``off``,
+    ``no``) or ``auto`` (unset, empty or ``auto``): whether the compressed launcher splits its work
+    (``attention_compressed_fwd``'s ``split``)."""
+    value = os.environ.get("KVBOUND_SPLIT_LOWRANK", "auto").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return "on"
+    if value in ("0", "false", "off", "no"):
+        return "off"
+    if value in ("", "auto"):
+        return "auto"
+    raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
+
+
+def joint_lowrank_share(k: CompressedOperand, v: CompressedOperand, shares: Sequence[float]) -> float:
+    """A lower bound on the share of super-blocks whose K and V blocks are all low rank only, from the shares of
+    low-rank-only blocks of K and of V (-1.0 where unknown: 0.0). Each other block of K (of V) lies in one
+    super-block of ``max(block sizes)`` rows, so it rules out at most that one."""
+    share_k, share_v = shares
+    if share_k < 0 or share_v < 0:
+        return 0.0
+    super_block = max(k.block_size, v.block_size)
+    ruled_out = (1 - share_k) * super_block / k.block_size + (1 - share_v) * super_block / v.block_size
+    return max(0.0, 1 - ruled_out)
 
 
 def merge_partials(
