@@ -1,7 +1,7 @@
 """The split launch of compressed attention (``split=True`` / ``KVBOUND_SPLIT_LOWRANK=1``): low-rank-only runs in
 a kernel without residual code, the rest in the residual-capable kernel, merged by log-sum-exp. It must compute
 the same attention as one launch, within the 2x criterion against float64, on every mode and option; by default
-it runs when at least half of the super-blocks are low rank only."""
+it runs when at least ``SPLIT_MIN_SHARE`` of the super-blocks are proven low rank only."""
 
 from __future__ import annotations
 

@@ -2550,11 +2550,12 @@ def attention_compressed_fwd(
     return merge_partials(partial, out, lse)
 
 
-# Split the work over two launches from this share of super-blocks without residual on (``split`` above). The share
-# sweep on the H200 (BENCHMARKS.md, b979f83; N = 65536, r8b4): the split launch was within 1 % at 25 % at d = 64 and
-# faster from 50 % at both d = 64 and d = 128 (1.04x / 1.01x there, 1.27x / 1.38x at 99.7-100 %); below, it costs up
-# to 5 % (0 %, d = 128).
-SPLIT_MIN_SHARE = 0.5
+# Split the work over two launches when at least this share of the super-blocks is proven low rank only (``split``
+# above; ``joint_lowrank_share``). The share sweep on the H200 (BENCHMARKS.md, b979f83 and 1aa065a; N = 65536,
+# r8b4), split against one launch: -1 % to +2 % at 25 % residual-free blocks, 1-4 % faster at 50 %, 10-11 % at 75 %,
+# 15-35 % from 87.5 % on; 1-5 % slower at 0 %. K/V blocks without residual at the same places give a bound of
+# 2 x share - 1: 0.4 splits from 70 % on.
+SPLIT_MIN_SHARE = 0.4
 
 
 def split_setting() -> str:
