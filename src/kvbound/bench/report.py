@@ -404,9 +404,9 @@ trained evaluation models at the default tau no block is residual-free and nearl
 bits (EVAL.md), which is slower than any row here. The split launch columns (`kvbound-compressed-split`,
 `KVBOUND_SPLIT_LOWRANK=1`) run the low-rank runs in a second kernel compiled without residual code and merge the two
 partial results (`kernels/README.md`); the one launch columns (`kvbound-compressed-one`, `KVBOUND_SPLIT_LOWRANK=0`)
-never split. The kvbound columns are the default, which splits when at least 40 % of the super-blocks are proven
-low-rank only (at 1aa065a: half); in runs at b979f83 and before, the default was one launch. `-` where the run predates a variant.
-`bash benchmarks/h200.sh share`.
+never split. The kvbound columns are the default, which splits when at least 40 % of the super-blocks are
+proven low-rank only (at 1aa065a: half); in runs at b979f83 and before, the default was one launch. `-` where the
+run predates a variant. `bash benchmarks/h200.sh share`.
 """
 
 _ROOFLINE_NOTE = """Every provider's FLOP count is that of dense attention at its shape (the `flops` column), so a
