@@ -5,7 +5,9 @@ it runs when at least ``SPLIT_MIN_SHARE`` of the super-blocks are proven low ran
 
 from __future__ import annotations
 
+import importlib
 import math
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 from kvbound import CompressionConfig, calibrate, compress_kv
 from kvbound.attention import attention
 from kvbound.kernels import attention_compressed as kernels
-from kvbound.kernels.attention_compressed import joint_lowrank_share, merge_partials, split_setting
+from kvbound.kernels.attention_compressed import joint_lowrank_share, merge_partials, split_setting, worth_splitting
 from kvbound.models.reference import relative_position_attention_reference
 from test_attention import (  # tests/ is on sys.path (rootdir conftest)
     all_modes,
@@ -195,8 +197,18 @@ def test_joint_lowrank_share_never_overstates_the_super_blocks_without_residual(
     assert joint_lowrank_share(SimpleNamespace(block_size=16), SimpleNamespace(block_size=16), [-1.0, 1.0]) == 0.0
 
 
+def test_the_default_splits_from_seventy_percent_of_each_operand():
+    one = SimpleNamespace(block_size=16)
+    assert kernels.SPLIT_MIN_SHARE == 0.4
+    assert worth_splitting(one, one, [0.7, 0.7])  # 0.3999999999999999 in floating point
+    assert not worth_splitting(one, one, [0.69, 0.7])
+    assert worth_splitting(one, one, [1.0, 0.4]) and not worth_splitting(one, one, [1.0, 0.39])
+    assert not worth_splitting(one, SimpleNamespace(block_size=32), [0.7, 0.7])  # 1 - 0.3 * 2 - 0.3 < 0.4
+    assert not worth_splitting(one, one, [-1.0, 1.0])
+
+
 @pytest.mark.parametrize("n, splits", [(256, True), (96, False)])
-def test_the_default_splits_from_half_the_super_blocks_low_rank(monkeypatch, n, splits):
+def test_the_default_splits_from_split_min_share_of_the_super_blocks_low_rank(monkeypatch, n, splits):
     """Rows 16-79 of ``structured`` need a residual: 12 of 16 blocks are low rank at n = 256 (split), 2 of 6 at
     n = 96 (one launch). The shares come from the call's check, are recorded on the K/V and reused; inference
     tensors, which keep no record, are checked on each call and decide the same way."""
@@ -220,12 +232,40 @@ def test_the_default_splits_from_half_the_super_blocks_low_rank(monkeypatch, n, 
     attention(q, ck, cv)
     assert passes[-3:] == [0, 1, 2]
     monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK")
+    attention_module = importlib.import_module("kvbound.attention")  # the module (kvbound.attention is the function)
+    reads = []
+    original = attention_module._queue_checks
+
+    def counted(*args, **kwargs):
+        reads.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "_queue_checks", counted)
     with torch.inference_mode():
         ci, vi, qi = compress_kv(k, cfg, bases[0]), compress_kv(v, cfg, bases[1]), q.clone()
         assert ci._checked is None
         del passes[:]
         torch.testing.assert_close(attention(qi, ci, vi), out, rtol=0, atol=0)
     assert passes == ([1, 2] if splits else [0])
+    assert len(reads) == 1  # q, K and V checked, and the shares read, in the call's one host read
+
+
+def test_a_pickled_or_copied_record_is_checked_again():
+    """A check record names this process's storages: a pickled copy carries none, and a record in an older
+    layout is treated as absent instead of failing the call."""
+    cfg = CompressionConfig(block_size=16, rank=4, bits=4)
+    k = structured(1, 2, 64, 32, torch.float32, 31)
+    ck = compress_kv(k, cfg)
+    q = torch.randn(1, 2, 8, 32, generator=torch.Generator().manual_seed(32))
+    expected = attention(q, ck, ck)
+    assert ck._checked_residual() is not None and ck._checked_lowrank_share() is not None
+    copy = pickle.loads(pickle.dumps(ck))
+    assert copy._checked is None and ck._checked is not None
+    torch.testing.assert_close(attention(q, copy, copy), expected, rtol=0, atol=0)
+    ck._checked = (ck._stamps(), True)  # two fields, as records were before the share
+    assert ck._checked_residual() is None and ck._checked_lowrank_share() is None
+    torch.testing.assert_close(attention(q, ck, ck), expected, rtol=0, atol=0)
+    assert ck._checked_lowrank_share() == pytest.approx(ck.mode_fractions()["lowrank"], abs=1e-12)
 
 
 def _half_lowrank(h: int, n: int, d: int, g: torch.Generator) -> torch.Tensor:

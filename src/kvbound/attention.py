@@ -233,11 +233,11 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
     check. ``(-1, -1.0)``: no record can be kept (inference tensors); the op checks on every call."""
     residual = ckv._checked_residual()
     if residual is None:
+        if ckv._stamps() is None:  # nothing could be recorded: the op checks these with the call's other checks
+            return -1, -1.0
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
         (share,) = _queue_checks(tensors, flags=(ckv.mode,))()  # with flags: never deferred
         ckv._record_checked(share < 1, share)
-        if ckv._checked is None:  # nothing could be recorded
-            return -1, -1.0
         return int(share < 1), share
     share = ckv._checked_lowrank_share()
     return int(residual), -1.0 if share is None else share
@@ -393,7 +393,7 @@ def _queue_checks(
         deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present)
         return _no_flags
     checks = [_checks.largest_magnitude(t) for _, t in present]
-    checks += [1 - torch.sum(f != 0, dtype=torch.float64) / max(1, f.numel()) for f in flags]
+    checks += [torch.count_nonzero(f).to(torch.float64) for f in flags]
     stacked = torch.stack(checks) if checks else None
 
     def read() -> list[float]:
@@ -405,7 +405,8 @@ def _queue_checks(
                 if name == "bias" and full_bias_shape is not None:
                     t = t.expand(full_bias_shape)
                 check_finite_values(t, name)
-        return values[len(present) :]
+        nonzero = values[len(present) :]
+        return [1 - count / max(1, f.numel()) for count, f in zip(nonzero, flags, strict=True)]
 
     return read
 

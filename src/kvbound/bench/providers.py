@@ -15,8 +15,8 @@ Each provider turns a :class:`Case` (one shape's inputs) into a :class:`Prepared
                         ``benchmarks/shapes/share.toml``) the compressed call with ``KVBOUND_SPLIT_LOWRANK=1``
                         (always split: low-rank-only runs of key blocks in a second launch of the kernel compiled
                         without residual code, merged by log-sum-exp) and ``=0`` (one launch). The plain
-                        ``kvbound-compressed`` row is the default, which splits from a share of low-rank-only
-                        blocks on.
+                        ``kvbound-compressed`` row is the default (``KVBOUND_SPLIT_LOWRANK=auto`` whatever the
+                        caller's environment), which splits from a share of low-rank-only blocks on.
 ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``
                         ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced. On the
                         models' shapes they run plain attention without bias or soft-cap: the floor of what
@@ -344,8 +344,9 @@ class _Kvbound(Provider):
     @contextlib.contextmanager
     def context(self):
         with contextlib.ExitStack() as stack:
-            if self.split is not None:
-                stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", "1" if self.split else "0"))
+            if isinstance(self, KvboundCompressed):  # the default row measures the default, whatever the caller set
+                setting = "auto" if self.split is None else "1" if self.split else "0"
+                stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", setting))
             if self.deferred:
                 import kvbound
 

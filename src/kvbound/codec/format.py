@@ -147,6 +147,12 @@ class CompressedKV:
         share = None if lowrank_share is None else float(lowrank_share)
         self._checked = None if stamps is None else (stamps, bool(residual), share)
 
+    def __getstate__(self) -> dict:
+        # A check record names this process's storages (data pointers): a copy or another process must check again.
+        state = dict(self.__dict__)
+        state["_checked"] = None
+        return state
+
     def _checked_residual(self) -> bool | None:
         """What ``_record_checked`` recorded, if every stored tensor is unchanged since; else None."""
         record = self._current_record()
@@ -159,7 +165,7 @@ class CompressedKV:
         return None if record is None else record[1]
 
     def _current_record(self) -> tuple[bool, float | None] | None:
-        if self._checked is None:
+        if not isinstance(self._checked, tuple) or len(self._checked) != 3:
             return None
         stamps, residual, share = self._checked
         return (residual, share) if self._stamps() == stamps else None

@@ -2531,7 +2531,7 @@ def attention_compressed_fwd(
         launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
 
     if setting == "auto":
-        split = lowrank_share is not None and joint_lowrank_share(k, v, lowrank_share) >= SPLIT_MIN_SHARE
+        split = lowrank_share is not None and worth_splitting(k, v, lowrank_share)
     else:
         split = setting == "on"
     if not (split and (residual[0] or residual[1])):
@@ -2552,9 +2552,9 @@ def attention_compressed_fwd(
 
 # Split the work over two launches when at least this share of the super-blocks is proven low rank only (``split``
 # above; ``joint_lowrank_share``). The share sweep on the H200 (BENCHMARKS.md, b979f83 and 1aa065a; N = 65536,
-# r8b4), split against one launch: -1 % to +2 % at 25 % residual-free blocks, 1-4 % faster at 50 %, 10-11 % at 75 %,
-# 15-35 % from 87.5 % on; 1-5 % slower at 0 %. K/V blocks without residual at the same places give a bound of
-# 2 x share - 1: 0.4 splits from 70 % on.
+# r8b4), split against one launch: 1-5 % slower at 0 % residual-free blocks, -2 % to +0.3 % at 25 %, 1-4 % faster
+# at 50 %, 7.5-11 % at 75 %, 15-38 % from 87.5 % on. With K and V of one block size the bound is
+# share_k + share_v - 1, wherever the residual blocks sit: 0.4 splits from 70 % of the blocks of each on.
 SPLIT_MIN_SHARE = 0.4
 
 
@@ -2584,16 +2584,28 @@ def joint_lowrank_share(k: CompressedOperand, v: CompressedOperand, shares: Sequ
     return max(0.0, 1 - ruled_out)
 
 
+def worth_splitting(k: CompressedOperand, v: CompressedOperand, shares: Sequence[float]) -> bool:
+    """The default's choice: whether ``joint_lowrank_share`` reaches ``SPLIT_MIN_SHARE`` (with a margin for its
+    rounding: 70 % of the blocks of each operand give 0.3999999999999999)."""
+    return joint_lowrank_share(k, v, shares) >= SPLIT_MIN_SHARE - 1e-9
+
+
 def merge_partials(
     partial: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of disjoint key sets from each set's normalised output and log-sum-exp (natural
-    log; ``-inf`` and a zero output for a row that saw no key), written into ``out`` and ``lse``."""
-    top = torch.stack([part_lse for _, part_lse in partial]).amax(dim=0)
+    log; ``-inf`` and a zero output for a row that saw no key), written into ``out`` and ``lse``. The partial
+    outputs are overwritten (the merge runs in place in them, so that it needs no further output-sized buffer)."""
+    top = partial[0][1].clone()
+    for _, part_lse in partial[1:]:
+        torch.maximum(top, part_lse, out=top)
     safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = [torch.exp(part_lse - safe) for _, part_lse in partial]
-    total = torch.stack(weights).sum(dim=0)
-    merged = sum(part_out * weight[..., None] for (part_out, _), weight in zip(partial, weights, strict=True))
-    out.copy_(merged / torch.where(total > 0, total, torch.ones_like(total))[..., None])
+    total = sum(weights[1:], weights[0].clone())
+    denominator = torch.where(total > 0, total, torch.ones_like(total))
+    merged = partial[0][0].mul_((weights[0] / denominator)[..., None])
+    for (part_out, _), weight in zip(partial[1:], weights[1:], strict=True):
+        merged.add_(part_out.mul_((weight / denominator)[..., None]))
+    out.copy_(merged)
     lse.copy_(torch.where(total > 0, safe + torch.log(total), torch.full_like(total, float("-inf"))))
     return out, lse
