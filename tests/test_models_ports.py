@@ -255,6 +255,42 @@ def test_relative_ports_take_one_fused_call_per_layer(port_name, request, monkey
     assert err <= 1e-5 * port.abs().max().item()
 
 
+def test_enformer_positional_features_computed_once_per_handle_and_length(enformer, monkeypatch):
+    """Every layer of every forward at one length reads one tensor of features, computed once per handle (the
+    port computes them again in each layer); the output is the unpatched model's, also when a later forward runs
+    with autograd after one under inference mode; undo lets them go."""
+    import enformer_pytorch.modeling_enformer as port_module
+
+    model, attention = enformer
+    calls = []
+    original = port_module.get_positional_embed
+
+    def counted(n, *args, **kwargs):
+        calls.append(n)
+        return original(n, *args, **kwargs)
+
+    x, other = _enformer_input(43), _enformer_input(40, seed=1)
+    with torch.no_grad():
+        expected, expected_other = model(x)["human"], model(other)["human"]
+    monkeypatch.setattr(port_module, "get_positional_embed", counted)
+    handle = patch(model, compress=False, query_chunk=16, backend="eager")
+    try:
+        with torch.inference_mode():
+            first = model(x)["human"]
+        assert len(calls) == 1 and len(handle._features) == 1
+        second = model(x)["human"]  # autograd on: the cached features must not be inference tensors
+        assert second.requires_grad and len(calls) == 1
+        with torch.no_grad():
+            third = model(other)["human"]
+        assert calls == [calls[0], calls[1]] and calls[0] != calls[1] and len(handle._features) == 2
+    finally:
+        handle.undo()
+    assert handle._features == {}
+    for got in (first, second.detach()):
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert (third - expected_other).abs().max().item() <= 1e-5 * expected_other.abs().max().item()
+
+
 def test_enformer_undo_restores_exactly(enformer):
     model, attention = enformer
     x = _enformer_input(40)

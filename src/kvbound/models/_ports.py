@@ -81,7 +81,7 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     b, n, _ = x.shape
     h = module.heads
     q, k, v = (_split_heads(layer(x), h) for layer in (module.to_q, module.to_k, module.to_v))
-    positions = module.pos_dropout(relative_keys_fn(module, n, x.device))
+    positions = module.pos_dropout(relative_keys_fn(module, handle, n, x.device))
     relative_keys = module.to_rel_k(positions).reshape(2 * n - 1, h, -1).transpose(0, 1)
     k, v = handle._prepare_kv(record, k, v)
     out = relative_position_attention(
@@ -99,21 +99,27 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     return module.to_out(out)
 
 
-def _enformer_features(module, n: int, device: torch.device) -> torch.Tensor:
+def _enformer_features(module, handle, n: int, device: torch.device) -> torch.Tensor:
     port = sys.modules[type(module).__module__]
-    return port.get_positional_embed(
-        n, module.num_rel_pos_features, device, use_tf_gamma=module.use_tf_gamma, dtype=module.to_rel_k.weight.dtype
+    features, tf_gamma, dtype = module.num_rel_pos_features, module.use_tf_gamma, module.to_rel_k.weight.dtype
+    return handle._positional_features(
+        (port.get_positional_embed, n, features, tf_gamma, dtype, torch.get_default_dtype(), torch.device(device)),
+        lambda: port.get_positional_embed(n, features, device, use_tf_gamma=tf_gamma, dtype=dtype),
     )
 
 
-def _borzoi_features(module, n: int, device: torch.device) -> torch.Tensor:
+def _borzoi_features(module, handle, n: int, device: torch.device) -> torch.Tensor:
     # The port caches its features on the module at the first call and breaks at any other length; reuse a
-    # cache of the right length, otherwise compute them for this call only (the module is never written).
+    # cache of the right length, otherwise compute them once per handle and length (the module is never written).
     cached = getattr(module, "positions", None)
     if isinstance(cached, torch.Tensor) and cached.shape[0] == 2 * n - 1:
         return cached
     port = sys.modules[type(module).__module__]
-    return port.get_positional_embed(n, BORZOI_TRAIN_LENGTH, module.num_rel_pos_features, module.to_v.weight.device)
+    features, weight_device = module.num_rel_pos_features, module.to_v.weight.device
+    return handle._positional_features(
+        (port.get_positional_embed, n, BORZOI_TRAIN_LENGTH, features, torch.get_default_dtype(), weight_device),
+        lambda: port.get_positional_embed(n, BORZOI_TRAIN_LENGTH, features, weight_device),
+    )
 
 
 def _enformer_forward(module, record, handle, x):

@@ -146,11 +146,25 @@ class PatchHandle:
         self._root: nn.Module | None = None
         self._root_original: object = _MISSING
         self._root_installed: object = None
+        # Positional features by (port function, length, sizes, dtype, device): see _positional_features.
+        self._features: dict[tuple, torch.Tensor] = {}
         self.active = True
 
     # ------------------------------------------------------------------------------------- used by forwards
     def _patches_attention(self, module: nn.Module) -> bool:
         return self.active and id(module) in self._attention_ids
+
+    def _positional_features(self, key: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Positional features that depend only on ``key`` (the port's function, the length, the feature sizes,
+        dtype and device), computed once per handle and read by every patched layer of every forward at that
+        length. The ports compute them again in each layer of each forward (Enformer: about 135 tensor ops). Made
+        outside inference mode, so that a later forward with autograd can read them too; never written."""
+        cached = self._features.get(key)
+        if cached is None:
+            with torch.inference_mode(False):
+                cached = compute()
+            self._features[key] = cached
+        return cached
 
     def _prepare_kv(
         self, record: PatchedModule, k: torch.Tensor, v: torch.Tensor
@@ -262,6 +276,7 @@ class PatchHandle:
                 module.__dict__[record.method] = record._original
         self.active = False
         self._attention_ids.clear()
+        self._features.clear()
         if problems:
             raise RuntimeError("kvbound.patch undo: " + "; ".join(problems))
 
