@@ -291,6 +291,39 @@ def test_enformer_positional_features_computed_once_per_handle_and_length(enform
     assert (third - expected_other).abs().max().item() <= 1e-5 * expected_other.abs().max().item()
 
 
+@pytest.mark.parametrize("port_name", ["enformer", "borzoi"])
+def test_relative_runs_opt_in_passes_borzoi_runs_only(port_name, request, monkeypatch):
+    """With KVBOUND_RELATIVE_RUNS=1 and dense K/V, Borzoi's layers pass the runs of equal positional features to
+    kvbound.attention (found once per handle); Enformer's smooth features give none. Outputs as unpatched."""
+    from kvbound.attention import attention as fused
+    from kvbound.models import _backend
+
+    model, attention_cls = request.getfixturevalue(port_name)[:2]
+    module = _attention_modules(model, attention_cls)[0]
+    n = 40 if port_name == "enformer" else 32
+    x = torch.randn(1, n, 96 if port_name == "enformer" else 64, generator=torch.Generator().manual_seed(8))
+    seen = []
+
+    def spy(q, k, v, **kwargs):
+        seen.append(kwargs.get("relative_runs"))
+        return fused(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    monkeypatch.setenv("KVBOUND_RELATIVE_RUNS", "1")
+    with torch.no_grad():
+        port = module(x)
+        with patch(model, compress=False, backend="kvbound") as handle:
+            first, second = module(x), module(x)
+            assert len(handle._features_runs) == 1
+    for got in (first, second):
+        assert (got - port).abs().max().item() <= 1e-5 * port.abs().max().item()
+    if port_name == "enformer":
+        assert seen == [None, None]
+    else:
+        assert seen[0] == seen[1] and seen[0][0] == 0 and 2 < len(seen[0]) <= 33
+    assert handle._features_runs == {}
+
+
 def test_enformer_undo_restores_exactly(enformer):
     model, attention = enformer
     x = _enformer_input(40)

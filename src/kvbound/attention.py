@@ -10,7 +10,7 @@ imported). There is no silent fallback to another implementation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ def attention(
     relative_keys: torch.Tensor | None = None,
     relative_content_bias: torch.Tensor | None = None,
     relative_position_bias: torch.Tensor | None = None,
+    relative_runs: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``softmax(scale * q k^T + bias) v`` in one fused kernel, optionally with
@@ -71,6 +72,12 @@ def attention(
         relative_content_bias: ``u``, ``[Hq, Dk]``, ``[Dk]`` or broadcastable to ``[1, Hq, 1, Dk]`` (the ports
             store ``[1, H, 1, Dk]``), any float dtype; default zero. Only with ``relative_keys``.
         relative_position_bias: ``w`` (Transformer-XL's ``v``), same shapes; default zero.
+        relative_runs: optional, with ``relative_keys`` and dense K/V: the first rows of runs of rows of ``R`` that
+            are equal (increasing ints from 0; Borzoi's step-function features give at most 33 runs at any length).
+            The kernel then reads one float32 value per query and run, ``(scale q_i + w) . R[run start]``, instead
+            of the relative keys: the same logits without the per-tile product and skew. Checked in the call's
+            host read (a row that differs from its run's first row raises ``ValueError``). Compressed K/V read
+            ``R`` as without it.
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
 
     Returns:
@@ -136,11 +143,12 @@ def attention(
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
     relative = _relative_operands(relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads)
+    runs = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)  # dense K/V only read it
 
     softcap = None if softcap is None else float(softcap)
     if not compressed and _plain_eager((q, k, v, bias4, *relative)):
         # Same function the op runs, without the dispatcher's wrapping (nothing would observe the op).
-        out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative)
+        out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs)
     elif compressed:
         known, shares = (-1, -1), (-1.0, -1.0)
         plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
@@ -187,7 +195,7 @@ def attention(
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
-            q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative
+            q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs
         )
     return (out, lse) if return_lse else out
 
@@ -346,6 +354,32 @@ def _relative_operands(
     return relative_keys, u, w
 
 
+def _relative_runs(runs: object, relative_keys: object, rows: int, q: torch.Tensor) -> torch.Tensor | None:
+    """``relative_runs`` validated on the host (no device read) as an int64 tensor on q's device, or None."""
+    if runs is None:
+        return None
+    if relative_keys is None:
+        raise ValueError("relative_runs: given without relative_keys (it only describes relative keys)")
+    if isinstance(runs, torch.Tensor):
+        if runs.dim() != 1 or runs.dtype.is_floating_point or runs.dtype.is_complex or runs.dtype == torch.bool:
+            raise ValueError(f"relative_runs: expected a 1-D integer tensor, got {runs.dim()}-D {runs.dtype}")
+        values = runs.tolist()
+    elif isinstance(runs, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in runs):
+        values = list(runs)
+    else:
+        raise TypeError(
+            f"relative_runs: expected a sequence of ints or a 1-D integer tensor, got {type(runs).__name__}"
+        )
+    increasing = all(b > a for a, b in zip(values[:-1], values[1:], strict=True))
+    if not values or values[0] != 0 or not increasing or values[-1] >= rows:
+        shown = values if len(values) <= 8 else [*values[:4], "...", *values[-2:]]
+        raise ValueError(
+            f"relative_runs: expected increasing first rows of runs, starting at 0 and below Nq + Nk - 1 = {rows}, "
+            f"got {shown}"
+        )
+    return torch.tensor(values, dtype=torch.int64, device=q.device)
+
+
 def _bias_4d(bias: object, shape: tuple[int, int, int, int], bias_tile: int, q: torch.Tensor) -> torch.Tensor:
     """``bias`` as a 4-d view (leading size-1 dimensions added, no copy) after checking that it broadcasts to
     ``shape`` (or to the tile grid ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]`` for ``bias_tile = T > 1``). The
@@ -445,12 +479,29 @@ def _attention_dense(
     relative_keys: torch.Tensor | None = None,
     relative_content_bias: torch.Tensor | None = None,
     relative_position_bias: torch.Tensor | None = None,
+    relative_runs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The implementation of ``kvbound::attention_dense`` (``kvbound.attention`` calls it directly in plain
-    eager mode, see ``_plain_eager``)."""
+    eager mode, see ``_plain_eager``). ``relative_runs``: validated first rows of runs (``_relative_runs``)."""
     from kvbound.kernels.attention_dense import attention_dense_fwd
 
-    checks = _queue_checks(
+    flags: tuple[torch.Tensor, ...] = ()
+    runs = None
+    if relative_runs is not None:
+        heads, rows, _ = relative_keys.shape
+        n_q, n_k = q.shape[2], k.shape[2]
+        ends = torch.cat([relative_runs[1:], relative_runs.new_full((1,), rows)])
+        run_of_row = torch.repeat_interleave(
+            torch.arange(len(relative_runs), device=q.device), ends - relative_runs, output_size=rows
+        )
+        first = relative_keys[:, relative_runs]  # [H, R, Dk]
+        flags = ((relative_keys != first[:, run_of_row]).any(dim=-1),)  # rows unlike their run's first
+        q_position = q.float() * scale + relative_position_bias[None, :, None, :]
+        table = torch.einsum("bhnd,hrd->bhnr", q_position, first.float()).contiguous()
+        # run starts as distances (and one past the last distance), then the run of each distance
+        starts = torch.cat([relative_runs - (n_q - 1), relative_runs.new_full((1,), n_k), run_of_row]).to(torch.int32)
+        runs = (table, starts, relative_content_bias)
+    read = _queue_checks(
         (
             ("q", q),
             ("k", k),
@@ -460,13 +511,33 @@ def _attention_dense(
             ("relative_content_bias", relative_content_bias),
             ("relative_position_bias", relative_position_bias),
         ),
+        flags=flags,
         full_bias_shape=None if bias is None or bias_tile > 1 else (*q.shape[:3], k.shape[2]),
     )
+
+    def checks() -> None:
+        shares = read()
+        if shares and shares[0] < 1:
+            raise ValueError(
+                f"relative_runs: expected every row of relative_keys equal to its run's first row, got "
+                f"{round((1 - shares[0]) * flags[0].numel())} (head, row) pairs that differ"
+            )
+
     relative = None
-    if relative_keys is not None:
+    if relative_keys is not None and runs is None:
         relative = (relative_keys, relative_content_bias, relative_position_bias)
     return attention_dense_fwd(
-        q, k, v, bias, scale, causal, softcap, bias_tile=bias_tile, relative=relative, before_launch=checks
+        q,
+        k,
+        v,
+        bias,
+        scale,
+        causal,
+        softcap,
+        bias_tile=bias_tile,
+        relative=relative,
+        relative_runs=runs,
+        before_launch=checks,
     )
 
 

@@ -19,6 +19,9 @@ Enformer's 1536 and Borzoi's 4096 tokens), every preparation a provider needs in
                                 ``score_mod``;
 ``kvbound-relative``            ``kvbound.attention(..., relative_keys=R, ...)``: one fused call, each tile's
                                 position term formed on chip from the ``BM + BN - 1`` rows of ``R`` it needs;
+``kvbound-relative-runs``       (Borzoi only) the same call with ``relative_runs``: Borzoi's relative keys are
+                                constant over runs of distances (its features are step functions of ``|d|``), so
+                                the kernel reads one value per query and run instead of ``R``;
 ``kvbound-relative-compressed`` encoding this forward's K and V with the default config (bases calibrated on
                                 another draw), then the same fused call on the compressed form: a compressed
                                 forward's work per layer; ``compress_ms`` is the encoding alone.
@@ -27,8 +30,9 @@ Enformer's 1536 and Borzoi's 4096 tokens), every preparation a provider needs in
 the first and last batch items of each output are compared with the float64 reference
 (``kvbound.models.reference.relative_position_attention_reference``; on the decompressed K/V for the compressed
 provider): ``err_max``, ``err_rel``; ``check_failed`` beyond ``err_rel`` 3e-2. K/V are structured as in the attention
-suite (``kvbound.bench.data``, half of the blocks residual-free), queries in K's subspace, ``R``, ``u``, ``w``
-Gaussian at the scale of the ports' projections.
+suite (``kvbound.bench.data``, half of the blocks residual-free), queries in K's subspace, ``u``, ``w`` Gaussian at
+the scale of the ports' projections; ``R`` Gaussian for Enformer, and for Borzoi its positional features (32 step
+functions of ``|d|``) times a Gaussian projection, as its ``to_rel_k`` makes them.
 
     python -m kvbound.bench --suite relative --out benchmarks/results/relative_h200.csv
     python -m kvbound.bench --suite relative --cpu-smoke --out /tmp/relative.csv    # tiny sizes, CPU
@@ -53,6 +57,7 @@ RELATIVE_PROVIDERS = (
     "sdpa-built-bias",
     "flex-built-table",
     "kvbound-relative",
+    "kvbound-relative-runs",
     "kvbound-relative-compressed",
 )
 _TOLERANCE = 3e-2
@@ -101,13 +106,23 @@ def _inputs(spec: RelativeSpec, batch: int, device: torch.device, dtype: torch.d
                                         dtype=dtype, seed=s)
 
     g = torch.Generator(device="cpu").manual_seed(seed * 100 + 7)
+    relative_keys, runs = torch.randn(h, 2 * n - 1, spec.dk, generator=g) * 0.5, None
+    if spec.shift == "strided":  # Borzoi: features that are step functions of |d|, projected
+        from kvbound.models.reference import borzoi_positional_features_reference
+
+        features = borzoi_positional_features_reference(n, 32).float()
+        projection = torch.randn(32, h * spec.dk, generator=g) * (0.5 / features.pow(2).sum(-1).mean().sqrt())
+        relative_keys = (features @ projection).reshape(2 * n - 1, h, spec.dk).transpose(0, 1).contiguous()
+        changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
+        runs = [0, *changes.tolist()]
     return {
+        "runs": runs,
         "q": bench_data.structured_queries(batch, h, n, k_sub, dtype=dtype, seed=seed * 100 + 3),
         "k": kv(k_sub, seed * 100 + 4),
         "v": kv(v_sub, seed * 100 + 5),
         "k_sample": kv(k_sub, seed * 100 + 14),
         "v_sample": kv(v_sub, seed * 100 + 15),
-        "relative_keys": (torch.randn(h, 2 * n - 1, spec.dk, generator=g) * 0.5).to(device=device, dtype=dtype),
+        "relative_keys": relative_keys.to(device=device, dtype=dtype),
         "u": (torch.randn(h, spec.dk, generator=g) * 0.1).to(device=device, dtype=dtype),
         "w": (torch.randn(h, spec.dk, generator=g) * 0.1).to(device=device, dtype=dtype),
         "scale": spec.dk**-0.5,
@@ -180,12 +195,13 @@ def _flex_that_compiles(flex: Callable, x: dict, device: torch.device) -> tuple[
     raise RuntimeError("no kernel_options compiled: " + " | ".join(failures))
 
 
-def _kvbound_relative(k_name: str, v_name: str) -> Callable[[dict], torch.Tensor]:
+def _kvbound_relative(k_name: str, v_name: str, runs: bool = False) -> Callable[[dict], torch.Tensor]:
     def run(x: dict) -> torch.Tensor:
         from kvbound.models.relative import relative_position_attention
 
         return relative_position_attention(x["q"], x[k_name], x[v_name], x["relative_keys"], x["u"][None, :, None],
-                                           x["w"][None, :, None], scale=x["scale"], backend="kvbound")
+                                           x["w"][None, :, None], scale=x["scale"], backend="kvbound",
+                                           relative_runs=x["runs"] if runs else None)
 
     return run
 
@@ -307,6 +323,11 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
                         row.update(config=flex_config)
                     elif provider == "kvbound-relative":
                         fn = _kvbound_relative("k", "v")
+                    elif provider == "kvbound-relative-runs":
+                        if x["runs"] is None:
+                            raise NotImplementedError("these relative keys differ at every distance (no runs)")
+                        fn = _kvbound_relative("k", "v", runs=True)
+                        row.update(note=f"{len(x['runs'])} runs of equal relative keys")
                     else:
                         from kvbound.bench.runner import measure
 

@@ -229,6 +229,46 @@ def relative_logits_tile(
 
 
 @triton.jit
+def relative_runs_tile(
+    table_head,
+    stride_table_row,
+    runs,
+    start_m,
+    start_n,
+    N_Q,
+    N_K,
+    N_RUNS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Relative-position logits ``[BLOCK_M, BLOCK_N]`` (float32) when the relative keys are constant over runs of
+    distances: ``table[a, r]`` for the run ``r`` holding ``d = (start_n + c) - (start_m + a)``.
+
+    ``table_head``: pointer to this (batch, head)'s ``[N_Q, N_RUNS]`` float32 table (row stride
+    ``stride_table_row``, runs contiguous). ``runs``: int32, the ``N_RUNS + 1`` run starts (distances, increasing,
+    run ``r`` holding ``[runs[r], runs[r + 1])``, the last entry past every distance), then the run of each
+    distance ``-(N_Q - 1) .. N_K - 1``. A tile spans ``BLOCK_M + BLOCK_N - 1`` consecutive distances: it reads the
+    runs of its smallest and largest (one or two runs away from the diagonal) and fills each with one compare and
+    select per element."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start_m + offs_m
+    distance = (start_n + tl.arange(0, BLOCK_N))[None, :] - rows[:, None]
+    run_of = runs + (N_RUNS + 1) + (N_Q - 1)
+    first = tl.maximum(start_n - start_m - (BLOCK_M - 1), -(N_Q - 1))
+    last = tl.minimum(start_n + BLOCK_N - 1 - start_m, N_K - 1)
+    row_ptrs = table_head + rows.to(tl.int64) * stride_table_row
+    row_ok = rows < N_Q
+    # Runs in increasing order, each from its start on: a later run overwrites the distances past its start.
+    first_run = tl.load(run_of + first)
+    first_value = tl.load(row_ptrs + first_run, mask=row_ok, other=0.0)
+    relative = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + first_value[:, None]
+    for run in range(first_run + 1, tl.load(run_of + last) + 1):
+        value = tl.load(row_ptrs + run, mask=row_ok, other=0.0)
+        relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
+    return relative
+
+
+@triton.jit
 def key_loop_bounds(
     row_start, N_Q, N_K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
 ):

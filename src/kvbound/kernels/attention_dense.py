@@ -30,6 +30,7 @@ from kvbound.kernels._common import (
     logit_multipliers,
     next_power_of_2,
     relative_logits_tile,
+    relative_runs_tile,
     softmax_step,
     tma_ready,
 )
@@ -76,6 +77,7 @@ def _attention_dense_inner(
     FIXED_MAX: tl.constexpr,
     q_position,
     relative_head,
+    relative_runs,
     stride_rel_row,
     stride_rel_d,
     row_start,
@@ -86,7 +88,9 @@ def _attention_dense_inner(
     """Key tiles ``[lo, hi)``; ``MASK`` selects the masked variant (ragged last tile, causal diagonal).
     With ``USE_TMA`` the K/V tiles come through tensor descriptors (bulk copies that zero-fill rows past
     ``N_K`` and columns past the head dim, and need no per-element addresses in registers). With ``RELATIVE``
-    each tile's raw logits start from its relative-position term (``_common.relative_logits_tile``)."""
+    each tile's raw logits start from its relative-position term: 1, from the relative keys
+    (``_common.relative_logits_tile``); 2, from a table per query and run of distances
+    (``_common.relative_runs_tile``; ``N_REL`` is then the number of runs)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -107,7 +111,12 @@ def _attention_dense_inner(
                 k = tl.load(k_ptrs, mask=dk_ok[:, None], other=0.0)
             else:
                 k = tl.load(k_ptrs)
-        if RELATIVE:
+        if RELATIVE == 2:
+            relative = relative_runs_tile(
+                relative_head, stride_rel_row, relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+            )
+            x = tl.dot(q, k, relative, input_precision=PRECISION)
+        elif RELATIVE:
             relative = relative_logits_tile(
                 q_position,
                 relative_head,
@@ -318,17 +327,26 @@ def _attention_dense_fwd(
     if RELATIVE:
         # Transformer-XL's two query forms, rounded once to the operand dtype: q_content = scale q + u reads the
         # keys, q_position = scale q + v the relative keys; the logit scale is already in them (logit_mult).
+        # With RELATIVE == 2 the position query is already in the run table (RelKeys, [B * H, N_Q, runs]) and
+        # RelPositionBias holds the runs' starts (int32); stride_rh_d is the number of runs.
         head_bias = kv_head * HEAD_DIM_K + offs_dk
         bias_ok = offs_dk < HEAD_DIM_K
         content_bias = tl.load(RelContentBias + head_bias, mask=bias_ok, other=0.0)
-        position_bias = tl.load(RelPositionBias + head_bias, mask=bias_ok, other=0.0)
         q_scaled = q.to(tl.float32) * query_scale
-        q_position = (q_scaled + position_bias[None, :]).to(q.dtype)
+        if RELATIVE == 2:
+            q_position = q  # unused placeholder
+            relative_head = RelKeys + (batch * H_KV + kv_head) * stride_rh
+            n_relative = stride_rh_d
+        else:
+            position_bias = tl.load(RelPositionBias + head_bias, mask=bias_ok, other=0.0)
+            q_position = (q_scaled + position_bias[None, :]).to(q.dtype)
+            relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
+            n_relative = N_Q + N_K - 1
         q = (q_scaled + content_bias[None, :]).to(q.dtype)
-        relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
     else:
         q_position = q  # unused placeholders
         relative_head = RelKeys
+        n_relative = N_Q + N_K - 1
     k_head = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_head = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     if USE_TMA:
@@ -394,11 +412,12 @@ def _attention_dense_fwd(
         FIXED_MAX,
         q_position,
         relative_head,
+        RelPositionBias,
         stride_rh_row,
         stride_rh_d,
         row_start,
         N_Q,
-        N_Q + N_K - 1,
+        n_relative,
         RELATIVE,
     )
     accumulator, running_sum, running_max = _attention_dense_inner(
@@ -439,11 +458,12 @@ def _attention_dense_fwd(
         FIXED_MAX,
         q_position,
         relative_head,
+        RelPositionBias,
         stride_rh_row,
         stride_rh_d,
         row_start,
         N_Q,
-        N_Q + N_K - 1,
+        n_relative,
         RELATIVE,
     )
 
@@ -484,6 +504,7 @@ def attention_dense_fwd(
     fixed_max: bool = True,
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     before_launch: Callable[[], object] | None = None,
+    relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -495,9 +516,21 @@ def attention_dense_fwd(
     float32 contiguous) for Transformer-XL relative positions (``Hq == Hkv``): the logit of ``(i, j)`` becomes
     ``(scale q_i + content_bias) . k_j + (scale q_i + position_bias) . relative_keys[Nq - 1 + j - i]`` (+ bias).
     ``before_launch``: called once after all host-side preparation, right before the launch (``kvbound.attention``
-    reads its input checks there, so that the preparation overlaps the device work queued before it)."""
+    reads its input checks there, so that the preparation overlaps the device work queued before it).
+    ``relative_runs``: instead of ``relative``, the same relative term when the relative keys are constant over runs
+    of distances: ``(table [B, H, Nq, R] float32 contiguous, run_starts [R + 1] int32, content_bias [H, Dk]
+    float32)``, ``table[b, h, i, r] = (scale q_i + position_bias) . relative_keys[Nq - 1 + run_starts[r]]`` and run
+    ``r`` holding the distances ``j - i`` in ``[run_starts[r], run_starts[r + 1])``; ``run_starts`` is followed by
+    the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32)."""
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
-    if relative is not None:
+    if relative_runs is not None:
+        if relative is not None:
+            raise ValueError("relative, relative_runs: expected at most one of them")
+        table, run_starts, content_bias = relative_runs
+        relative_keys, position_bias = table, run_starts
+        relative = (table, content_bias, run_starts)
+        relative_layout = ("runs", table.shape, table.dtype)
+    elif relative is not None:
         relative_keys, content_bias, position_bias = relative
         relative_layout = (relative_keys.stride(), relative_keys.dtype)
     else:
@@ -524,7 +557,7 @@ def attention_dense_fwd(
     )
     plan = _PLANS.get(plan_key) if config is None else None
     if plan is None:
-        plan = _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative)
+        plan = _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, relative_runs is not None)
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -579,7 +612,7 @@ class _Plan:
         self.launch = tuple((grid, {**self.constexprs, "USE_TMA": use_tma, **best}) for use_tma in (False, True))
 
 
-def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative) -> _Plan:
+def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, runs: bool = False) -> _Plan:
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
@@ -589,6 +622,9 @@ def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative)
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
     relative_strides = relative[0].stride() if relative is not None else (None, None, None)
+    if runs:  # the run table [B, H, Nq, R] as [B * H, Nq, R]; the third value is the number of runs R
+        n_runs = relative[0].shape[-1]
+        relative_strides = (n_q * n_runs, n_runs, n_runs)
 
     def grid(meta):
         return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
@@ -622,7 +658,7 @@ def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative)
         SOFTCAP=softcap is not None,
         FIXED_MAX=max_value is not None,
         CAUSAL=causal,
-        RELATIVE=relative is not None,
+        RELATIVE=2 if runs else int(relative is not None),
         PRECISION=float32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
     bias_dtype = q.dtype if bias is None else bias.dtype

@@ -131,8 +131,11 @@ def attend_relative(
     position_bias: torch.Tensor,
     *,
     scale: float,
+    relative_runs: list[int] | None = None,
 ) -> torch.Tensor:
     """Transformer-XL relative-position attention over all queries in one ``kvbound.attention`` call.
+    ``relative_runs``: first rows of runs of equal rows of ``relative_keys`` (``kvbound.attention``).
+
 
     Args:
         q: ``[B, H, N, Dk]`` before scaling; k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (dense in q's dtype, or
@@ -152,4 +155,5 @@ def attend_relative(
         relative_keys=relative_keys.to(q.dtype),
         relative_content_bias=content_bias,
         relative_position_bias=position_bias,
+        relative_runs=relative_runs,
     )

@@ -13,6 +13,7 @@ port's own positional-feature and RoPE functions), and replaces only the attenti
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,9 +82,11 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     b, n, _ = x.shape
     h = module.heads
     q, k, v = (_split_heads(layer(x), h) for layer in (module.to_q, module.to_k, module.to_v))
-    positions = module.pos_dropout(relative_keys_fn(module, handle, n, x.device))
+    features = relative_keys_fn(module, handle, n, x.device)
+    positions = module.pos_dropout(features)
     relative_keys = module.to_rel_k(positions).reshape(2 * n - 1, h, -1).transpose(0, 1)
     k, v = handle._prepare_kv(record, k, v)
+    runs = handle._relative_runs(features) if isinstance(k, torch.Tensor) and relative_runs_enabled() else None
     out = relative_position_attention(
         q,
         k,
@@ -94,9 +97,17 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
         scale=module.scale,
         query_chunk=handle.query_chunk,
         backend=handle.backend,
+        relative_runs=runs,
     )
     out = out.to(q.dtype).transpose(1, 2).reshape(b, n, -1)
     return module.to_out(out)
+
+
+def relative_runs_enabled() -> bool:
+    """``KVBOUND_RELATIVE_RUNS=1`` (``true``, ``on``, ``yes``): patched Enformer/Borzoi layers with dense K/V pass
+    the runs of equal positional features to ``kvbound.attention`` (``relative_runs``) when there are few of them
+    (Borzoi). Off by default until timed on a GPU."""
+    return os.environ.get("KVBOUND_RELATIVE_RUNS", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _enformer_features(module, handle, n: int, device: torch.device) -> torch.Tensor:

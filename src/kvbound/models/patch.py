@@ -148,6 +148,7 @@ class PatchHandle:
         self._root_installed: object = None
         # Positional features by (port function, length, sizes, dtype, device): see _positional_features.
         self._features: dict[tuple, torch.Tensor] = {}
+        self._features_runs: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
         self.active = True
 
     # ------------------------------------------------------------------------------------- used by forwards
@@ -165,6 +166,19 @@ class PatchHandle:
                 cached = compute()
             self._features[key] = cached
         return cached
+
+    def _relative_runs(self, features: torch.Tensor, limit: int = 64) -> list[int] | None:
+        """The first rows of the runs of equal rows of ``features`` (``[2N - 1, F]``, a cached tensor of
+        ``_positional_features``), found once per tensor (one host read), or None beyond ``limit`` runs (smooth
+        features, as Enformer's: one run per distance, nothing to gain)."""
+        found = self._features_runs.get(id(features))
+        if found is not None and found[0] is features:  # the entry holds the tensor: its id is not reused
+            return found[1]
+        changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
+        starts = [0, *changes.tolist()]
+        runs = starts if len(starts) <= limit else None
+        self._features_runs[id(features)] = (features, runs)
+        return runs
 
     def _prepare_kv(
         self, record: PatchedModule, k: torch.Tensor, v: torch.Tensor
@@ -277,6 +291,7 @@ class PatchHandle:
         self.active = False
         self._attention_ids.clear()
         self._features.clear()
+        self._features_runs.clear()
         if problems:
             raise RuntimeError("kvbound.patch undo: " + "; ".join(problems))
 

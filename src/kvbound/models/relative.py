@@ -69,6 +69,7 @@ def relative_position_attention(
     scale: float,
     query_chunk: int | None = None,
     backend: str = "auto",
+    relative_runs: list[int] | None = None,
 ) -> torch.Tensor:
     """Enformer/Borzoi attention core, chunked over queries.
 
@@ -82,6 +83,8 @@ def relative_position_attention(
         query_chunk: rows per chunk (default: float32 logits of one chunk stay under 128 MiB). Not used on the
             ``kvbound`` backend: that is one fused call over all queries (dense or compressed K/V).
         backend: ``auto``, ``eager`` or ``kvbound`` (see ``kvbound.models._backend``).
+        relative_runs: first rows of runs of equal rows of ``relative_keys``, for the fused call on dense K/V
+            (``kvbound.attention``'s ``relative_runs``); the chunked path does not need it.
 
     Returns:
         ``[B, H, N, Dv]`` in q's dtype (float32 when K/V are decoded by the eager path).
@@ -101,7 +104,9 @@ def relative_position_attention(
     if chunk < 1:
         raise ValueError(f"query_chunk: expected >= 1, got {chunk}")
     if backend == "kvbound" and fuses_relative(k, v):
-        return attend_relative(q, k, v, relative_keys, content_bias, position_bias, scale=scale)
+        return attend_relative(
+            q, k, v, relative_keys, content_bias, position_bias, scale=scale, relative_runs=relative_runs
+        )
     k = materialize_kv(k, backend)
     v = materialize_kv(v, backend)
     q_scaled = q * scale

@@ -1,0 +1,142 @@
+"""Relative keys constant over runs of distances (Borzoi's step-function features): ``kvbound.attention(...,
+relative_runs=...)`` reads one value per query and run instead of the relative keys. The same function as without
+it, against the float64 reference; its checks; Borzoi's features give such runs.
+CPU: the kernel runs in Triton's interpreter (conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbound.attention import attention
+from kvbound.models.reference import borzoi_positional_features_reference, relative_position_attention_reference
+from test_relpos import _port_style, relative_logits
+
+
+def _run_keys(h: int, rows: int, dk: int, starts: list[int], g: torch.Generator) -> torch.Tensor:
+    keys = torch.empty(h, rows, dk)
+    for start, end in zip(starts, [*starts[1:], rows], strict=True):
+        keys[:, start:end] = torch.randn(h, 1, dk, generator=g) * 0.5
+    return keys
+
+
+def _case(b, h, n_q, n_k, dk, dv, starts, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n_q, dk, generator=g)
+    k = torch.randn(b, h, n_k, dk, generator=g)
+    v = torch.randn(b, h, n_k, dv, generator=g)
+    keys = _run_keys(h, n_q + n_k - 1, dk, starts, g)
+    u = torch.randn(h, dk, generator=g) * 0.5
+    w = torch.randn(h, dk, generator=g) * 0.5
+    return q, k, v, keys, u, w
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "n", "dk", "dv", "dtype", "starts"),
+    [
+        (1, 2, 80, 16, 24, torch.float32, [0, 30, 60, 75, 79, 80, 84, 100, 130]),  # runs shorter than a tile
+        (2, 1, 37, 40, 48, torch.float16, [0, 36, 37]),  # one run per sign of the distance, and distance 0
+        (1, 2, 130, 64, 192, torch.float16, [0]),  # a single run: every distance alike
+        (1, 1, 50, 16, 16, torch.float32, list(range(99))),  # every row its own run
+    ],
+)
+def test_runs_match_the_relative_keys_and_float64(b, h, n, dk, dv, dtype, starts):
+    q, k, v, keys, u, w = (t.to(dtype) if i < 4 else t for i, t in enumerate(_case(b, h, n, n, dk, dv, starts, n)))
+    scale = dk**-0.5
+    common = dict(scale=scale, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    runs = attention(q, k, v, relative_runs=starts, **common)
+    window = attention(q, k, v, **common)
+    expected = relative_position_attention_reference(
+        q, k, v, keys, u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk), scale=scale
+    )
+    plain = _port_style(q, k, v, keys, u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk), scale)
+    errors = [(x.double() - expected).abs().max().item() for x in (runs, window, plain)]
+    print(f"runs {len(starts)}, N={n}, {dtype}: max err {errors[0]:.2e}, keys {errors[1]:.2e}, port {errors[2]:.2e}")
+    assert runs.dtype == dtype and torch.isfinite(runs).all()
+    assert errors[0] <= 2 * errors[2] + 1e-6
+
+
+def test_runs_compose_with_bias_softcap_causal_and_cross_lengths():
+    n_q, n_k, dk, dv = 21, 45, 40, 24
+    starts = [0, 10, 20, 21, 30, 64]
+    q, k, v, keys, u, w = _case(1, 2, n_q, n_k, dk, dv, starts, 3)
+    bias = torch.randn(n_q, n_k, generator=torch.Generator().manual_seed(4))
+    out, lse = attention(
+        q, k, v, scale=0.3, causal=True, bias=bias, softcap=4.0, relative_keys=keys, relative_content_bias=u,
+        relative_position_bias=w, relative_runs=torch.tensor(starts), return_lse=True,
+    )  # fmt: skip
+    qs = q.double() * 0.3
+    logits = (qs + u.double()[None, :, None]) @ k.double().transpose(-1, -2)
+    logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n_q) + bias.double()
+    logits = 4.0 * torch.tanh(logits / 4.0)
+    logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    err = (out.double() - expected).abs().max().item()
+    print(f"runs + bias + softcap + causal, Nq={n_q} Nk={n_k}: max err {err:.2e}")
+    assert err < 2e-5 and torch.isfinite(lse).all()
+
+
+def test_runs_are_checked():
+    n, dk = 24, 16
+    starts = [0, 12, 23, 30]
+    q, k, v, keys, u, w = _case(1, 2, n, n, dk, dk, starts, 5)
+    common = dict(relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    bad = keys.clone()
+    bad[1, 20, 3] += 0.25  # inside the run starting at row 12
+    with pytest.raises(ValueError, match=r"^relative_runs: expected every row of relative_keys equal to its run's "):
+        attention(q, k, v, relative_runs=starts, **{**common, "relative_keys": bad})
+    for given in ([1, 12], [0, 12, 12], [0, 47], [], [0, 30, 12]):
+        with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows of runs"):
+            attention(q, k, v, relative_runs=given, **common)
+    with pytest.raises(TypeError, match=r"^relative_runs: expected a sequence of ints"):
+        attention(q, k, v, relative_runs=[0, 1.5], **common)
+    with pytest.raises(ValueError, match=r"^relative_runs: expected a 1-D integer tensor"):
+        attention(q, k, v, relative_runs=torch.tensor([0.0, 12.0]), **common)
+    with pytest.raises(ValueError, match=r"^relative_runs: given without relative_keys"):
+        attention(q, k, v, relative_runs=starts)
+    nan = keys.clone()
+    nan[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^relative_keys: expected finite values"):
+        attention(q, k, v, relative_runs=starts, **{**common, "relative_keys": nan})
+    assert torch.equal(keys, _case(1, 2, n, n, dk, dk, starts, 5)[3])  # nothing written
+
+
+def test_borzoi_features_are_runs_of_distances():
+    """Borzoi's positional features are step functions of |d|: 16 widths, two signs and distance 0 give at most 33
+    runs (31 at N = 4096), and the relative keys projected from them inherit the runs."""
+    for n in (32, 300):
+        features = borzoi_positional_features_reference(n, 32)
+        changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
+        starts = [0, *changes.tolist()]
+        assert len(starts) <= 33 and starts == sorted(set(starts))
+        keys = (features.float() @ torch.randn(32, 8)).reshape(1, 2 * n - 1, 8)
+        q = torch.randn(1, 1, n, 8)
+        common = dict(relative_keys=keys, relative_position_bias=torch.randn(1, 8))
+        runs = attention(q, q, q, relative_runs=starts, **common)
+        assert (runs - attention(q, q, q, **common)).abs().max().item() < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_runs_bf16_borzoi_shape():
+    n, h, dk, dv = 4096, 8, 64, 192
+    features = borzoi_positional_features_reference(n, 32)
+    changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
+    starts = [0, *changes.tolist()]
+    g = torch.Generator().manual_seed(7)
+    keys = (features.float() @ (torch.randn(32, h * dk, generator=g) * 0.2)).reshape(2 * n - 1, h, dk).transpose(0, 1)
+    q, k = (torch.randn(1, h, n, dk, generator=g) for _ in range(2))
+    v = torch.randn(1, h, n, dv, generator=g)
+    u, w = (torch.randn(h, dk, generator=g) * 0.3 for _ in range(2))
+    q, k, v, keys = (t.to(torch.bfloat16).cuda().contiguous() for t in (q, k, v, keys))
+    common = dict(relative_keys=keys, relative_content_bias=u.cuda(), relative_position_bias=w.cuda())
+    runs = attention(q, k, v, relative_runs=starts, **common)
+    window = attention(q, k, v, **common)
+    # float64 on the first 256 queries (every key)
+    qs = q[:, :, :256].double() * dk**-0.5
+    logits = (qs + u.double().cuda()[None, :, None]) @ k.double().transpose(-1, -2)
+    logits = logits + relative_logits(qs + w.double().cuda()[None, :, None], keys, n)
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    err_runs, err_window = ((x[:, :, :256].double() - expected).abs().max().item() for x in (runs, window))
+    print(f"Borzoi shape bf16, first 256 queries vs float64: runs {err_runs:.3e}, relative keys {err_window:.3e}")
+    assert torch.isfinite(runs).all()
+    assert err_runs <= 2 * err_window + 1e-6
