@@ -10,7 +10,7 @@ import torch
 
 from kvbound.attention import attention
 from kvbound.models.reference import borzoi_positional_features_reference, relative_position_attention_reference
-from test_relpos import _port_style, relative_logits
+from test_relpos import _port_style, composed_reference, relative_logits
 
 
 def _run_keys(h: int, rows: int, dk: int, starts: list[int], g: torch.Generator) -> torch.Tensor:
@@ -65,12 +65,7 @@ def test_runs_compose_with_bias_softcap_causal_and_cross_lengths():
         q, k, v, scale=0.3, causal=True, bias=bias, softcap=4.0, relative_keys=keys, relative_content_bias=u,
         relative_position_bias=w, relative_runs=torch.tensor(starts), return_lse=True,
     )  # fmt: skip
-    qs = q.double() * 0.3
-    logits = (qs + u.double()[None, :, None]) @ k.double().transpose(-1, -2)
-    logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n_q) + bias.double()
-    logits = 4.0 * torch.tanh(logits / 4.0)
-    logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))
-    expected = torch.softmax(logits, dim=-1) @ v.double()
+    expected = composed_reference(q, k, v, keys, u[None, :, None], w[None, :, None], 0.3, bias, 4.0)
     err = (out.double() - expected).abs().max().item()
     print(f"runs + bias + softcap + causal, Nq={n_q} Nk={n_k}: max err {err:.2e}")
     assert err < 2e-5 and torch.isfinite(lse).all()

@@ -36,6 +36,18 @@ def relative_logits(position_query: torch.Tensor, relative_keys: torch.Tensor, n
     return torch.gather(table, -1, index.expand(*table.shape[:2], rows, n_k))
 
 
+def composed_reference(q, k, v, relative_keys, u, w, scale, bias, softcap):
+    """Relative positions, an additive bias, a soft-cap and the causal mask in float64, relative logits
+    materialised (the kernel's order: relative logits, bias, soft-cap, mask); ``u``, ``w`` ``[1, H, 1, Dk]``."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    qs = q.double() * scale
+    relative = relative_logits(qs + w.double(), relative_keys, n_q)
+    logits = (qs + u.double()) @ k.double().transpose(-1, -2) + relative + bias.double()
+    logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))
+    return torch.softmax(logits, dim=-1) @ v.double()
+
+
 def _port_style(q, k, v, relative_keys, u, w, scale):
     """The ports' own formulation in the inputs' dtype: [B, H, N, 2N - 1] table, Transformer-XL pad/reshape shift."""
     qs = q * scale
@@ -95,12 +107,7 @@ def test_fused_relative_composes_with_bias_softcap_causal_and_cross_lengths():
         relative_position_bias=w,
         return_lse=True,
     )
-    qs = q.double() * scale
-    relative = relative_logits(qs + w.double(), rk, n_q)
-    logits = (qs + u.double()) @ k.double().transpose(-1, -2) + relative + bias.double()
-    logits = 4.0 * torch.tanh(logits / 4.0)
-    logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))
-    expected = torch.softmax(logits, dim=-1) @ v.double()
+    expected = composed_reference(q, k, v, rk, u, w, scale, bias, 4.0)
     err = (out.double() - expected).abs().max().item()
     print(f"relpos + bias + softcap + causal, Nq={n_q} Nk={n_k}: max err {err:.2e}")
     assert err < 2e-5 and torch.isfinite(lse).all()
