@@ -96,6 +96,38 @@ def test_runs_are_checked():
     assert torch.equal(keys, _case(1, 2, n, n, dk, dk, starts, 5)[3])  # nothing written
 
 
+def test_runs_checks_are_deferred_with_the_others_and_the_op_never_reads_out_of_range():
+    import numpy as np
+
+    import kvbound
+
+    n, dk = 24, 16
+    starts = [0, 10, 20, 30]
+    q, k, v, keys, u, w = _case(1, 2, n, n, dk, dk, starts, 6)
+    common = dict(relative_content_bias=u, relative_position_bias=w)
+    expected = attention(q, k, v, relative_keys=keys, relative_runs=starts, **common)
+    for given in (range(0, 40, 10), np.array(starts), [np.int64(x) for x in starts]):  # other integer sequences
+        got = attention(q, k, v, relative_keys=keys, relative_runs=given, **common)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with kvbound.deferred_checks() as scope:
+        attention(q, k, v, relative_keys=keys, relative_runs=starts, **common)
+        assert len(scope) == 1  # queued with the NaN/Inf checks: no host read at the call
+    bad = keys.clone()
+    bad[0, 5, 0] += 1.0
+    message = r"^relative_runs: expected every row .* differ \(kvbound.attention call 1 of 1"
+    with pytest.raises(ValueError, match=message):
+        with kvbound.deferred_checks():
+            attention(q, k, v, relative_keys=bad, relative_runs=starts, **common)  # queued, not read here
+    # the op itself, given a layout kvbound.attention would refuse: an error, never an out-of-range read
+    rows = 2 * n - 1
+    u32, w32 = u.float(), w.float()
+    layout_message = rf"^relative_runs: expected increasing first rows of runs from 0, below {rows},"
+    for layout in ([0, 60], [3, 10], [0, 10, 10]):
+        with pytest.raises(ValueError, match=layout_message):
+            torch.ops.kvbound.attention_dense(q, k, v, None, 1, dk**-0.5, False, None, keys, u32, w32,
+                                              torch.tensor(layout))  # fmt: skip
+
+
 def test_borzoi_features_are_runs_of_distances():
     """Borzoi's positional features are step functions of |d|: 16 widths, two signs and distance 0 give at most 33
     runs (31 at N = 4096), and the relative keys projected from them inherit the runs."""

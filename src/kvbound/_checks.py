@@ -41,15 +41,21 @@ class DeferredChecks:
     """The checks queued inside one :func:`deferred_checks` block (``len`` = calls queued)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[object, list[str], torch.Tensor]] = []
+        self._pending: list[tuple[object, list[str], torch.Tensor, list[str]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def queue(self, label: object, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def queue(
+        self,
+        label: object,
+        tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        conditions: Iterable[tuple[str, torch.Tensor]] = (),
+    ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
-        described by ``label`` (anything; formatted with ``str`` only in an error)."""
+        described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
+        count)`` pairs, a float64 scalar that must be zero, else ``ValueError(message.format(count=...))``."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         names = []
         peaks = []
@@ -57,9 +63,13 @@ class DeferredChecks:
             if t.numel():
                 names.append(name)
                 peaks.append(largest_magnitude(t))
-        if names:
+        messages = []
+        for message, count in conditions:
+            messages.append(message)
+            peaks.append(count.reshape(()).to(torch.float64))
+        if peaks:
             stacked = torch.stack(peaks)
-            self._pending.append((label, names, stacked))
+            self._pending.append((label, names, stacked, messages))
             if stacked.is_cuda:  # the block's end may read on another stream: remember which one wrote
                 stream = torch.cuda.current_stream(stacked.device)
                 self._streams.setdefault((stacked.device, stream.cuda_stream), stream)
@@ -75,18 +85,21 @@ class DeferredChecks:
             if current.cuda_stream != stream.cuda_stream:
                 current.wait_stream(stream)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for _, _, peaks in pending:
+        for _, _, peaks, _ in pending:
             by_device.setdefault(peaks.device, []).append(peaks)
         values = {device: iter(torch.cat(parts).tolist()) for device, parts in by_device.items()}
-        for index, (label, names, peaks) in enumerate(pending):
+        for index, (label, names, peaks, messages) in enumerate(pending):
             row = [next(values[peaks.device]) for _ in names]
+            counts = [next(values[peaks.device]) for _ in messages]
+            where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
             for name, value in zip(names, row, strict=True):
                 if not math.isfinite(value):
                     raise ValueError(
-                        f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} "
-                        f"(kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: "
-                        f"{label})"
+                        f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
                     )
+            for message, count in zip(messages, counts, strict=True):
+                if count != 0:
+                    raise ValueError(f"{message.format(count=round(count))} ({where})")
 
 
 def _stack() -> list[DeferredChecks]:

@@ -10,6 +10,7 @@ imported). There is no silent fallback to another implementation.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -354,8 +355,13 @@ def _relative_operands(
     return relative_keys, u, w
 
 
+# Device copies of run starts by (starts, device): a copy from host memory waits for the device's queued work, so
+# each layout is copied once (a model calls with the same runs in every layer and forward).
+_RUNS_ON_DEVICE: dict[tuple, torch.Tensor] = {}
+
+
 def _relative_runs(runs: object, relative_keys: object, rows: int, q: torch.Tensor) -> torch.Tensor | None:
-    """``relative_runs`` validated on the host (no device read) as an int64 tensor on q's device, or None."""
+    """``relative_runs`` validated on the host as an int64 tensor on q's device (cached per layout), or None."""
     if runs is None:
         return None
     if relative_keys is None:
@@ -363,13 +369,15 @@ def _relative_runs(runs: object, relative_keys: object, rows: int, q: torch.Tens
     if isinstance(runs, torch.Tensor):
         if runs.dim() != 1 or runs.dtype.is_floating_point or runs.dtype.is_complex or runs.dtype == torch.bool:
             raise ValueError(f"relative_runs: expected a 1-D integer tensor, got {runs.dim()}-D {runs.dtype}")
-        values = runs.tolist()
-    elif isinstance(runs, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in runs):
-        values = list(runs)
+        values = runs.tolist()  # a device tensor is read here: pass a list to avoid that read
     else:
-        raise TypeError(
-            f"relative_runs: expected a sequence of ints or a 1-D integer tensor, got {type(runs).__name__}"
-        )
+        try:
+            values = [operator.index(x) for x in runs]  # ints, NumPy ints, range
+        except TypeError:
+            raise TypeError(
+                f"relative_runs: expected a sequence of ints or a 1-D integer tensor, got {type(runs).__name__} "
+                "holding other values"
+            ) from None
     increasing = all(b > a for a, b in zip(values[:-1], values[1:], strict=True))
     if not values or values[0] != 0 or not increasing or values[-1] >= rows:
         shown = values if len(values) <= 8 else [*values[:4], "...", *values[-2:]]
@@ -377,7 +385,13 @@ def _relative_runs(runs: object, relative_keys: object, rows: int, q: torch.Tens
             f"relative_runs: expected increasing first rows of runs, starting at 0 and below Nq + Nk - 1 = {rows}, "
             f"got {shown}"
         )
-    return torch.tensor(values, dtype=torch.int64, device=q.device)
+    key = (tuple(values), q.device)
+    found = _RUNS_ON_DEVICE.get(key)
+    if found is None:
+        if len(_RUNS_ON_DEVICE) >= 64:
+            _RUNS_ON_DEVICE.clear()
+        found = _RUNS_ON_DEVICE[key] = torch.tensor(values, dtype=torch.int64, device=q.device)
+    return found
 
 
 def _bias_4d(bias: object, shape: tuple[int, int, int, int], bias_tile: int, q: torch.Tensor) -> torch.Tensor:
@@ -404,6 +418,7 @@ def _queue_checks(
     tensors: dict[str, torch.Tensor | None] | tuple[tuple[str, torch.Tensor | None], ...],
     flags: tuple[torch.Tensor, ...] = (),
     full_bias_shape: tuple[int, ...] | None = None,
+    conditions: tuple[tuple[str, torch.Tensor], ...] = (),
 ) -> Callable[[], list[float]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
@@ -416,7 +431,8 @@ def _queue_checks(
     tensor and read back at once. The launchers read the result after
     their host-side preparation, so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
-    for the expanded bias."""
+    for the expanded bias. ``conditions``: ``(message, count)`` pairs, a scalar that must be zero, else
+    ``ValueError(message.format(count=...))`` after the finite checks (deferred with them)."""
     pairs = tensors.items() if isinstance(tensors, dict) else tensors
     present = [(name, t) for name, t in pairs if t is not None and t.is_floating_point() and t.numel()]
     deferred = _checks.active()
@@ -424,10 +440,11 @@ def _queue_checks(
         # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end. The call's label
         # is only formatted for an error.
         q = next((t for name, t in present if name == "q"), None)
-        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present)
+        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions)
         return _no_flags
     checks = [_checks.largest_magnitude(t) for _, t in present]
     checks += [torch.count_nonzero(f).to(torch.float64) for f in flags]
+    checks += [count.reshape(()).to(torch.float64) for _, count in conditions]
     stacked = torch.stack(checks) if checks else None
 
     def read() -> list[float]:
@@ -439,7 +456,10 @@ def _queue_checks(
                 if name == "bias" and full_bias_shape is not None:
                     t = t.expand(full_bias_shape)
                 check_finite_values(t, name)
-        nonzero = values[len(present) :]
+        nonzero = values[len(present) : len(present) + len(flags)]
+        for (message, _), count in zip(conditions, values[len(present) + len(flags) :], strict=True):
+            if count != 0:
+                raise ValueError(message.format(count=round(count)))
         return [1 - count / max(1, f.numel()) for count, f in zip(nonzero, flags, strict=True)]
 
     return read
@@ -485,22 +505,28 @@ def _attention_dense(
     eager mode, see ``_plain_eager``). ``relative_runs``: validated first rows of runs (``_relative_runs``)."""
     from kvbound.kernels.attention_dense import attention_dense_fwd
 
-    flags: tuple[torch.Tensor, ...] = ()
+    conditions: tuple[tuple[str, torch.Tensor], ...] = ()
     runs = None
     if relative_runs is not None:
         heads, rows, _ = relative_keys.shape
         n_q, n_k = q.shape[2], k.shape[2]
-        ends = torch.cat([relative_runs[1:], relative_runs.new_full((1,), rows)])
-        run_of_row = torch.repeat_interleave(
-            torch.arange(len(relative_runs), device=q.device), ends - relative_runs, output_size=rows
-        )
-        first = relative_keys[:, relative_runs]  # [H, R, Dk]
-        flags = ((relative_keys != first[:, run_of_row]).any(dim=-1),)  # rows unlike their run's first
+        # Whatever the op is given, every index below stays in range; a bad layout raises with the checks.
+        starts = relative_runs.clamp(0, rows - 1)
+        run_of_row = (torch.searchsorted(starts, torch.arange(rows, device=q.device), right=True) - 1).clamp_(0)
+        layout_errors = (relative_runs[0] != 0).to(torch.int64) + (relative_runs[-1] >= rows).to(torch.int64)
+        layout_errors = layout_errors + (relative_runs[1:] <= relative_runs[:-1]).sum()
+        first = relative_keys[:, starts]  # [H, R, Dk]
+        conditions = (
+            ("relative_runs: expected increasing first rows of runs from 0, below " + str(rows) + ", got {count} "
+             "violations", layout_errors),
+            ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
+             "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
+        )  # fmt: skip
         q_position = q.float() * scale + relative_position_bias[None, :, None, :]
         table = torch.einsum("bhnd,hrd->bhnr", q_position, first.float()).contiguous()
         # run starts as distances (and one past the last distance), then the run of each distance
-        starts = torch.cat([relative_runs - (n_q - 1), relative_runs.new_full((1,), n_k), run_of_row]).to(torch.int32)
-        runs = (table, starts, relative_content_bias)
+        buffer = torch.cat([starts - (n_q - 1), starts.new_full((1,), n_k), run_of_row]).to(torch.int32)
+        runs = (table, buffer, relative_content_bias)
     read = _queue_checks(
         (
             ("q", q),
@@ -511,18 +537,9 @@ def _attention_dense(
             ("relative_content_bias", relative_content_bias),
             ("relative_position_bias", relative_position_bias),
         ),
-        flags=flags,
         full_bias_shape=None if bias is None or bias_tile > 1 else (*q.shape[:3], k.shape[2]),
+        conditions=conditions,
     )
-
-    def checks() -> None:
-        shares = read()
-        if shares and shares[0] < 1:
-            raise ValueError(
-                f"relative_runs: expected every row of relative_keys equal to its run's first row, got "
-                f"{round((1 - shares[0]) * flags[0].numel())} (head, row) pairs that differ"
-            )
-
     relative = None
     if relative_keys is not None and runs is None:
         relative = (relative_keys, relative_content_bias, relative_position_bias)
@@ -537,7 +554,7 @@ def _attention_dense(
         bias_tile=bias_tile,
         relative=relative,
         relative_runs=runs,
-        before_launch=checks,
+        before_launch=read,
     )
 
 

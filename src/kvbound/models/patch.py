@@ -169,14 +169,14 @@ class PatchHandle:
 
     def _relative_runs(self, features: torch.Tensor, limit: int = 64) -> list[int] | None:
         """The first rows of the runs of equal rows of ``features`` (``[2N - 1, F]``, a cached tensor of
-        ``_positional_features``), found once per tensor (one host read), or None beyond ``limit`` runs (smooth
-        features, as Enformer's: one run per distance, nothing to gain)."""
+        ``_positional_features``), found once per tensor (one host read), or None beyond ``limit`` runs or a quarter
+        of the rows (smooth features, as Enformer's: one run per distance, nothing to gain)."""
         found = self._features_runs.get(id(features))
         if found is not None and found[0] is features:  # the entry holds the tensor: its id is not reused
             return found[1]
         changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
         starts = [0, *changes.tolist()]
-        runs = starts if len(starts) <= limit else None
+        runs = starts if len(starts) <= min(limit, features.shape[0] // 4) else None
         self._features_runs[id(features)] = (features, runs)
         return runs
 
