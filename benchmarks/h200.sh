@@ -27,7 +27,7 @@
 # about 125 ms per measurement plus about 5 calls to estimate, so the slow rows (r8b4 at N = 65536: 90-210 ms
 # a call at 96bd3af) cost a few seconds each. With a carried .cache/triton the compile share mostly disappears.
 #
-#   verify      ~9 min    `pytest -m gpu` (23 tests, compiles included; 5) | benchmarks/byte_decode_tiles.py: the
+#   verify      ~9 min    `pytest -m gpu` (27 tests, compiles included; 5) | benchmarks/byte_decode_tiles.py: the
 #                         byte decode at every tile shape, one process per case, outputs against float64 (4)
 #   attention   ~7.5 min  roofline ceilings (0.3) | seed shapes N = 4096, 16384, 65536 x d = 64, 128, every
 #                         provider (kvbound also with deferred checks), configs r8b4, quant-r0b4, lowrank-r8,
