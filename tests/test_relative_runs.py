@@ -10,6 +10,7 @@ import torch
 
 from kvbound.attention import attention
 from kvbound.models.reference import borzoi_positional_features_reference, relative_position_attention_reference
+from kvbound.models.relative import equal_row_runs
 from test_relpos import _port_style, composed_reference, relative_logits
 
 
@@ -133,8 +134,7 @@ def test_borzoi_features_are_runs_of_distances():
     runs (31 at N = 4096), and the relative keys projected from them inherit the runs."""
     for n in (32, 300):
         features = borzoi_positional_features_reference(n, 32)
-        changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
-        starts = [0, *changes.tolist()]
+        starts = equal_row_runs(features)
         assert len(starts) <= 33 and starts == sorted(set(starts))
         keys = (features.float() @ torch.randn(32, 8)).reshape(1, 2 * n - 1, 8)
         q = torch.randn(1, 1, n, 8)
@@ -147,8 +147,7 @@ def test_borzoi_features_are_runs_of_distances():
 def test_gpu_runs_bf16_borzoi_shape():
     n, h, dk, dv = 4096, 8, 64, 192
     features = borzoi_positional_features_reference(n, 32)
-    changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
-    starts = [0, *changes.tolist()]
+    starts = equal_row_runs(features)
     g = torch.Generator().manual_seed(7)
     keys = (features.float() @ (torch.randn(32, h * dk, generator=g) * 0.2)).reshape(2 * n - 1, h, dk).transpose(0, 1)
     q, k = (torch.randn(1, h, n, dk, generator=g) for _ in range(2))

@@ -331,6 +331,8 @@ class _Kvbound(Provider):
     variant, run with ``KVBOUND_SPLIT_LOWRANK=0`` (one launch); either on the shapes that list it only. None: the
     default."""
 
+    compressed = False  # whether the calls read CompressedKV (the split launch applies)
+
     def __init__(self, deferred: bool = False, split: bool | None = None) -> None:
         self.deferred, self.split = deferred, split
         if deferred:
@@ -344,7 +346,7 @@ class _Kvbound(Provider):
     @contextlib.contextmanager
     def context(self):
         with contextlib.ExitStack() as stack:
-            if isinstance(self, KvboundCompressed):  # the default row measures the default, whatever the caller set
+            if self.compressed:  # the default row measures the default, whatever the caller set
                 setting = "auto" if self.split is None else "1" if self.split else "0"
                 stack.enter_context(_environment("KVBOUND_SPLIT_LOWRANK", setting))
             if self.deferred:
@@ -401,6 +403,7 @@ def _mode_shares(ckv) -> list[float]:
 
 class KvboundCompressed(_Kvbound):
     name = "kvbound-compressed"
+    compressed = True
 
     def unavailable(self) -> str | None:
         try:

@@ -48,7 +48,7 @@ import torch
 
 from kvbound.bench import data as bench_data
 from kvbound.bench.formulas import attention_flops, tflops
-from kvbound.models.relative import shifted_view
+from kvbound.models.relative import equal_row_runs, shifted_view
 
 __all__ = ["RELATIVE_PROVIDERS", "RelativeOptions", "RelativeSpec", "relative_rows", "relative_specs"]
 
@@ -113,8 +113,7 @@ def _inputs(spec: RelativeSpec, batch: int, device: torch.device, dtype: torch.d
         features = borzoi_positional_features_reference(n, 32).float()
         projection = torch.randn(32, h * spec.dk, generator=g) * (0.5 / features.pow(2).sum(-1).mean().sqrt())
         relative_keys = (features @ projection).reshape(2 * n - 1, h, spec.dk).transpose(0, 1).contiguous()
-        changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
-        runs = [0, *changes.tolist()]
+        runs = equal_row_runs(features)
     return {
         "runs": runs,
         "q": bench_data.structured_queries(batch, h, n, k_sub, dtype=dtype, seed=seed * 100 + 3),

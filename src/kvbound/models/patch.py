@@ -25,6 +25,7 @@ from kvbound.compress import compress_kv
 from kvbound.config import CompressionConfig
 from kvbound.models._backend import BACKENDS
 from kvbound.models._ports import PORTS, UNSUPPORTED, Port, lookup_class, port_class
+from kvbound.models.relative import equal_row_runs
 
 __all__ = ["patch", "PatchHandle", "PatchedModule"]
 
@@ -174,8 +175,7 @@ class PatchHandle:
         found = self._features_runs.get(id(features))
         if found is not None and found[0] is features:  # the entry holds the tensor: its id is not reused
             return found[1]
-        changes = (features[1:] != features[:-1]).any(dim=-1).nonzero().flatten() + 1
-        starts = [0, *changes.tolist()]
+        starts = equal_row_runs(features)
         runs = starts if len(starts) <= min(limit, features.shape[0] // 4) else None
         self._features_runs[id(features)] = (features, runs)
         return runs

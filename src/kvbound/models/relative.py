@@ -28,7 +28,14 @@ from kvbound.models._backend import (
     resolve_backend,
 )
 
-__all__ = ["relative_position_attention", "relative_window", "shifted_view"]
+__all__ = ["equal_row_runs", "relative_position_attention", "relative_window", "shifted_view"]
+
+
+def equal_row_runs(rows: torch.Tensor) -> list[int]:
+    """The first index of each run of equal rows of ``rows`` (``[M, F]``; one host read): the ``relative_runs`` of
+    relative keys projected from these rows (Borzoi's positional features give at most 33 runs)."""
+    changes = (rows[1:] != rows[:-1]).any(dim=-1).nonzero().flatten() + 1
+    return [0, *changes.tolist()]
 
 
 def relative_window(query: torch.Tensor, relative_keys: torch.Tensor, start: int, stop: int, n_k: int) -> torch.Tensor:
