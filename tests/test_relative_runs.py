@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvbound.attention import attention
+from kvbound.kernels.attention_dense import MAX_RUN_SPAN, relative_run_span, relative_window
 from kvbound.models.reference import borzoi_positional_features_reference, relative_position_attention_reference
 from kvbound.models.relative import equal_row_runs
 from test_relpos import _port_style, composed_reference, relative_logits
@@ -33,15 +34,16 @@ def _case(b, h, n_q, n_k, dk, dv, starts, seed):
 
 
 @pytest.mark.parametrize(
-    ("b", "h", "n", "dk", "dv", "dtype", "starts"),
+    ("b", "h", "n", "dk", "dv", "dtype", "starts", "span"),
     [
-        (1, 2, 80, 16, 24, torch.float32, [0, 30, 60, 75, 79, 80, 84, 100, 130]),  # runs shorter than a tile
-        (2, 1, 37, 40, 48, torch.float16, [0, 36, 37]),  # one run per sign of the distance, and distance 0
-        (1, 2, 130, 64, 192, torch.float16, [0]),  # a single run: every distance alike
-        (1, 1, 50, 16, 16, torch.float32, list(range(99))),  # every row its own run
+        (1, 2, 80, 16, 24, torch.float32, [0, 30, 60, 75, 79, 80, 84, 100, 130], 16),  # runs shorter than a tile
+        (2, 1, 37, 40, 48, torch.float16, [0, 36, 37], 4),  # one run per sign of the distance, and distance 0
+        (1, 2, 130, 64, 192, torch.float16, [0], 2),  # a single run: every distance alike
+        (1, 1, 50, 16, 16, torch.float32, list(range(99)), 0),  # every row its own run: the kernel's inner loop
     ],
 )
-def test_runs_match_the_relative_keys_and_float64(b, h, n, dk, dv, dtype, starts):
+def test_runs_match_the_relative_keys_and_float64(b, h, n, dk, dv, dtype, starts, span):
+    assert relative_run_span(starts, 2 * n - 1) == span  # unrolled runs (span > 0) or the inner loop (0): both are reached
     q, k, v, keys, u, w = (t.to(dtype) if i < 4 else t for i, t in enumerate(_case(b, h, n, n, dk, dv, starts, n)))
     scale = dk**-0.5
     common = dict(scale=scale, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
@@ -127,6 +129,31 @@ def test_runs_checks_are_deferred_with_the_others_and_the_op_never_reads_out_of_
         with pytest.raises(ValueError, match=layout_message):
             torch.ops.kvbound.attention_dense(q, k, v, None, 1, dk**-0.5, False, None, keys, u32, w32,
                                               torch.tensor(layout))  # fmt: skip
+
+
+def test_run_span_is_the_most_runs_any_tile_spans():
+    """``relative_run_span`` against a count over every window of the kernel's tile span, on random layouts; the op
+    refuses a span below the layout's (the unrolled kernel would skip runs)."""
+    g = torch.Generator().manual_seed(11)
+    window = relative_window()
+    for trial in range(40):
+        rows = int(torch.randint(1, 600, (1,), generator=g))
+        count = int(torch.randint(1, min(rows, 40) + 1, (1,), generator=g))
+        starts = sorted({0, *torch.randint(0, rows, (count,), generator=g).tolist()})
+        run_of = torch.searchsorted(torch.tensor(starts), torch.arange(rows), right=True) - 1
+        most = max(len(set(run_of[x : x + window].tolist())) for x in range(rows))
+        expected = 0 if most > MAX_RUN_SPAN else max(2, 1 << (most - 1).bit_length())
+        assert relative_run_span(starts, rows) == expected, (starts, rows, most)
+    n, dk = 40, 16
+    starts = list(range(0, 60, 4))  # 15 runs within one tile's span
+    q, k, v, keys, u, w = _case(1, 1, n, n, dk, dk, starts, 8)
+    assert relative_run_span(starts, 2 * n - 1) == 16
+    with pytest.raises(ValueError, match=r"^relative_run_span: expected at least the most runs one tile spans, got 4 "):
+        torch.ops.kvbound.attention_dense(q, k, v, None, 1, dk**-0.5, False, None, keys, u, w, torch.tensor(starts), 4)
+    out = torch.ops.kvbound.attention_dense(q, k, v, None, 1, dk**-0.5, False, None, keys, u, w,
+                                            torch.tensor(starts), 16)[0]  # fmt: skip
+    torch.testing.assert_close(out, attention(q, k, v, scale=dk**-0.5, relative_keys=keys, relative_content_bias=u,
+                                              relative_position_bias=w), rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_borzoi_features_are_runs_of_distances():

@@ -144,12 +144,14 @@ def attention(
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
     relative = _relative_operands(relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads)
-    runs = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)  # dense K/V only read it
+    runs, run_span = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)  # dense K/V only read it
 
     softcap = None if softcap is None else float(softcap)
     if not compressed and _plain_eager((q, k, v, bias4, *relative)):
         # Same function the op runs, without the dispatcher's wrapping (nothing would observe the op).
-        out, lse = _attention_dense(q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs)
+        out, lse = _attention_dense(
+            q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs, run_span
+        )
     elif compressed:
         known, shares = (-1, -1), (-1.0, -1.0)
         plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
@@ -196,7 +198,7 @@ def attention(
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
-            q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs
+            q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs, run_span
         )
     return (out, lse) if return_lse else out
 
@@ -355,15 +357,18 @@ def _relative_operands(
     return relative_keys, u, w
 
 
-# Device copies of run starts by (starts, device): a copy from host memory waits for the device's queued work, so
-# each layout is copied once (a model calls with the same runs in every layer and forward).
-_RUNS_ON_DEVICE: dict[tuple, torch.Tensor] = {}
+# Device copies of run starts and their kernel span by (starts, device): a copy from host memory waits for the
+# device's queued work, so each layout is copied once (a model calls with the same runs in every layer and forward).
+_RUNS_ON_DEVICE: dict[tuple, tuple[torch.Tensor, int]] = {}
 
 
-def _relative_runs(runs: object, relative_keys: object, rows: int, q: torch.Tensor) -> torch.Tensor | None:
-    """``relative_runs`` validated on the host as an int64 tensor on q's device (cached per layout), or None."""
+def _relative_runs(
+    runs: object, relative_keys: object, rows: int, q: torch.Tensor
+) -> tuple[torch.Tensor | None, int]:
+    """``relative_runs`` validated on the host as an int64 tensor on q's device, with the dense kernel's
+    ``RUN_SPAN`` for it (``relative_run_span``), both cached per layout; or ``(None, 0)``."""
     if runs is None:
-        return None
+        return None, 0
     if relative_keys is None:
         raise ValueError("relative_runs: given without relative_keys (it only describes relative keys)")
     if isinstance(runs, torch.Tensor):
@@ -390,7 +395,10 @@ def _relative_runs(runs: object, relative_keys: object, rows: int, q: torch.Tens
     if found is None:
         if len(_RUNS_ON_DEVICE) >= 64:
             _RUNS_ON_DEVICE.clear()
-        found = _RUNS_ON_DEVICE[key] = torch.tensor(values, dtype=torch.int64, device=q.device)
+        from kvbound.kernels.attention_dense import relative_run_span
+
+        starts = torch.tensor(values, dtype=torch.int64, device=q.device)
+        found = _RUNS_ON_DEVICE[key] = (starts, relative_run_span(values, rows))
     return found
 
 
@@ -500,9 +508,11 @@ def _attention_dense(
     relative_content_bias: torch.Tensor | None = None,
     relative_position_bias: torch.Tensor | None = None,
     relative_runs: torch.Tensor | None = None,
+    relative_run_span: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The implementation of ``kvbound::attention_dense`` (``kvbound.attention`` calls it directly in plain
-    eager mode, see ``_plain_eager``). ``relative_runs``: validated first rows of runs (``_relative_runs``)."""
+    eager mode, see ``_plain_eager``). ``relative_runs``: validated first rows of runs (``_relative_runs``);
+    ``relative_run_span``: the kernel's ``RUN_SPAN`` for them (checked here with the other conditions)."""
     from kvbound.kernels.attention_dense import attention_dense_fwd
 
     conditions: tuple[tuple[str, torch.Tensor], ...] = ()
@@ -512,7 +522,8 @@ def _attention_dense(
         n_q, n_k = q.shape[2], k.shape[2]
         # Whatever the op is given, every index below stays in range; a bad layout raises with the checks.
         starts = relative_runs.clamp(0, rows - 1)
-        run_of_row = (torch.searchsorted(starts, torch.arange(rows, device=q.device), right=True) - 1).clamp_(0)
+        rows_at = torch.arange(rows, device=q.device)
+        run_of_row = (torch.searchsorted(starts, rows_at, right=True) - 1).clamp_(0)
         layout_errors = (relative_runs[0] != 0).to(torch.int64) + (relative_runs[-1] >= rows).to(torch.int64)
         layout_errors = layout_errors + (relative_runs[1:] <= relative_runs[:-1]).sum()
         first = relative_keys[:, starts]  # [H, R, Dk]
@@ -522,6 +533,16 @@ def _attention_dense(
             ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
              "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
         )  # fmt: skip
+        if relative_run_span:
+            from kvbound.kernels.attention_dense import relative_window
+
+            # The most runs one kernel tile spans (relative_run_span's count, here on the device).
+            ends = torch.clamp(rows_at + (relative_window() - 1), max=rows - 1)
+            span = (run_of_row[ends] - run_of_row).max() + 1
+            conditions += (
+                ("relative_run_span: expected at least the most runs one tile spans, got " + str(relative_run_span)
+                 + " for runs whose tiles span {count:.0f}", torch.where(span > relative_run_span, span, 0)),
+            )  # fmt: skip
         q_position = q.float() * scale + relative_position_bias[None, :, None, :]
         table = torch.einsum("bhnd,hrd->bhnr", q_position, first.float()).contiguous()
         # run starts as distances (and one past the last distance), then the run of each distance
@@ -554,6 +575,7 @@ def _attention_dense(
         bias_tile=bias_tile,
         relative=relative,
         relative_runs=runs,
+        run_span=relative_run_span if runs is not None else 0,
         before_launch=read,
     )
 

@@ -140,12 +140,15 @@ def softmax_step(
     MASK: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    SUM: tl.constexpr = True,
 ):
     """One online-softmax step over a tile of raw dot products ``x`` [BLOCK_M, BLOCK_N].
 
     Returns ``(p, alpha, new_max, new_sum)``: ``p = exp2(logits - new_max)`` (float32) and the factor
     ``alpha`` that rescales what was accumulated under the previous maximum. With ``FIXED_MAX`` the maximum
     is the constant ``running_max`` the kernel started with, ``alpha`` is 1 and callers skip the rescaling.
+    ``SUM`` False: ``new_sum`` is ``running_sum`` rescaled only, without this tile's ``p`` (the caller sums them
+    another way).
     """
     if FIXED_MAX:
         tl.static_assert(SOFTCAP, "a fixed maximum needs the soft-cap's bound on the logits")
@@ -170,7 +173,9 @@ def softmax_step(
         )
         if FIXED_MAX:
             p = tl.math.exp2(x - running_max[:, None])
-            return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
+            if SUM:
+                running_sum = running_sum + tl.sum(p, 1)
+            return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum
         new_max = tl.maximum(running_max, tl.max(x, 1))
         # A row that has seen only masked keys keeps -inf; subtract 0 instead so that no inf - inf appears.
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -181,7 +186,10 @@ def softmax_step(
         safe_max = new_max
         p = tl.math.exp2(x * row_mult[:, None] - safe_max[:, None])
     alpha = tl.math.exp2(running_max - safe_max)
-    new_sum = running_sum * alpha + tl.sum(p, 1)
+    if SUM:
+        new_sum = running_sum * alpha + tl.sum(p, 1)
+    else:
+        new_sum = running_sum * alpha
     return p, alpha, new_max, new_sum
 
 
@@ -229,17 +237,29 @@ def relative_logits_tile(
 
 
 @triton.jit
+def relative_runs_bounds(runs, start_m, start_n, N_Q, N_K, N_RUNS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The runs of the smallest and the largest distance of the tile at ``(start_m, start_n)``
+    (``relative_runs_tile``'s ``runs`` layout). Any ``start_n`` is safe, also past the last key tile (the kernels
+    ask one tile ahead, so that the loads of these indices overlap the tile before)."""
+    run_of = runs + (N_RUNS + 1) + (N_Q - 1)
+    first = tl.minimum(tl.maximum(start_n - start_m - (BLOCK_M - 1), -(N_Q - 1)), N_K - 1)
+    last = tl.maximum(tl.minimum(start_n + BLOCK_N - 1 - start_m, N_K - 1), -(N_Q - 1))
+    return tl.load(run_of + first), tl.load(run_of + last)
+
+
+@triton.jit
 def relative_runs_tile(
     table_head,
     stride_table_row,
     runs,
+    first_run,
+    last_run,
     start_m,
     start_n,
     N_Q,
-    N_K,
-    N_RUNS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RUN_SPAN: tl.constexpr,
 ):
     """Relative-position logits ``[BLOCK_M, BLOCK_N]`` (float32) when the relative keys are constant over runs of
     distances: ``table[a, r]`` for the run ``r`` holding ``d = (start_n + c) - (start_m + a)``.
@@ -247,24 +267,28 @@ def relative_runs_tile(
     ``table_head``: pointer to this (batch, head)'s ``[N_Q, N_RUNS]`` float32 table (row stride
     ``stride_table_row``, runs contiguous). ``runs``: int32, the ``N_RUNS + 1`` run starts (distances, increasing,
     run ``r`` holding ``[runs[r], runs[r + 1])``, the last entry past every distance), then the run of each
-    distance ``-(N_Q - 1) .. N_K - 1``. A tile spans ``BLOCK_M + BLOCK_N - 1`` consecutive distances: it reads the
-    runs of its smallest and largest (one or two runs away from the diagonal) and fills each with one compare and
-    select per element."""
+    distance ``-(N_Q - 1) .. N_K - 1``. ``first_run`` / ``last_run``: the runs of the tile's smallest and largest
+    distance (``relative_runs_bounds``). Each run fills the distances from its start on with one compare and select
+    per element. ``RUN_SPAN`` > 0: no tile spans more runs than that (the launcher checks), and the runs after the
+    first are unrolled, each behind a uniform branch: the key loop then holds no inner loop, which is what lets
+    Triton pipeline its K/V loads. 0: an inner loop over any number of runs (the loads are not pipelined)."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
     distance = (start_n + tl.arange(0, BLOCK_N))[None, :] - rows[:, None]
-    run_of = runs + (N_RUNS + 1) + (N_Q - 1)
-    first = tl.maximum(start_n - start_m - (BLOCK_M - 1), -(N_Q - 1))
-    last = tl.minimum(start_n + BLOCK_N - 1 - start_m, N_K - 1)
     row_ptrs = table_head + rows.to(tl.int64) * stride_table_row
     row_ok = rows < N_Q
     # Runs in increasing order, each from its start on: a later run overwrites the distances past its start.
-    first_run = tl.load(run_of + first)
     first_value = tl.load(row_ptrs + first_run, mask=row_ok, other=0.0)
     relative = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + first_value[:, None]
-    for run in range(first_run + 1, tl.load(run_of + last) + 1):
-        value = tl.load(row_ptrs + run, mask=row_ok, other=0.0)
-        relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
+    if RUN_SPAN > 0:
+        for step in tl.static_range(1, RUN_SPAN):
+            if first_run + step <= last_run:
+                value = tl.load(row_ptrs + (first_run + step), mask=row_ok, other=0.0)
+                relative = tl.where(distance >= tl.load(runs + (first_run + step)), value[:, None], relative)
+    else:
+        for run in range(first_run + 1, last_run + 1):
+            value = tl.load(row_ptrs + run, mask=row_ok, other=0.0)
+            relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
     return relative
 
 

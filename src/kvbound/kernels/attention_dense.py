@@ -13,8 +13,9 @@ a small soft-cap a fixed maximum instead of the running one (``_common.fixed_sof
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +31,7 @@ from kvbound.kernels._common import (
     logit_multipliers,
     next_power_of_2,
     relative_logits_tile,
+    relative_runs_bounds,
     relative_runs_tile,
     softmax_step,
     tma_ready,
@@ -84,14 +86,22 @@ def _attention_dense_inner(
     N_Q,
     N_REL,
     RELATIVE: tl.constexpr,
+    RUN_SPAN: tl.constexpr,
 ):
     """Key tiles ``[lo, hi)``; ``MASK`` selects the masked variant (ragged last tile, causal diagonal).
     With ``USE_TMA`` the K/V tiles come through tensor descriptors (bulk copies that zero-fill rows past
     ``N_K`` and columns past the head dim, and need no per-element addresses in registers). With ``RELATIVE``
     each tile's raw logits start from its relative-position term: 1, from the relative keys
     (``_common.relative_logits_tile``); 2, from a table per query and run of distances
-    (``_common.relative_runs_tile``; ``N_REL`` is then the number of runs)."""
+    (``_common.relative_runs_tile``; ``N_REL`` is then the number of runs, ``RUN_SPAN`` the most runs a tile
+    spans or 0)."""
     offs_n = tl.arange(0, BLOCK_N)
+    first_run = 0
+    last_run = 0
+    if RELATIVE == 2:
+        first_run, last_run = relative_runs_bounds(
+            relative_runs, row_start, lo, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+        )
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     dk_ok = offs_dk < HEAD_DIM_K
@@ -112,9 +122,24 @@ def _attention_dense_inner(
             else:
                 k = tl.load(k_ptrs)
         if RELATIVE == 2:
-            relative = relative_runs_tile(
-                relative_head, stride_rel_row, relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+            # The next tile's runs are read now, so that their loads overlap this tile.
+            next_first, next_last = relative_runs_bounds(
+                relative_runs, row_start, start_n + BLOCK_N, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
             )
+            relative = relative_runs_tile(
+                relative_head,
+                stride_rel_row,
+                relative_runs,
+                first_run,
+                last_run,
+                row_start,
+                start_n,
+                N_Q,
+                q.shape[0],
+                BLOCK_N,
+                RUN_SPAN,
+            )
+            first_run, last_run = next_first, next_last
             x = tl.dot(q, k, relative, input_precision=PRECISION)
         elif RELATIVE:
             relative = relative_logits_tile(
@@ -176,6 +201,28 @@ def _attention_dense_inner(
 _RELATIVE_SHAPES = frozenset({(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3)})
 
 
+# The most distances one tile of the relative variant spans (BLOCK_M + BLOCK_N - 1 over its tile shapes; the
+# interpreter's tile is smaller).
+_RELATIVE_WINDOW = max(m + n - 1 for m, n, _, _ in _RELATIVE_SHAPES)
+# Up to this many runs per tile the runs are unrolled (relative_run_span); beyond it, an inner loop.
+MAX_RUN_SPAN = 16
+
+
+def relative_window() -> int:
+    """The most consecutive distances one tile of the relative variant spans."""
+    return _RELATIVE_WINDOW
+
+
+def relative_run_span(starts: Sequence[int], rows: int) -> int:
+    """``RUN_SPAN`` for run starts (first rows of runs, increasing from 0, below ``rows``): the most runs that any
+    tile of the relative variant spans (a window of ``relative_window()`` consecutive rows), rounded up to a power
+    of two (at least 2), or 0 above ``MAX_RUN_SPAN``."""
+    run_of = np.searchsorted(np.asarray(starts, dtype=np.int64), np.arange(rows), side="right") - 1
+    ends = np.minimum(np.arange(rows) + (_RELATIVE_WINDOW - 1), rows - 1)
+    span = int((run_of[ends] - run_of).max()) + 1 if rows else 1
+    return 0 if span > MAX_RUN_SPAN else max(2, next_power_of_2(span))
+
+
 def dense_configs(interpret: bool) -> list[triton.Config]:
     """Tile shapes to search. The interpreter gets one small tile (tests stay fast, several tiles per axis)."""
     if interpret:
@@ -234,6 +281,7 @@ DENSE_TUNE_KEY = [
     "FIXED_MAX",
     "CAUSAL",
     "RELATIVE",
+    "RUN_SPAN",
 ]
 
 
@@ -297,6 +345,7 @@ def _attention_dense_fwd(
     FIXED_MAX: tl.constexpr,
     CAUSAL: tl.constexpr,
     RELATIVE: tl.constexpr,
+    RUN_SPAN: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -419,6 +468,7 @@ def _attention_dense_fwd(
         N_Q,
         n_relative,
         RELATIVE,
+        RUN_SPAN,
     )
     accumulator, running_sum, running_max = _attention_dense_inner(
         accumulator,
@@ -465,6 +515,7 @@ def _attention_dense_fwd(
         N_Q,
         n_relative,
         RELATIVE,
+        RUN_SPAN,
     )
 
     # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with a fixed maximum); padding
@@ -505,6 +556,7 @@ def attention_dense_fwd(
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     before_launch: Callable[[], object] | None = None,
     relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    run_span: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -521,15 +573,19 @@ def attention_dense_fwd(
     of distances: ``(table [B, H, Nq, R] float32 contiguous, run_starts [R + 1] int32, content_bias [H, Dk]
     float32)``, ``table[b, h, i, r] = (scale q_i + position_bias) . relative_keys[Nq - 1 + run_starts[r]]`` and run
     ``r`` holding the distances ``j - i`` in ``[run_starts[r], run_starts[r + 1])``; ``run_starts`` is followed by
-    the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32)."""
+    the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32). ``run_span``: with
+    ``relative_runs``, ``relative_run_span(run_starts)`` (the kernel then unrolls the runs of a tile and pipelines
+    its loads), or 0 (any layout, an inner loop per tile)."""
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if run_span and (run_span > MAX_RUN_SPAN or run_span & (run_span - 1)):
+        raise ValueError(f"run_span: expected 0 or a power of two <= {MAX_RUN_SPAN}, got {run_span}")
     if relative_runs is not None:
         if relative is not None:
             raise ValueError("relative, relative_runs: expected at most one of them")
         table, run_starts, content_bias = relative_runs
         relative_keys, position_bias = table, run_starts
         relative = (table, content_bias, run_starts)
-        relative_layout = ("runs", table.shape, table.dtype)
+        relative_layout = ("runs", table.shape, table.dtype, run_span)
     elif relative is not None:
         relative_keys, content_bias, position_bias = relative
         relative_layout = (relative_keys.stride(), relative_keys.dtype)
@@ -557,7 +613,8 @@ def attention_dense_fwd(
     )
     plan = _PLANS.get(plan_key) if config is None else None
     if plan is None:
-        plan = _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, relative_runs is not None)
+        plan = _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative,
+                     run_span if relative_runs is not None else None)
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -612,7 +669,8 @@ class _Plan:
         self.launch = tuple((grid, {**self.constexprs, "USE_TMA": use_tma, **best}) for use_tma in (False, True))
 
 
-def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, runs: bool = False) -> _Plan:
+def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None) -> _Plan:
+    runs = run_span is not None
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
@@ -659,6 +717,7 @@ def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative,
         FIXED_MAX=max_value is not None,
         CAUSAL=causal,
         RELATIVE=2 if runs else int(relative is not None),
+        RUN_SPAN=run_span if runs else 0,
         PRECISION=float32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
     bias_dtype = q.dtype if bias is None else bias.dtype
