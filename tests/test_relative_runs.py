@@ -43,7 +43,7 @@ def _case(b, h, n_q, n_k, dk, dv, starts, seed):
     ],
 )
 def test_runs_match_the_relative_keys_and_float64(b, h, n, dk, dv, dtype, starts, span):
-    assert relative_run_span(starts, 2 * n - 1) == span  # unrolled runs (span > 0) or the inner loop (0): both are reached
+    assert relative_run_span(starts, 2 * n - 1) == span  # unrolled runs (span > 0) or the inner loop (0)
     q, k, v, keys, u, w = (t.to(dtype) if i < 4 else t for i, t in enumerate(_case(b, h, n, n, dk, dv, starts, n)))
     scale = dk**-0.5
     common = dict(scale=scale, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
@@ -136,7 +136,7 @@ def test_run_span_is_the_most_runs_any_tile_spans():
     refuses a span below the layout's (the unrolled kernel would skip runs)."""
     g = torch.Generator().manual_seed(11)
     window = relative_window()
-    for trial in range(40):
+    for _ in range(40):
         rows = int(torch.randint(1, 600, (1,), generator=g))
         count = int(torch.randint(1, min(rows, 40) + 1, (1,), generator=g))
         starts = sorted({0, *torch.randint(0, rows, (count,), generator=g).tolist()})
