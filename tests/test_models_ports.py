@@ -291,10 +291,11 @@ def test_enformer_positional_features_computed_once_per_handle_and_length(enform
     assert (third - expected_other).abs().max().item() <= 1e-5 * expected_other.abs().max().item()
 
 
-@pytest.mark.parametrize("port_name", ["enformer", "borzoi"])
-def test_relative_runs_opt_in_passes_borzoi_runs_only(port_name, request, monkeypatch):
-    """With KVBOUND_RELATIVE_RUNS=1 and dense K/V, Borzoi's layers pass the runs of equal positional features to
-    kvbound.attention (found once per handle); Enformer's smooth features give none. Outputs as unpatched."""
+@pytest.mark.parametrize(("port_name", "setting"), [("enformer", None), ("borzoi", None), ("borzoi", "0")])
+def test_relative_runs_pass_borzoi_runs_only(port_name, setting, request, monkeypatch):
+    """By default (KVBOUND_RELATIVE_RUNS unset) and with dense K/V, Borzoi's layers pass the runs of equal
+    positional features to kvbound.attention (found once per handle); Enformer's smooth features give none;
+    KVBOUND_RELATIVE_RUNS=0 turns it off. Outputs as unpatched. Other values raise."""
     from kvbound.attention import attention as fused
     from kvbound.models import _backend
 
@@ -309,19 +310,26 @@ def test_relative_runs_opt_in_passes_borzoi_runs_only(port_name, request, monkey
         return fused(q, k, v, **kwargs)
 
     monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
-    monkeypatch.setenv("KVBOUND_RELATIVE_RUNS", "1")
+    if setting is None:
+        monkeypatch.delenv("KVBOUND_RELATIVE_RUNS", raising=False)
+    else:
+        monkeypatch.setenv("KVBOUND_RELATIVE_RUNS", setting)
     with torch.no_grad():
         port = module(x)
         with patch(model, compress=False, backend="kvbound") as handle:
             first, second = module(x), module(x)
-            assert len(handle._features_runs) == 1
+            assert len(handle._features_runs) == (0 if setting == "0" else 1)
     for got in (first, second):
         assert (got - port).abs().max().item() <= 1e-5 * port.abs().max().item()
-    if port_name == "enformer":
+    if port_name == "enformer" or setting == "0":
         assert seen == [None, None]
     else:
         assert seen[0] == seen[1] and seen[0][0] == 0 and 2 < len(seen[0]) <= 33
     assert handle._features_runs == {}
+    monkeypatch.setenv("KVBOUND_RELATIVE_RUNS", "sometimes")
+    with pytest.raises(ValueError, match=r"^KVBOUND_RELATIVE_RUNS: expected one of"):
+        with torch.no_grad(), patch(model, compress=False, backend="kvbound"):
+            module(x)
 
 
 def test_enformer_undo_restores_exactly(enformer):

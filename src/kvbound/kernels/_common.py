@@ -140,15 +140,12 @@ def softmax_step(
     MASK: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
-    SUM: tl.constexpr = True,
 ):
     """One online-softmax step over a tile of raw dot products ``x`` [BLOCK_M, BLOCK_N].
 
     Returns ``(p, alpha, new_max, new_sum)``: ``p = exp2(logits - new_max)`` (float32) and the factor
     ``alpha`` that rescales what was accumulated under the previous maximum. With ``FIXED_MAX`` the maximum
     is the constant ``running_max`` the kernel started with, ``alpha`` is 1 and callers skip the rescaling.
-    ``SUM`` False: ``new_sum`` is ``running_sum`` rescaled only, without this tile's ``p`` (the caller sums them
-    another way).
     """
     if FIXED_MAX:
         tl.static_assert(SOFTCAP, "a fixed maximum needs the soft-cap's bound on the logits")
@@ -173,9 +170,7 @@ def softmax_step(
         )
         if FIXED_MAX:
             p = tl.math.exp2(x - running_max[:, None])
-            if SUM:
-                running_sum = running_sum + tl.sum(p, 1)
-            return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum
+            return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
         new_max = tl.maximum(running_max, tl.max(x, 1))
         # A row that has seen only masked keys keeps -inf; subtract 0 instead so that no inf - inf appears.
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -186,10 +181,7 @@ def softmax_step(
         safe_max = new_max
         p = tl.math.exp2(x * row_mult[:, None] - safe_max[:, None])
     alpha = tl.math.exp2(running_max - safe_max)
-    if SUM:
-        new_sum = running_sum * alpha + tl.sum(p, 1)
-    else:
-        new_sum = running_sum * alpha
+    new_sum = running_sum * alpha + tl.sum(p, 1)
     return p, alpha, new_max, new_sum
 
 

@@ -177,20 +177,6 @@ def _load_basis(
     return tl.load(ptrs, mask=(offs_r < RANK)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
 
-@triton.constexpr_function
-def _mma_sum(fp32, v_per_block, rank_v, rv_pad):
-    """Whether the row sums of p come from the tensor cores (``_ones_column``): 16-bit operands and a shared V
-    basis whose padded rank leaves a free column in the rank accumulator."""
-    return (not fp32) and (not v_per_block) and 0 < rank_v < rv_pad
-
-
-@triton.jit
-def _ones_column(BLOCK_N: tl.constexpr, RV_PAD: tl.constexpr, RANK_V: tl.constexpr, dtype: tl.constexpr):
-    """``[BLOCK_N, RV_PAD]``: ones in column ``RANK_V``, zeros elsewhere (``p @ it`` is p's row sums there)."""
-    column = tl.arange(0, RV_PAD)[None, :] + tl.zeros([BLOCK_N, RV_PAD], dtype=tl.int32)
-    return tl.where(column == RANK_V, 1.0, 0.0).to(dtype)
-
-
 @triton.jit
 def _load_codes_tile(
     codes_ptr,
@@ -624,7 +610,6 @@ def _compressed_tile(
 ):
     """One key tile: logits through the basis (+ residual), online softmax, values in rank space (+ residual).
     ``K_RESIDUAL``/``V_RESIDUAL`` False compile the tile without any residual code."""
-    MMA_SUM: tl.constexpr = _mma_sum(FP32, V_PER_BLOCK, RANK_V, RV_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     if MASK:
         row_ok = (start_n + offs_n) < N_K
@@ -775,7 +760,6 @@ def _compressed_tile(
         MASK,
         BIAS_TILE,
         FIXED_MAX,
-        not MMA_SUM,
     )
     # ---- values: O += P (C_v P_v + R_v) ----
     v_meta = v_meta_base + start_n // BLOCK_SIZE_V
@@ -843,10 +827,6 @@ def _compressed_tile(
             if not FIXED_MAX:
                 rank_accumulator = rank_accumulator * alpha[:, None]
             rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION)
-            if MMA_SUM:
-                # The row sums of p through the tensor cores: a column of ones after the rank's columns (the
-                # rank accumulator's padding, rescaled with it), in place of a sum and shuffles per tile.
-                rank_accumulator = tl.dot(p_op, _ones_column(BLOCK_N, RV_PAD, RANK_V, p_op.dtype), rank_accumulator)
         if V_RESIDUAL and V_UNIFORM_BITS > 0:
             if not FIXED_MAX:
                 safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
@@ -1920,12 +1900,6 @@ def _attention_compressed_fwd(
         )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
-    if _mma_sum(FP32, V_PER_BLOCK, RANK_V, RV_PAD):
-        # The row sums the tensor cores kept in the rank accumulator's column RANK_V (_compressed_tile), taken out
-        # before the projection.
-        sum_column = tl.arange(0, RV_PAD)[None, :] == RANK_V
-        running_sum += tl.sum(tl.where(sum_column, rank_accumulator, 0.0), 1)
-        rank_accumulator = tl.where(sum_column, 0.0, rank_accumulator)
     if not V_PER_BLOCK:
         if not FIXED_MAX:
             safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)

@@ -104,10 +104,17 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
 
 
 def relative_runs_enabled() -> bool:
-    """``KVBOUND_RELATIVE_RUNS=1`` (``true``, ``on``, ``yes``): patched Enformer/Borzoi layers with dense K/V pass
-    the runs of equal positional features to ``kvbound.attention`` (``relative_runs``) when there are few of them
-    (Borzoi). Off by default until timed on a GPU."""
-    return os.environ.get("KVBOUND_RELATIVE_RUNS", "0").strip().lower() in ("1", "true", "on", "yes")
+    """``KVBOUND_RELATIVE_RUNS``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
+    (``false``, ``off``, ``no``); other values raise. On: patched Enformer/Borzoi layers with dense K/V pass the runs
+    of equal positional features to ``kvbound.attention`` (``relative_runs``) when there are few of them (Borzoi).
+    On an H200 that was 1.51x faster than the relative keys at Borzoi's batch 4 and even at batch 1
+    (benchmarks/results/h200_2026-12-01_4710499)."""
+    value = os.environ.get("KVBOUND_RELATIVE_RUNS", "").strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"KVBOUND_RELATIVE_RUNS: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
 
 
 def _enformer_features(module, handle, n: int, device: torch.device) -> torch.Tensor:
