@@ -113,7 +113,7 @@ def main() -> int:
 
                 k_op, v_op = k_dec.to(dtype), v_dec.to(dtype)  # cuDNN on the decompressed K/V in q's dtype
 
-                def cudnn():
+                def cudnn(q=q, k_op=k_op, v_op=v_op, scale=scale):
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(q, k_op, v_op, scale=scale)
 
@@ -128,7 +128,7 @@ def main() -> int:
                     row = dict(d=d, N=n, tile=tile, split_rank=split_rank)
                     pinned = dict(BLOCK_M=m, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
-                    def call(split_rank=split_rank, pinned=pinned):
+                    def call(split_rank=split_rank, pinned=pinned, q=q, kop=kop, vop=vop, scale=scale):
                         return attention_compressed_fwd(q, kop, vop, None, scale, False, None, (False, False),
                                                         split_rank=split_rank, config=pinned)[0]  # fmt: skip
 
