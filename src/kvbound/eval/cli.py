@@ -2,7 +2,7 @@
 
     kvbound eval [--fixture DIR | --cache DIR] [--weights-dir eval/weights] [--out eval/results]
                  [--models enformer,alphagenome] [--windows 32] [--max-variants 2000] [--device cuda]
-                 [--time-budget-s S] [--scaling 1,2,4] [--layer-windows 4]
+                 [--time-budget-s S] [--scaling 1,2,4] [--layer-windows 4] [--test-chromosomes X [22]]
 
 For each model (trained weights from ``--weights-dir`` when they exist and match the data; otherwise
 randomly initialised, and every output says so), on held-out windows of the test split:
@@ -21,6 +21,16 @@ randomly initialised, and every output says so), on held-out windows of the test
   (:class:`kvbound.eval.kv_hooks.LogitProbe`);
 * context length: exact against the default config with the trained weights at ``--scaling`` multiples of
   the training window (``--scaling-windows`` windows, ``--scaling-variants`` variants).
+
+``--test-chromosomes X 22``: also evaluate on chr22, a second test set held out entirely from training (fetched
+with ``python -m kvbound.eval.data fetch --chromosomes X 22``; simulated by the chrX-calibrated simulator; windows
+for Pearson may hold up to ``--held-out-max-n`` N, whose bins are left out of the Pearson). Every setting's row in
+``quality.csv`` then also has, per extra chromosome C, ``auroc_all_chrC``, ``auroc_drop_chrC``, ``pearson_mean_chrC``,
+``pearson_expression_chrC``, ``variants_chrC``, ``positives_chrC``, ``windows_chrC``, and over all test chromosomes
+``auroc_all_pooled``, ``auroc_drop_pooled`` with its 90 % interval ``auroc_drop_pooled_low`` / ``_high``,
+``variants_pooled``, ``positives_pooled`` (``auroc_all`` and every other column stay chrX's); the extra variants and
+their predicted changes go to ``variants_chrC.csv`` and ``effects_chrC.csv``. The default is chrX only. Layers and
+scaling stay on chrX; the compression ratio counts the blocks of every chromosome evaluated.
 
 ``--time-budget-s``: the work runs in order of importance (exact, default, paired, floor, paired_tau, ablations,
 layers, the two sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is
@@ -45,7 +55,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +65,15 @@ from kvbound.eval import kv_hooks
 from kvbound.eval.metrics import auroc, auroc_drop_interval, pearson, pearson_per_track
 from kvbound.eval.models import ModelConfig, TrackModel, build_model, load_model
 from kvbound.eval.variants import Variant, VariantConfig, load_or_generate, write_variants
-from kvbound.eval.windows import Benchmark, TrackNormalizer, load_benchmark, make_batch, split_intervals, window_starts
+from kvbound.eval.windows import (
+    Benchmark,
+    TrackNormalizer,
+    load_benchmark,
+    load_test_chromosome,
+    make_batch,
+    split_intervals,
+    window_starts,
+)
 
 __all__ = ["Setting", "default_settings", "main"]
 
@@ -194,7 +212,7 @@ def _variants(args, benchmark: Benchmark, window_bins: int) -> list[Variant]:
         benchmark.simulation,
         config,
         reach_bp=reach,
-        split_bounds=split_intervals(benchmark.config, benchmark.data.length, "test"),
+        split_bounds=benchmark.intervals("test"),
         cache_dir=cache,
         progress=True,
     )
@@ -423,8 +441,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="window multiples of the training window for the context-length table (empty: none)",
     )
     parser.add_argument("--scaling-windows", type=int, default=8)
+    parser.add_argument(
+        "--test-chromosomes",
+        nargs="+",
+        default=["X"],
+        metavar="CHROM",
+        help="X (default: the test split of the training chromosome) and optionally 22, held out entirely (fetch it "
+        "with `python -m kvbound.eval.data fetch --chromosomes X 22`); adds per-chromosome and pooled columns",
+    )
+    parser.add_argument(
+        "--held-out-max-n",
+        type=float,
+        default=0.1,
+        help="largest share of N in a Pearson window on a held-out chromosome (chr22 is aligned in fragments; its "
+        "N bins are left out of the Pearson)",
+    )
     parser.add_argument("--scaling-variants", type=int, default=120)
     return parser
+
+
+@dataclass
+class _TestSet:
+    """A held-out chromosome's windows, targets (N-free target bins only) and variants, for one model."""
+
+    chrom: str
+    benchmark: Benchmark
+    starts: np.ndarray
+    targets: np.ndarray  # [1, clean bins, T]
+    clean: np.ndarray  # flat indices of the N-free target bins among starts x target_bins
+    tss_index: np.ndarray  # into the clean bins
+    variants: list[Variant]
+    strata: list[str]
 
 
 @dataclass
@@ -443,6 +490,7 @@ class _ModelContext:
     exact: dict | None = None
     exact_seconds: float = float("nan")
     codec_seconds: float = float("nan")
+    extra: list[_TestSet] = field(default_factory=list)
 
 
 def _prepare(loaded: LoadedModel, benchmark: Benchmark, args, device) -> _ModelContext:
@@ -476,7 +524,96 @@ def _prepare(loaded: LoadedModel, benchmark: Benchmark, args, device) -> _ModelC
         )[0]
         for i in pick.astype(np.int64)
     ]
-    return _ModelContext(loaded, starts, targets, tss_index, variants, strata, calibration_inputs, {}, {})
+    context = _ModelContext(loaded, starts, targets, tss_index, variants, strata, calibration_inputs, {}, {})
+    context.extra = [_prepare_test_set(loaded, test_set, args) for test_set in getattr(args, "test_sets", [])]
+    return context
+
+
+def _prepare_test_set(loaded: LoadedModel, benchmark: Benchmark, args) -> _TestSet:
+    """Windows (at most ``--held-out-max-n`` N), N-free target bins and variants of a held-out chromosome."""
+    config = loaded.model.config
+    size = benchmark.config.bin_size
+    starts = window_starts(
+        benchmark.simulation,
+        benchmark.intervals("test"),
+        config.window_bins,
+        stride_bins=config.target_bins,
+        max_n_fraction=args.held_out_max_n,
+    )
+    if len(starts) > args.windows:
+        starts = starts[np.linspace(0, len(starts) - 1, args.windows).astype(np.int64)]
+    crop = (config.window_bins - config.target_bins) // 2
+    flat_bins = (starts[:, None] + crop + np.arange(config.target_bins)[None]).reshape(-1).astype(np.int64)
+    clean = np.flatnonzero(benchmark.simulation.n_fraction[flat_bins] == 0)
+    normalized = loaded.normalizer.normalize(benchmark.simulation.tracks)
+    targets = normalized[:, flat_bins[clean]].T[None]
+    tss_bins = np.unique([g.tss // size for g in benchmark.data.genes])
+    tss_index = np.flatnonzero(np.isin(flat_bins[clean], tss_bins))
+    variants = _variants(args, benchmark, config.window_bins)
+    strata = list(dict.fromkeys(v.stratum for v in sorted(variants, key=lambda v: v.distance)))
+    return _TestSet(benchmark.data.chrom, benchmark, starts, targets, clean, tss_index, variants, strata)
+
+
+def _test_set_metrics(run: dict, test_set: _TestSet) -> dict:
+    """:func:`_metrics` on a held-out chromosome: Pearson over its N-free target bins only."""
+    n_tracks = test_set.targets.shape[-1]
+    predictions = run["predictions"].reshape(-1, n_tracks)[test_set.clean][None]
+    if predictions.shape[1] < 3:  # too few bins for a correlation: variants only
+        blank = np.zeros((1, 3, n_tracks))  # constant: every Pearson comes out NaN
+        metrics = _metrics({"predictions": blank, "effects": run["effects"]}, blank, np.zeros(0, np.int64),
+                           test_set.variants, test_set.strata)
+        metrics.update(pearson_mean=float("nan"), pearson_expression=float("nan"))
+        return metrics
+    return _metrics({"predictions": predictions, "effects": run["effects"]}, test_set.targets, test_set.tss_index,
+                    test_set.variants, test_set.strata)
+
+
+def _pooled_columns(context: _ModelContext, metrics: dict) -> dict:
+    """Per extra chromosome and pooled (chrX test split + every extra chromosome) columns of a quality row."""
+    if not context.extra:
+        return {}
+    exact = context.exact
+    out = {
+        "test_chromosomes": ",".join(["X", *(t.chrom for t in context.extra)]),
+        "auroc_all_chrX": metrics["auroc_all"],
+    }
+    for test_set in context.extra:
+        name = f"chr{test_set.chrom}"
+        own, reference = metrics["chromosomes"][test_set.chrom], exact["chromosomes"][test_set.chrom]
+        out.update(
+            {
+                f"auroc_all_{name}": own["auroc_all"],
+                f"auroc_drop_{name}": reference["auroc_all"] - own["auroc_all"],
+                f"pearson_mean_{name}": own["pearson_mean"],
+                f"pearson_expression_{name}": own["pearson_expression"],
+                f"variants_{name}": len(test_set.variants),
+                f"positives_{name}": sum(v.label for v in test_set.variants),
+                f"windows_{name}": len(test_set.starts),
+            }
+        )
+    variants = context.variants + [v for t in context.extra for v in t.variants]
+    labels = np.array([v.label for v in variants])
+
+    def pooled_effects(values: dict) -> np.ndarray:
+        parts = [values["effects"]] + [values["chromosomes"][t.chrom]["effects"] for t in context.extra]
+        return np.abs(np.concatenate(parts))
+
+    pooled, pooled_exact = pooled_effects(metrics), pooled_effects(exact)
+    has_both = len(labels) and 0 < labels.sum() < len(labels)
+    auroc_pooled = auroc(labels, pooled) if has_both else float("nan")
+    auroc_exact = auroc(labels, pooled_exact) if has_both else float("nan")
+    low, high = auroc_drop_interval(labels, pooled_exact, pooled) if has_both else (float("nan"), float("nan"))
+    out.update(
+        {
+            "auroc_all_pooled": auroc_pooled,
+            "auroc_drop_pooled": auroc_exact - auroc_pooled,
+            "auroc_drop_pooled_low": low,
+            "auroc_drop_pooled_high": high,
+            "variants_pooled": len(variants),
+            "positives_pooled": int(labels.sum()),
+        }
+    )
+    return out
 
 
 def _bases(context: _ModelContext, rank: int, block_size: int, args) -> dict:
@@ -513,13 +650,23 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
         bases = {setting.rank: _bases(context, setting.rank, setting.block_size, args)}
         hook = _hook_for(setting, bases, args.codec_impl)
         tic = time.perf_counter()
+        extra_runs = {}
         if hook is None:
             run = _run(model, benchmark, context.starts, variants, args, device, autocast)
+            for test_set in context.extra:
+                extra_runs[test_set.chrom] = _run(
+                    model, test_set.benchmark, test_set.starts, test_set.variants, args, device, autocast
+                )
         else:
             with kv_hooks.install(model, hook):
                 run = _run(model, benchmark, context.starts, variants, args, device, autocast, hook)
+                for test_set in context.extra:
+                    extra_runs[test_set.chrom] = _run(
+                        model, test_set.benchmark, test_set.starts, test_set.variants, args, device, autocast, hook
+                    )
         seconds = time.perf_counter() - tic
         metrics = _metrics(run, context.targets, context.tss_index, variants, strata)
+        metrics["chromosomes"] = {t.chrom: _test_set_metrics(extra_runs[t.chrom], t) for t in context.extra}
         stats = hook.stats if hook is not None else None
         context.done[key] = (metrics, stats, seconds)
         if setting.method == "codec":
@@ -571,6 +718,7 @@ def _setting_rows(context: _ModelContext, setting: Setting, benchmark, args, dev
         "windows": len(context.starts),
         "variants": len(variants),
         "seconds": round(seconds, 3),
+        **_pooled_columns(context, metrics),
     }
     labels = np.array([v.label for v in variants])
     stratum = np.array([v.stratum for v in variants])
@@ -760,6 +908,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     autocast = device.type == "cuda"
     benchmark = load_benchmark(args.cache, fixture=args.fixture, progress=True)
+    args.test_sets = _test_sets(args, benchmark)
     kinds = [kind.strip() for kind in args.models.split(",") if kind.strip()]
     models = _find_models(args, benchmark, kinds, device)
     for loaded in models:
@@ -782,6 +931,9 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [_prepare(loaded, benchmark, args, device) for loaded in models]
     if contexts:
         write_variants(contexts[0].variants, args.out / "variants.csv")
+        for test_set in contexts[0].extra:
+            write_variants(test_set.variants, args.out / f"variants_chr{test_set.chrom}.csv")
+    extra_effect_rows: dict[str, list[dict]] = {t.data.chrom: [] for t in args.test_sets}
     # Work in order of importance, so that a time budget cuts the sweeps, not the headline numbers.
     stages: list[tuple[str, list]] = [("exact", [s for s in settings if s.method == "exact"])]
     for group in (
@@ -837,6 +989,20 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     for variant, value in zip(context.variants, effects, strict=True)
                 ]
+                for test_set in context.extra:
+                    extra_effects = context.done[key][0]["chromosomes"][test_set.chrom]["effects"]
+                    extra_effect_rows[test_set.chrom] += [
+                        {
+                            "model": name,
+                            "setting": setting.name,
+                            "gene": variant.gene,
+                            "position": variant.position,
+                            "alt": variant.alt,
+                            "label": variant.label,
+                            "effect": float(value),
+                        }
+                        for variant, value in zip(test_set.variants, extra_effects, strict=True)
+                    ]
                 stratum_by_model[name] += stratum_rows
                 console.print(
                     f"{name}: {setting.name}: ratio {row['ratio']:.2f}, dPearson {row['pearson_mean_drop_pct']:+.3f}%, "
@@ -847,6 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
     _write_csv(args.out / "quality.csv", rows)
     _write_csv(args.out / "quality_by_stratum.csv", stratum_rows)
     _write_csv(args.out / "effects.csv", effect_rows)
+    for chrom, chrom_rows in extra_effect_rows.items():
+        _write_csv(args.out / f"effects_chr{chrom}.csv", chrom_rows)
     _write_csv(args.out / "layers.csv", layer_rows)
     _write_csv(args.out / "scaling.csv", scaling_rows)
     meta = {
@@ -870,9 +1038,16 @@ def main(argv: list[str] | None = None) -> int:
                 "windows": len(c.starts),
                 "variants": len(c.variants),
                 "tss_bins_in_windows": int(c.tss_index.size),
+                **{
+                    f"chr{t.chrom}": {"windows": len(t.starts), "clean_target_bins": int(t.clean.size),
+                                      "variants": len(t.variants), "positives": sum(v.label for v in t.variants)}
+                    for t in c.extra
+                },
             }
             for c in contexts
         },
+        "test_chromosomes": ["X", *(t.data.chrom for t in args.test_sets)],
+        "held_out": {t.data.chrom: t.data.source for t in args.test_sets},
     }
     (args.out / "eval_run.json").write_text(json.dumps(meta, indent=2) + "\n")
     _pareto_plot(rows, args.out / "pareto.png")
@@ -880,6 +1055,21 @@ def main(argv: list[str] | None = None) -> int:
     for line in skipped:
         console.print(f"[yellow]skipped[/]: {line}")
     return 0
+
+
+def _test_sets(args, benchmark: Benchmark) -> list[Benchmark]:
+    """The held-out chromosomes asked for by ``--test-chromosomes`` (X, the training chromosome, is always first)."""
+    wanted = [c.removeprefix("chr") for c in args.test_chromosomes]
+    if not wanted or wanted[0] != "X" or len(set(wanted)) != len(wanted):
+        raise SystemExit(
+            f"kvbound eval: --test-chromosomes: expected X first (the training chromosome's test split) and no "
+            f"repeats, e.g. `X 22`; got {' '.join(args.test_chromosomes)}"
+        )
+    extra = wanted[1:]
+    if not extra:
+        return []
+    cache = Path(args.fixture) if args.fixture is not None else Path(args.cache or _default_cache())
+    return [load_test_chromosome(benchmark, chrom, cache, progress=True) for chrom in extra]
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:

@@ -12,6 +12,10 @@ TF motifs (PFMs)          JASPAR 2024 CORE vertebrates, non-redundant (latest   
                           version of each matrix), through ``pyjaspar==4.0.0``
 TSS positions, GRCh37     ``spliceai==1.3.1`` wheel, ``annotations/grch37.txt``    GPL-3
                           (0-based ``TX_START``, half-open ``TX_END``, strand)
+human chr22, GRCh37       opt-in (``fetch --chromosomes X 22``): Debian package    CeCILL (the package)
+(21.6 Mbp aligned, the    ``maffilter-examples``, the human rows (``Hsap.22``) of
+rest N)                   ``Gorilla/Compara.epo_5_catarrhini_hsap-projected.chr22
+                          .subset.nogap.cleaned_aln.maf.gz`` (EPO 5 catarrhini)
 ========================  ======================================================  ============================
 
 Cache layout (all small, so that the cache can travel with a working tree to a machine without network)::
@@ -20,6 +24,8 @@ Cache layout (all small, so that the cache can travel with a working tree to a m
     <cache>/motifs/JASPAR2024_CORE_vertebrates_nr.jaspar   879 PFMs in JASPAR text format
     <cache>/tss/GRCh37_chrX_genes.tsv         name, strand, tss (0-based), tx_start, tx_end
     <cache>/manifest.json                     sources, versions, sizes, sha256 of every file
+    <cache>/genome/chr22_GRCh37.seq.npz       opt-in second chromosome (held out entirely: a second test set),
+    <cache>/tss/GRCh37_chr22_genes.tsv        described under ``"chromosomes": {"22": ...}`` in the manifest
     <cache>/sim/                              simulated tracks, keyed by the simulator's config
 
 The same file formats are produced for the synthetic fixture (:func:`write_fixture`), which goes through the
@@ -49,17 +55,23 @@ import numpy as np
 __all__ = [
     "BASES",
     "CODE_N",
+    "GRCH37_CHR22_BP",
     "EvalData",
     "Gene",
     "Motif",
     "DataNotFoundError",
     "default_cache_dir",
+    "chromosome_files",
     "fetch",
+    "has_chromosome",
+    "load_chromosome",
     "load_data",
     "pack_sequence",
     "prepare_cache",
+    "prepare_maf_chromosome",
     "read_fasta",
     "read_jaspar",
+    "read_maf_reference",
     "read_spliceai_annotation",
     "unpack_sequence",
     "write_fixture",
@@ -79,6 +91,16 @@ SMALT_FASTA = "usr/share/doc/smalt/test/data/hs37chrXtrunc.fa.gz"
 SPLICEAI_REQUIREMENT = "spliceai==1.3.1"
 SPLICEAI_ANNOTATION = "spliceai/annotations/grch37.txt"
 PYJASPAR_REQUIREMENT = "pyjaspar==4.0.0"
+
+# Second, held-out chromosome: human chr22 (GRCh37) from the human rows of a primate MAF alignment.
+MAFFILTER_PACKAGE = "maffilter-examples"
+MAFFILTER_MAF = (
+    "usr/share/doc/maffilter/examples/Gorilla/"
+    "Compara.epo_5_catarrhini_hsap-projected.chr22.subset.nogap.cleaned_aln.maf.gz"
+)
+MAF_HUMAN_SOURCE = "Hsap.22"
+GRCH37_CHR22_BP = 51_304_566
+EXTRA_CHROMOSOMES = ("22",)
 
 # ASCII -> base code; everything that is not A/C/G/T (either case) is N.
 _ENCODE = np.full(256, CODE_N, dtype=np.uint8)
@@ -194,6 +216,99 @@ def _read_bytes(path: Path, *, progress: bool) -> bytes:
                 out.write(block)
                 bar.update(task, completed=raw.tell())
         return out.getvalue()
+
+
+# --------------------------------------------------------------------------------------------------- MAF
+_MAF_GAPS = b"-."
+
+
+def read_maf_reference(
+    path: str | os.PathLike, source: str, *, length: int | None = None, progress: bool = False
+) -> tuple[np.ndarray, dict]:
+    """One sequence of a multiple alignment (MAF, optionally gzipped) at its own coordinates.
+
+    ``source`` is the ``src`` field of the rows to read (e.g. ``Hsap.22``: rows
+    ``s Hsap.22 <start> <size> <strand> <srcSize> <text>``, ``start`` 0-based on ``strand``). Returns uint8 codes
+    of length ``srcSize`` (A/C/G/T of either case as bases, every other letter N, N outside the aligned blocks;
+    ``-``-strand rows are reverse-complemented to the + strand) and statistics (blocks, aligned bp, alignment
+    columns dropped because the row has a gap there, rows of other sources). Gap characters (``-``, ``.``) are
+    dropped: columns where this sequence has a gap insert nothing into it.
+
+    Raises ``ValueError`` naming the file and line when no row of ``source`` exists (listing the sources seen),
+    when ``srcSize`` differs between rows or from ``length``, when a row's letters (gaps dropped) are not ``size``
+    long, when a block runs past ``srcSize`` or when two blocks overlap.
+    """
+    path = Path(path)
+    raw = _read_bytes(path, progress=progress)
+    wanted = source.encode()
+    pieces: list[tuple[int, int, bytes, int]] = []  # (+ strand start, size, letters, line number)
+    others: dict[str, int] = {}
+    src_size: int | None = None
+    gap_columns = 0
+    blocks = 0
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if line[:1] == b"a" and (len(line) == 1 or line[1:2].isspace()):
+            blocks += 1
+            continue
+        if not line.startswith(b"s ") and not line.startswith(b"s\t"):
+            continue
+        fields = line.split()
+        if len(fields) != 7:
+            raise ValueError(f"{path}:{number}: expected 7 fields in an 's' line (s src start size strand srcSize "
+                             f"text), got {len(fields)}")
+        if fields[1] != wanted:
+            name = fields[1].decode("ascii", "replace")
+            others[name] = others.get(name, 0) + 1
+            continue
+        start, size, strand, row_size = int(fields[2]), int(fields[3]), fields[4], int(fields[5])
+        if src_size is None:
+            src_size = row_size
+            if length is not None and src_size != length:
+                raise ValueError(f"{path}:{number}: {source} has srcSize {src_size:,}, expected {length:,}")
+        elif row_size != src_size:
+            raise ValueError(f"{path}:{number}: {source} has srcSize {row_size:,}, earlier rows {src_size:,}")
+        text = fields[6]
+        letters = text.translate(None, _MAF_GAPS)
+        if len(letters) != size:
+            raise ValueError(
+                f"{path}:{number}: {source} row says size {size:,}, its text holds {len(letters):,} letters "
+                "(gaps dropped)"
+            )
+        gap_columns += len(text) - len(letters)
+        if strand not in (b"+", b"-"):
+            raise ValueError(f"{path}:{number}: strand must be + or -, got {strand.decode('ascii', 'replace')!r}")
+        if start < 0 or start + size > row_size:
+            raise ValueError(f"{path}:{number}: block {start:,}+{size:,} runs past srcSize {row_size:,}")
+        if strand == b"-":
+            start = row_size - start - size
+            letters = letters[::-1].translate(bytes.maketrans(b"ACGTacgt", b"TGCAtgca"))
+        pieces.append((start, size, letters, number))
+    if src_size is None:
+        seen = ", ".join(f"{name} ({count})" for name, count in sorted(others.items())) or "none"
+        raise ValueError(f"{path}: no 's' row of {source!r}; rows seen: {seen}")
+    codes = np.full(src_size, CODE_N, dtype=np.uint8)
+    pieces.sort()
+    end = 0
+    previous = 0
+    for start, size, letters, number in pieces:
+        if start < end:
+            raise ValueError(
+                f"{path}:{number}: {source} block at {start:,}+{size:,} overlaps the block of line {previous} "
+                f"(ends at {end:,})"
+            )
+        codes[start : start + size] = _ENCODE[np.frombuffer(letters, dtype=np.uint8)]
+        end, previous = start + size, number
+    stats = {
+        "blocks": blocks,
+        "rows": len(pieces),
+        "aligned_bp": int(sum(size for _, size, _, _ in pieces)),
+        "non_n_bp": int((codes != CODE_N).sum()),
+        "gap_columns_dropped": int(gap_columns),
+        "first_aligned": int(pieces[0][0]),
+        "last_aligned_end": int(end),
+        "other_rows": dict(sorted(others.items())),
+    }
+    return codes, stats
 
 
 def pack_sequence(codes: np.ndarray) -> dict[str, np.ndarray]:
@@ -373,8 +488,121 @@ def prepare_cache(
         "files": files,
         "provenance": provenance or {},
     }
+    try:  # the opt-in extra chromosomes stay described when the first one is prepared again
+        extra = json.loads((cache / MANIFEST_FILE).read_text()).get("chromosomes")
+    except (OSError, ValueError):
+        extra = None
+    if extra:
+        manifest["chromosomes"] = extra
     (cache / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return cache
+
+
+def chromosome_files(chrom: str) -> tuple[str, str]:
+    """Cache paths (genome, genes) of an extra chromosome, e.g. ``genome/chr22_GRCh37.seq.npz``."""
+    name = chrom.removeprefix("chr")
+    return f"genome/chr{name}_GRCh37.seq.npz", f"tss/GRCh37_chr{name}_genes.tsv"
+
+
+def prepare_maf_chromosome(
+    maf: str | os.PathLike,
+    annotation: str | os.PathLike,
+    cache_dir: str | os.PathLike,
+    *,
+    chrom: str = "22",
+    maf_source: str = MAF_HUMAN_SOURCE,
+    length: int | None = GRCH37_CHR22_BP,
+    source: str = "GRCh37 chr22 (maffilter-examples)",
+    provenance: dict | None = None,
+    progress: bool = False,
+) -> dict:
+    """Add a second chromosome to a prepared cache from the rows ``maf_source`` of a MAF alignment.
+
+    Writes :func:`chromosome_files` (sequence in the encoding of the first chromosome's, N outside the aligned
+    blocks; the genes of ``chrom`` in ``annotation`` whose TSS lies inside the chromosome) and describes them
+    under ``manifest["chromosomes"][chrom]``; the first chromosome's entries and files stay as they are. The
+    motifs are the cache's. Returns that manifest entry.
+    """
+    cache = Path(cache_dir)
+    manifest_path = cache / MANIFEST_FILE
+    if not manifest_path.exists():
+        raise DataNotFoundError(
+            f"{manifest_path}: no prepared cache to add chr{chrom.removeprefix('chr')} to (its motifs and the "
+            f"simulator's calibration come from the first chromosome); run "
+            f"`python -m kvbound.eval.data fetch --cache {cache}` first"
+        )
+    name = chrom.removeprefix("chr")
+    codes, stats = read_maf_reference(maf, maf_source, length=length, progress=progress)
+    genes = tuple(g for g in read_spliceai_annotation(annotation, name) if 0 <= g.tss < codes.size)
+    aligned_tss = sum(1 for g in genes if codes[g.tss] != CODE_N)
+    genome_file, genes_file = chromosome_files(name)
+    for sub in ("genome", "tss"):
+        (cache / sub).mkdir(parents=True, exist_ok=True)
+    np.savez(cache / genome_file, **pack_sequence(codes))
+    write_genes(genes, cache / genes_file)
+    files = {}
+    for file in (genome_file, genes_file):
+        content = (cache / file).read_bytes()
+        files[file] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    entry = {
+        "source": source,
+        "chrom": name,
+        "length_bp": int(codes.size),
+        "non_n_bp": int((codes != CODE_N).sum()),
+        "aligned_blocks": stats["rows"],
+        "gap_columns_dropped": stats["gap_columns_dropped"],
+        "aligned_span": [stats["first_aligned"], stats["last_aligned_end"]],
+        "genes": len(genes),
+        "genes_tss_aligned": aligned_tss,
+        "files": files,
+        "provenance": provenance or {},
+    }
+    manifest = json.loads(manifest_path.read_text())
+    manifest.setdefault("chromosomes", {})[name] = entry
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return entry
+
+
+def has_chromosome(cache_dir: str | os.PathLike | None, chrom: str) -> bool:
+    """Whether the cache holds ``chrom`` (its first chromosome, or an extra one with all its files)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:
+        manifest = json.loads((cache / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    name = chrom.removeprefix("chr")
+    if name == str(manifest.get("chrom", "")).removeprefix("chr"):
+        return True
+    entry = manifest.get("chromosomes", {}).get(name)
+    return entry is not None and all((cache / file).exists() for file in entry["files"])
+
+
+def load_chromosome(cache_dir: str | os.PathLike | None, chrom: str) -> EvalData:
+    """``chrom`` of a prepared cache: its first chromosome (:func:`load_data`) or an extra one (e.g. ``22``, added
+    by ``fetch --chromosomes X 22``), with the cache's motifs. Raises :class:`DataNotFoundError` naming the fix."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    data = load_data(cache)
+    name = chrom.removeprefix("chr")
+    if name == data.chrom.removeprefix("chr"):
+        return data
+    manifest = json.loads((cache / MANIFEST_FILE).read_text())
+    entry = manifest.get("chromosomes", {}).get(name)
+    first = data.chrom.removeprefix("chr")
+    fix = f"run `python -m kvbound.eval.data fetch --chromosomes {first} {name} --cache {cache}`"
+    if entry is None:
+        known = [data.chrom, *manifest.get("chromosomes", {})]
+        raise DataNotFoundError(f"{cache / MANIFEST_FILE}: no chromosome {name!r} (has {known}); {fix}")
+    genome_file, genes_file = chromosome_files(name)
+    for file in (genome_file, genes_file):
+        if not (cache / file).exists():
+            raise DataNotFoundError(f"{cache / file}: missing; {fix}")
+    with np.load(cache / genome_file) as packed:
+        codes = unpack_sequence(dict(packed))
+    if codes.size != entry["length_bp"]:
+        raise ValueError(f"{cache / genome_file}: expected {entry['length_bp']} bp, got {codes.size}")
+    return EvalData(
+        chrom=name, codes=codes, motifs=data.motifs, genes=read_genes(cache / genes_file), source=entry["source"]
+    )
 
 
 def load_data(cache_dir: str | os.PathLike | None = None) -> EvalData:
@@ -448,24 +676,76 @@ def _jaspar_motifs() -> tuple[tuple[Motif, ...], str]:
     return motifs, getattr(pyjaspar, "__version__", "4.0.0")
 
 
+def _spliceai_annotation(work: Path, spliceai_wheel: str | os.PathLike | None) -> tuple[Path, Path]:
+    """SpliceAI's GRCh37 table extracted into ``work`` (the wheel downloaded there unless given)."""
+    if spliceai_wheel is None:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", SPLICEAI_REQUIREMENT, "-d", "."]
+        result = _run(command, work)
+        if result.returncode != 0:
+            raise RuntimeError(f"pip download {SPLICEAI_REQUIREMENT} failed: {result.stderr[-500:]}")
+        wheels = sorted(work.glob("spliceai-*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download {SPLICEAI_REQUIREMENT}: no wheel in {work}")
+        spliceai_wheel = wheels[-1]
+    annotation = work / "grch37.txt"
+    with zipfile.ZipFile(spliceai_wheel) as wheel, open(annotation, "wb") as out:
+        shutil.copyfileobj(wheel.open(SPLICEAI_ANNOTATION), out)
+    return annotation, Path(spliceai_wheel)
+
+
+def _extract_deb(deb_path: Path, member: str, work: Path) -> Path:
+    extracted = work / f"deb-{deb_path.stem}"
+    result = _run(["dpkg", "-x", str(deb_path.resolve()), str(extracted.resolve())], work)
+    if result.returncode != 0:
+        raise RuntimeError(f"dpkg -x {deb_path} failed: {result.stderr.strip()[-500:]}")
+    path = extracted / member
+    if not path.exists():
+        raise RuntimeError(f"{deb_path.name}: expected {member} inside, not found")
+    return path
+
+
 def fetch(
     cache_dir: str | os.PathLike | None = None,
     *,
     deb: str | os.PathLike | None = None,
     spliceai_wheel: str | os.PathLike | None = None,
     force: bool = False,
+    chromosomes: tuple[str, ...] | list[str] = ("X",),
+    maf_deb: str | os.PathLike | None = None,
 ) -> Path:
-    """Download the three real sources and prepare the cache (see the module docstring).
+    """Download the real sources and prepare the cache (see the module docstring).
 
-    ``deb`` / ``spliceai_wheel``: use these local files instead of downloading them.
+    ``chromosomes``: ``X`` (the default; the motifs come with it) and optionally ``22``, the second, held-out
+    chromosome (needs X in the cache or in the same call). ``deb`` / ``maf_deb`` / ``spliceai_wheel``: use these
+    local files (smalt-examples, maffilter-examples .deb, spliceai wheel) instead of downloading them.
     """
     from rich.console import Console
 
     console = Console(stderr=True)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if has_real_data(cache) and not force:
-        console.print(f"[green]{cache}[/] already holds the real data (use --force to fetch again)")
-        return cache
+    wanted = [str(c).removeprefix("chr") for c in chromosomes]
+    unknown = [c for c in wanted if c not in ("X", *EXTRA_CHROMOSOMES)]
+    if unknown or not wanted:
+        raise ValueError(f"chromosomes: expected X and/or {', '.join(EXTRA_CHROMOSOMES)}, got {list(chromosomes)}")
+    if "X" in wanted:
+        if has_real_data(cache) and not force:
+            console.print(f"[green]{cache}[/] already holds the real chrX data (use --force to fetch again)")
+        else:
+            _fetch_chrx(cache, console, deb=deb, spliceai_wheel=spliceai_wheel)
+    if "22" in wanted:
+        if not has_real_data(cache):
+            raise DataNotFoundError(
+                f"{cache}: chr22 needs the chrX data first (motifs, and the simulator calibrated on chrX); run "
+                f"`python -m kvbound.eval.data fetch --chromosomes X 22 --cache {cache}`"
+            )
+        if has_chromosome(cache, "22") and not force:
+            console.print(f"[green]{cache}[/] already holds chr22 (use --force to fetch again)")
+        else:
+            _fetch_chr22(cache, console, maf_deb=maf_deb, spliceai_wheel=spliceai_wheel)
+    return cache
+
+
+def _fetch_chrx(cache: Path, console, *, deb, spliceai_wheel) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix="fetch-") as tmp:
         work = Path(tmp)
@@ -474,31 +754,14 @@ def fetch(
             deb_path = Path(deb) if deb is not None else _download_deb(SMALT_PACKAGE, work)
         console.print(f"chrX: {deb_path.name} ({deb_path.stat().st_size / 1e6:.1f} MB)")
         with console.status("chrX GRCh37: dpkg -x"):
-            extracted = work / "deb"
-            result = _run(["dpkg", "-x", str(deb_path.resolve()), str(extracted)], work)
-            if result.returncode != 0:
-                raise RuntimeError(f"dpkg -x {deb_path} failed: {result.stderr.strip()[-500:]}")
-        fasta = extracted / SMALT_FASTA
-        if not fasta.exists():
-            raise RuntimeError(f"{deb_path.name}: expected {SMALT_FASTA} inside, not found")
+            fasta = _extract_deb(deb_path, SMALT_FASTA, work)
 
         with console.status(f"motifs: JASPAR2024 through {PYJASPAR_REQUIREMENT}"):
             motifs, jaspar_version = _jaspar_motifs()
         console.print(f"motifs: {len(motifs)} JASPAR2024 CORE vertebrates non-redundant PFMs")
 
         with console.status(f"TSS: pip download --no-deps {SPLICEAI_REQUIREMENT}"):
-            if spliceai_wheel is None:
-                command = [sys.executable, "-m", "pip", "download", "--no-deps", SPLICEAI_REQUIREMENT, "-d", "."]
-                result = _run(command, work)
-                if result.returncode != 0:
-                    raise RuntimeError(f"pip download {SPLICEAI_REQUIREMENT} failed: {result.stderr[-500:]}")
-                wheels = sorted(work.glob("spliceai-*.whl"))
-                if not wheels:
-                    raise RuntimeError(f"pip download {SPLICEAI_REQUIREMENT}: no wheel in {work}")
-                spliceai_wheel = wheels[-1]
-            annotation = work / "grch37.txt"
-            with zipfile.ZipFile(spliceai_wheel) as wheel, open(annotation, "wb") as out:
-                shutil.copyfileobj(wheel.open(SPLICEAI_ANNOTATION), out)
+            annotation, spliceai_wheel = _spliceai_annotation(work, spliceai_wheel)
 
         prepare_cache(
             fasta,
@@ -525,7 +788,44 @@ def fetch(
         f"({manifest['non_n_bp']:,} non-N), {manifest['motifs']} motifs, {manifest['genes']} genes; "
         f"{total / 1e6:.1f} MB cached"
     )
-    return cache
+
+
+def _fetch_chr22(cache: Path, console, *, maf_deb, spliceai_wheel) -> None:
+    with tempfile.TemporaryDirectory(dir=cache, prefix="fetch-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        with console.status(f"chr22 GRCh37: apt-get download {MAFFILTER_PACKAGE}"):
+            deb_path = Path(maf_deb) if maf_deb is not None else _download_deb(MAFFILTER_PACKAGE, work)
+        console.print(f"chr22: {deb_path.name} ({deb_path.stat().st_size / 1e6:.1f} MB)")
+        with console.status("chr22 GRCh37: dpkg -x"):
+            maf = _extract_deb(deb_path, MAFFILTER_MAF, work)
+        with console.status(f"TSS: pip download --no-deps {SPLICEAI_REQUIREMENT}"):
+            annotation, spliceai_wheel = _spliceai_annotation(work, spliceai_wheel)
+        entry = prepare_maf_chromosome(
+            maf,
+            annotation,
+            cache,
+            chrom="22",
+            maf_source=MAF_HUMAN_SOURCE,
+            length=GRCH37_CHR22_BP,
+            source="GRCh37 chr22 (maffilter-examples)",
+            progress=True,
+            provenance={
+                "genome": f"Debian {deb_path.name}: {MAFFILTER_MAF}, rows {MAF_HUMAN_SOURCE} (CeCILL); N outside "
+                "the aligned blocks, alignment columns where the human row has a gap dropped",
+                "genes": f"{Path(spliceai_wheel).name}: {SPLICEAI_ANNOTATION} (GPL-3)",
+                "downloaded_bytes": {
+                    "maffilter_examples_deb": deb_path.stat().st_size,
+                    "spliceai_wheel": Path(spliceai_wheel).stat().st_size,
+                },
+            },
+        )
+    total = sum(file["bytes"] for file in entry["files"].values())
+    console.print(
+        f"[green]ready[/]: {cache} - chr22 {entry['length_bp']:,} bp ({entry['non_n_bp']:,} aligned, in "
+        f"{entry['aligned_blocks']:,} blocks), {entry['genes']} genes ({entry['genes_tss_aligned']} with the TSS on "
+        f"an aligned base); {total / 1e6:.1f} MB cached"
+    )
 
 
 # --------------------------------------------------------------------------------------------------- fixture
@@ -616,6 +916,14 @@ def main(argv: list[str] | None = None) -> int:
     fetch_parser.add_argument("--deb", type=Path, default=None, help="use this smalt-examples .deb")
     fetch_parser.add_argument("--spliceai-wheel", type=Path, default=None, help="use this spliceai wheel")
     fetch_parser.add_argument("--force", action="store_true", help="fetch even if the cache is complete")
+    fetch_parser.add_argument(
+        "--chromosomes",
+        nargs="+",
+        default=["X"],
+        metavar="CHROM",
+        help="X (default) and/or 22: chr22 from maffilter-examples, the second, held-out test chromosome",
+    )
+    fetch_parser.add_argument("--maf-deb", type=Path, default=None, help="use this maffilter-examples .deb (chr22)")
     fixture_parser = sub.add_parser("fixture", help="write the synthetic fixture as a cache")
     fixture_parser.add_argument("directory", type=Path)
     fixture_parser.add_argument("--length", type=int, default=600_000)
@@ -624,7 +932,14 @@ def main(argv: list[str] | None = None) -> int:
     info_parser.add_argument("--cache", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.command == "fetch":
-        fetch(args.cache, deb=args.deb, spliceai_wheel=args.spliceai_wheel, force=args.force)
+        fetch(
+            args.cache,
+            deb=args.deb,
+            spliceai_wheel=args.spliceai_wheel,
+            force=args.force,
+            chromosomes=args.chromosomes,
+            maf_deb=args.maf_deb,
+        )
     elif args.command == "fixture":
         print(write_fixture(args.directory, length=args.length, seed=args.seed))
     else:

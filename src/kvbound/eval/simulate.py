@@ -225,8 +225,23 @@ class Simulator:
         self.contact = (1.0 + distances / self.config.contact_scale_bp) ** -self.config.contact_exponent
 
     def fingerprint(self) -> str:
-        """Identifies the simulated data: simulator version, config, data source and length."""
-        return _cache_key(self.config, self.data)
+        """Identifies the simulated data: simulator version, config, data source and length (and, for a simulator
+        moved to another chromosome with :meth:`on`, the chromosome it was calibrated on)."""
+        return _cache_key(self.config, self.data, getattr(self, "calibrated_on", None))
+
+    def on(self, data: EvalData) -> Simulator:
+        """The same calibrated simulator (PWMs and their background, chemical potentials, enhancer threshold,
+        contact kernel) on another chromosome ``data``: the ground truth of a held-out chromosome is computed by
+        the very function the models learned on this one."""
+        names = {motif.name.upper() for motif in data.motifs}
+        missing = [motif.name for motif in self.motifs if motif.name.upper() not in names]
+        if missing:
+            raise KeyError(f"{data.source}: lacks the simulator's motifs {missing}")
+        clone = object.__new__(Simulator)
+        clone.__dict__.update(self.__dict__)
+        clone.data = data
+        clone.calibrated_on = getattr(self, "calibrated_on", None) or self.data.source
+        return clone
 
     def calibration(self) -> dict:
         """The calibrated constants, to pass back as ``Simulator(..., calibration=...)``."""
@@ -522,8 +537,10 @@ def distal_variance_share(simulator: Simulator, simulation: Simulation, local_bp
     return float(1.0 - correlation**2)
 
 
-def _cache_key(config: SimulatorConfig, data: EvalData) -> str:
+def _cache_key(config: SimulatorConfig, data: EvalData, calibrated_on: str | None = None) -> str:
     text = f"{SIMULATOR_VERSION}:{config.fingerprint()}:{data.source}:{data.length}"
+    if calibrated_on is not None and calibrated_on != data.source:  # a held-out chromosome (Simulator.on)
+        text += f":calibrated on {calibrated_on}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -550,7 +567,7 @@ def load_or_run(simulator: Simulator, cache_dir: str | Path | None, *, progress:
     """
     if cache_dir is None:
         return simulator.run(progress=progress)
-    path = Path(cache_dir) / "sim" / f"{_cache_key(simulator.config, simulator.data)}.scan.npz"
+    path = Path(cache_dir) / "sim" / f"{simulator.fingerprint()}.scan.npz"
     if path.exists():
         with np.load(path) as stored:
             if not np.array_equal(stored["mu"], simulator.mu):

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvbound.eval.data import CODE_N, EvalData, default_cache_dir, load_data, write_fixture
+from kvbound.eval.data import CODE_N, EvalData, default_cache_dir, load_chromosome, load_data, write_fixture
 from kvbound.eval.simulate import Simulation, Simulator, SimulatorConfig, cached_simulator, load_or_run
 
 __all__ = [
     "Benchmark",
     "TrackNormalizer",
     "load_benchmark",
+    "load_test_chromosome",
     "make_batch",
     "one_hot",
     "split_intervals",
@@ -37,10 +38,20 @@ class Benchmark:
     simulator: Simulator
     simulation: Simulation
     is_fixture: bool
+    held_out: bool = False  # a whole chromosome held out from training (load_test_chromosome): all of it is "test"
 
     @property
     def config(self) -> SimulatorConfig:
         return self.simulator.config
+
+    def intervals(self, split: str) -> list[tuple[int, int]]:
+        """``[start, end)`` bp intervals of ``split``: :func:`split_intervals`, or on a held-out chromosome the
+        whole chromosome for "test" and nothing for "train" / "valid"."""
+        if not self.held_out:
+            return split_intervals(self.config, self.data.length, split)
+        if split not in ("train", "valid", "test"):
+            raise ValueError(f"split: expected one of train, valid, test; got {split!r}")
+        return [(0, self.data.length)] if split == "test" else []
 
 
 def load_benchmark(
@@ -57,6 +68,30 @@ def load_benchmark(
         data, config = load_data(cache), SimulatorConfig()
     simulator = cached_simulator(data, config, cache)
     return Benchmark(data, simulator, load_or_run(simulator, cache, progress=progress), fixture is not None)
+
+
+def load_test_chromosome(
+    benchmark: Benchmark,
+    chrom: str,
+    cache_dir: str | Path | None = None,
+    *,
+    data: EvalData | None = None,
+    progress: bool = False,
+) -> Benchmark:
+    """A second, independent test set: chromosome ``chrom`` of the cache (e.g. ``22``, see
+    ``python -m kvbound.eval.data fetch --chromosomes X 22``), simulated by ``benchmark``'s calibrated simulator
+    (:meth:`Simulator.on`) and held out entirely (:attr:`Benchmark.held_out`). ``chrom`` equal to the benchmark's
+    own chromosome returns ``benchmark``. ``data``: use this sequence instead of reading the cache (tests).
+
+    The scan is cached under ``<cache>/sim/`` like the first chromosome's (``cache_dir`` None: not cached).
+    """
+    if chrom.removeprefix("chr") == benchmark.data.chrom.removeprefix("chr") and data is None:
+        return benchmark
+    if data is None:
+        data = load_chromosome(cache_dir, chrom)
+    simulator = benchmark.simulator.on(data)
+    simulation = load_or_run(simulator, cache_dir, progress=progress)
+    return Benchmark(data, simulator, simulation, benchmark.is_fixture, held_out=True)
 
 
 def split_intervals(config: SimulatorConfig, length: int, split: str) -> list[tuple[int, int]]:
