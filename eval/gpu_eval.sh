@@ -9,7 +9,8 @@
 #                                    benchmarks/wheels.sh)
 #
 # Environment: OUT [eval/gpu_out] (archive kvbound_eval_<mode>.tar.gz), EVAL_BATCH [8], EVAL_ARGS (extra
-# `kvbound eval` arguments, e.g. "--windows 16 --max-variants 200"), FIXTURE (a directory: the synthetic fixture, CPU smoke
+# `kvbound eval` arguments, e.g. "--windows 16 --max-variants 200", or "--test-chromosomes X 22" with chr22 in the
+# cache: python -m kvbound.eval.data fetch --chromosomes X 22), FIXTURE (a directory: the synthetic fixture, CPU smoke
 # test), DEVICE, PYTHON [python3].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ case "$mode" in
       > eval/results/logs/eval.log 2>&1 || status=$?
     files=(eval/results/quality.csv eval/results/quality_by_stratum.csv eval/results/effects.csv eval/results/layers.csv
            eval/results/scaling.csv eval/results/variants.csv eval/results/eval_run.json eval/results/pareto.png
-           eval/results/logs/eval.log)
+           eval/results/logs/eval.log eval/results/variants_chr22.csv eval/results/effects_chr22.csv)
     ;;
   fidelity)
     if [ -d .whl ] && [ -z "${FIXTURE:-}" ]; then

@@ -199,3 +199,36 @@ def test_change_errors_match_each_variant_to_its_exact_change():
     negatives, positives = errors[("m", "codec")]
     assert negatives == pytest.approx(0.004)  # median of 0.004, 0.001 and 0.006
     assert positives == pytest.approx(0.05)
+
+
+def test_report_pools_the_test_chromosomes_when_present(tmp_path):
+    """quality.csv from `kvbound eval --test-chromosomes X 22`: a table of the chrX, chr22 and pooled AUROC drops,
+    judged on the pooled one; without those columns no such table."""
+    rows = [_quality_row("enformer", "exact", "exact", "nan", 0.0, 0.0, method="exact"),
+            _quality_row("enformer", "default", "default r8 b4", 2.0**-5, 0.006, 0.1),
+            _quality_row("enformer", "sweep_tau", "tau 2^-7", 2.0**-7, 0.001, 0.1)]  # fmt: skip
+    _write(tmp_path / "quality.csv", rows)
+    assert "Pooled over the test chromosomes" not in report.render(tmp_path)
+    pooled = {"default r8 b4": (0.001, 0.0035, -0.001, 0.008), "tau 2^-7": (-0.002, -0.0005, -0.004, 0.003)}
+    blank = dict.fromkeys(("auroc_drop_chr22", "auroc_drop_pooled", "auroc_drop_pooled_low", "auroc_drop_pooled_high",
+                           "positives_pooled", "variants_pooled"), "")  # fmt: skip
+    extended = [
+        dict(r, **blank) if r["method"] == "exact" else dict(r, auroc_drop_chr22=pooled[r["setting"]][0],
+                                             auroc_drop_pooled=pooled[r["setting"]][1],
+                                             auroc_drop_pooled_low=pooled[r["setting"]][2],
+                                             auroc_drop_pooled_high=pooled[r["setting"]][3],
+                                             positives_pooled=727, variants_pooled=2181)
+        for r in rows
+    ]  # fmt: skip
+    _write(tmp_path / "quality.csv", extended)
+    text = report.render(tmp_path)
+    section = text.split("### Pooled over the test chromosomes")[1].split("\n#")[0]
+    assert "| dAUROC chrX test | dAUROC chr22 | dAUROC pooled |" in section
+    assert "| enformer | default r8 b4 | 0.03125 | +0.0060 | +0.0010 | +0.0035 [-0.0010, +0.0080] | 727 | 2181 | " \
+           "within target |" in section  # fmt: skip
+    assert "| enformer | tau 2^-7 | 0.00781 | +0.0010 | -0.0020 | -0.0005 [-0.0040, +0.0030] |" in section
+    assert "BREACH" not in section
+    breach = [dict(r, auroc_drop_pooled=0.0045) if r["setting"] == "tau 2^-7" else r for r in extended]
+    _write(tmp_path / "quality.csv", breach)
+    section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
+    assert section.count("**BREACH: AUROC drop > 0.004**") == 1
