@@ -29,6 +29,8 @@ if [ -n "${DEVICE:-}" ]; then device_args=(--device "$DEVICE"); fi
 status=0
 case "$mode" in
   eval)
+    # files that only some runs write: never pack a previous run's
+    rm -f eval/results/variants_chr22.csv eval/results/effects_chr22.csv
     # shellcheck disable=SC2086
     "$python_bin" -m kvbound.eval.cli "${data_args[@]}" "${device_args[@]}" --out eval/results \
       --time-budget-s "${EVAL_BUDGET_S:-530}" --batch-size "${EVAL_BATCH:-8}" ${EVAL_ARGS:-} \

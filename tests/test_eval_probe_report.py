@@ -232,3 +232,7 @@ def test_report_pools_the_test_chromosomes_when_present(tmp_path):
     _write(tmp_path / "quality.csv", breach)
     section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
     assert section.count("**BREACH: AUROC drop > 0.004**") == 1
+    undefined = [dict(r, auroc_drop_pooled="nan") if r["setting"] == "tau 2^-7" else r for r in extended]
+    _write(tmp_path / "quality.csv", undefined)
+    section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
+    assert "| n/a [-0.0040, +0.0030] | 727 | 2181 | n/a |" in section  # no verdict on an undefined drop

@@ -156,6 +156,33 @@ def test_run_span_is_the_most_runs_any_tile_spans():
                                               relative_position_bias=w), rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused():
+    """A layout whose every tile holds many runs: 16 runs within the 47 distances of Nq = 32, Nk = 16, so the one
+    32 x 16 tile of the interpreter walks all 15 unrolled steps; dropping any run moves the output. The span is
+    counted for the relative tiles' widest window (64 x 64: 127 distances), and a pinned tile wider than that is
+    refused rather than run with too small a span."""
+    from kvbound.kernels.attention_dense import _RELATIVE_SHAPES, attention_dense_fwd
+
+    assert relative_window() == max(m + n - 1 for m, n, _, _ in _RELATIVE_SHAPES) == 127
+    n_q, n_k, dk = 32, 16, 16
+    starts = list(range(0, 46, 3))  # 16 runs over the 47 distances
+    q, k, v, keys, u, w = _case(1, 1, n_q, n_k, dk, dk, starts, 9)
+    assert relative_run_span(starts, n_q + n_k - 1) == 16
+    common = dict(scale=0.5, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    runs = attention(q, k, v, relative_runs=starts, **common)
+    qs = q.double() * 0.5
+    logits = (qs + u.double()[None, :, None]) @ k.double().transpose(-1, -2)
+    logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n_q)
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    assert (runs.double() - expected).abs().max().item() < 1e-5
+    table = torch.zeros(1, 1, 8, 16)
+    buffer = torch.zeros(16 + 1 + 15, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^config: with run_span a tile spans at most 127 distances"):
+        attention_dense_fwd(q[:, :, :8], k[:, :, :8], v[:, :, :8], None, 0.5, False, None,
+                            relative_runs=(table, buffer, u.float()), run_span=16,
+                            config=dict(BLOCK_M=128, BLOCK_N=16, num_warps=4, num_stages=1))  # fmt: skip
+
+
 def test_borzoi_features_are_runs_of_distances():
     """Borzoi's positional features are step functions of |d|: 16 widths, two signs and distance 0 give at most 33
     runs (31 at N = 4096), and the relative keys projected from them inherit the runs."""

@@ -28,9 +28,10 @@ for Pearson may hold up to ``--held-out-max-n`` N, whose bins are left out of th
 ``quality.csv`` then also has, per extra chromosome C, ``auroc_all_chrC``, ``auroc_drop_chrC``, ``pearson_mean_chrC``,
 ``pearson_expression_chrC``, ``variants_chrC``, ``positives_chrC``, ``windows_chrC``, and over all test chromosomes
 ``auroc_all_pooled``, ``auroc_drop_pooled`` with its 90 % interval ``auroc_drop_pooled_low`` / ``_high``,
-``variants_pooled``, ``positives_pooled`` (``auroc_all`` and every other column stay chrX's); the extra variants and
-their predicted changes go to ``variants_chrC.csv`` and ``effects_chrC.csv``. The default is chrX only. Layers and
-scaling stay on chrX; the compression ratio counts the blocks of every chromosome evaluated.
+``variants_pooled``, ``positives_pooled`` (``auroc_all`` and the other AUROC, Pearson and variant columns stay
+chrX's); the extra variants and their predicted changes go to ``variants_chrC.csv`` and ``effects_chrC.csv``. The
+default is chrX only. Layers and scaling stay on chrX; the codec's columns (compression ratio, maximum errors, bound
+violations) and ``seconds`` cover every chromosome evaluated.
 
 ``--time-budget-s``: the work runs in order of importance (exact, default, paired, floor, paired_tau, ablations,
 layers, the two sweeps, scaling) and whatever would not fit the budget, judged from the times measured so far, is

@@ -303,7 +303,9 @@ def _pooled_section(add, quality: list[dict]) -> None:
             [row["model"], row["setting"], _fmt(row["tau"], 5), _fmt(row["auroc_drop"], 4, True)]
             + [_fmt(row.get(f"auroc_drop_chr{c}"), 4, True) for c in extra]
             + [_fmt(pooled, 4, True) + interval, row.get("positives_pooled", ""), row.get("variants_pooled", ""),
-               f"**BREACH: AUROC drop > {AUROC_DROP_TARGET}**" if pooled > AUROC_DROP_TARGET else "within target"]
+               "n/a" if pooled != pooled
+               else f"**BREACH: AUROC drop > {AUROC_DROP_TARGET}**" if pooled > AUROC_DROP_TARGET
+               else "within target"]
         )  # fmt: skip
     header = ["model", "setting", "tau", "dAUROC chrX test"] + [f"dAUROC chr{c}" for c in extra]
     add(_table(header + ["dAUROC pooled", "positives", "variants", "verdict"], table))

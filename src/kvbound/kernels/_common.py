@@ -261,9 +261,11 @@ def relative_runs_tile(
     run ``r`` holding ``[runs[r], runs[r + 1])``, the last entry past every distance), then the run of each
     distance ``-(N_Q - 1) .. N_K - 1``. ``first_run`` / ``last_run``: the runs of the tile's smallest and largest
     distance (``relative_runs_bounds``). Each run fills the distances from its start on with one compare and select
-    per element. ``RUN_SPAN`` > 0: no tile spans more runs than that (the launcher checks), and the runs after the
-    first are unrolled, each behind a uniform branch: the key loop then holds no inner loop, which is what lets
-    Triton pipeline its K/V loads. 0: an inner loop over any number of runs (the loads are not pipelined)."""
+    per element. ``RUN_SPAN`` > 0: no tile spans more runs than that (``kvbound::attention_dense`` checks it
+    against the layout; ``attention_dense_fwd`` refuses a pinned tile wider than the window it was counted for),
+    and the runs after the first are unrolled, each behind a uniform branch: the key loop then holds no inner
+    loop, which is what lets Triton pipeline its K/V loads. 0: an inner loop over any number of runs (the loads
+    are not pipelined)."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
     distance = (start_n + tl.arange(0, BLOCK_N))[None, :] - rows[:, None]

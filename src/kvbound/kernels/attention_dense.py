@@ -579,6 +579,12 @@ def attention_dense_fwd(
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     if run_span and (run_span > MAX_RUN_SPAN or run_span & (run_span - 1)):
         raise ValueError(f"run_span: expected 0 or a power of two <= {MAX_RUN_SPAN}, got {run_span}")
+    if run_span and config is not None and config["BLOCK_M"] + config["BLOCK_N"] - 1 > _RELATIVE_WINDOW:
+        # relative_run_span counts the runs of windows of _RELATIVE_WINDOW distances; a wider tile could span more.
+        raise ValueError(
+            f"config: with run_span a tile spans at most {_RELATIVE_WINDOW} distances (BLOCK_M + BLOCK_N - 1), got "
+            f"{config['BLOCK_M']} x {config['BLOCK_N']}"
+        )
     if relative_runs is not None:
         if relative is not None:
             raise ValueError("relative, relative_runs: expected at most one of them")

@@ -86,7 +86,7 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     positions = module.pos_dropout(features)
     relative_keys = module.to_rel_k(positions).reshape(2 * n - 1, h, -1).transpose(0, 1)
     k, v = handle._prepare_kv(record, k, v)
-    runs = handle._relative_runs(features) if isinstance(k, torch.Tensor) and relative_runs_enabled() else None
+    runs = handle._relative_runs(features) if relative_runs_enabled() and isinstance(k, torch.Tensor) else None
     out = relative_position_attention(
         q,
         k,
