@@ -617,6 +617,22 @@ def _pooled_columns(context: _ModelContext, metrics: dict) -> dict:
     return out
 
 
+def _effect_rows(model: str, setting: str, variants: list[Variant], effects) -> list[dict]:
+    """One effects.csv row per variant: its predicted change under ``setting``."""
+    return [
+        {
+            "model": model,
+            "setting": setting,
+            "gene": variant.gene,
+            "position": variant.position,
+            "alt": variant.alt,
+            "label": variant.label,
+            "effect": float(value),
+        }
+        for variant, value in zip(variants, effects, strict=True)
+    ]
+
+
 def _bases(context: _ModelContext, rank: int, block_size: int, args) -> dict:
     from kvbound.config import CompressionConfig
 
@@ -978,32 +994,11 @@ def main(argv: list[str] | None = None) -> int:
                 row, stratum_rows = _setting_rows(context, setting, benchmark, args, device, autocast)
                 rows_by_model[name].append(row)
                 effects = context.done[key][0]["effects"]
-                effect_rows += [
-                    {
-                        "model": name,
-                        "setting": setting.name,
-                        "gene": variant.gene,
-                        "position": variant.position,
-                        "alt": variant.alt,
-                        "label": variant.label,
-                        "effect": float(value),
-                    }
-                    for variant, value in zip(context.variants, effects, strict=True)
-                ]
+                effect_rows += _effect_rows(name, setting.name, context.variants, effects)
                 for test_set in context.extra:
                     extra_effects = context.done[key][0]["chromosomes"][test_set.chrom]["effects"]
-                    extra_effect_rows[test_set.chrom] += [
-                        {
-                            "model": name,
-                            "setting": setting.name,
-                            "gene": variant.gene,
-                            "position": variant.position,
-                            "alt": variant.alt,
-                            "label": variant.label,
-                            "effect": float(value),
-                        }
-                        for variant, value in zip(test_set.variants, extra_effects, strict=True)
-                    ]
+                    extra_effect_rows[test_set.chrom] += _effect_rows(name, setting.name, test_set.variants,
+                                                                      extra_effects)  # fmt: skip
                 stratum_by_model[name] += stratum_rows
                 console.print(
                     f"{name}: {setting.name}: ratio {row['ratio']:.2f}, dPearson {row['pearson_mean_drop_pct']:+.3f}%, "

@@ -113,6 +113,15 @@ class DataNotFoundError(FileNotFoundError):
     """The cache lacks a file; the message says which one and the command that makes it."""
 
 
+def _file_entries(cache: Path, names) -> dict[str, dict]:
+    """Manifest entries of cached files: their size and SHA-256."""
+    entries = {}
+    for name in names:
+        content = (cache / name).read_bytes()
+        entries[name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    return entries
+
+
 def default_cache_dir() -> Path:
     """``$KVBOUND_CACHE`` if set, else ``~/.cache/kvbound``."""
     env = os.environ.get("KVBOUND_CACHE")
@@ -474,10 +483,7 @@ def prepare_cache(
     np.savez(cache / GENOME_FILE, **pack_sequence(codes))
     write_jaspar(motifs, cache / MOTIF_FILE)
     write_genes(genes, cache / GENES_FILE)
-    files = {}
-    for name in (GENOME_FILE, MOTIF_FILE, GENES_FILE):
-        data = (cache / name).read_bytes()
-        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    files = _file_entries(cache, (GENOME_FILE, MOTIF_FILE, GENES_FILE))
     manifest = {
         "source": source,
         "chrom": chrom,
@@ -540,10 +546,7 @@ def prepare_maf_chromosome(
         (cache / sub).mkdir(parents=True, exist_ok=True)
     np.savez(cache / genome_file, **pack_sequence(codes))
     write_genes(genes, cache / genes_file)
-    files = {}
-    for file in (genome_file, genes_file):
-        content = (cache / file).read_bytes()
-        files[file] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    files = _file_entries(cache, (genome_file, genes_file))
     entry = {
         "source": source,
         "chrom": name,
