@@ -27,7 +27,7 @@
 # about 125 ms per measurement plus about 5 calls to estimate, so the slow rows (r8b4 at N = 65536: 90-210 ms
 # a call at 96bd3af) cost a few seconds each. With a carried .cache/triton the compile share mostly disappears.
 #
-#   verify      ~9 min    `pytest -m gpu` (27 tests, compiles included; 5) | benchmarks/byte_decode_tiles.py: the
+#   verify      ~10 min   `pytest -m gpu` (30 tests, compiles included; up to 7) | benchmarks/byte_decode_tiles.py: the
 #                         byte decode at every tile shape, one process per case, outputs against float64 (4)
 #   attention   ~7.5 min  roofline ceilings (0.3) | seed shapes N = 4096, 16384, 65536 x d = 64, 128, every
 #                         provider (kvbound also with deferred checks), configs r8b4, quant-r0b4, lowrank-r8,
@@ -239,7 +239,7 @@ verify)
     # The GPU-only tests (one process), then the byte decode at every tile shape (one process per case).
     tiles=("$PY" benchmarks/byte_decode_tiles.py "$RES/byte_decode_tiles.csv" --jobs 10 --timeout-s 200)
     [[ "$SMOKE" == "1" ]] && tiles+=(--cpu-smoke)
-    step gpu-tests 330 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests -k "not plain_decode"
+    step gpu-tests 420 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests -k "not plain_decode"
     step byte-decode-tiles 240 "$RES/byte_decode_tiles.csv" "${tiles[@]}"
     ;;
 attention)

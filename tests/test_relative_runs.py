@@ -220,3 +220,40 @@ def test_gpu_runs_bf16_borzoi_shape():
     print(f"Borzoi shape bf16, first 256 queries vs float64: runs {err_runs:.3e}, relative keys {err_window:.3e}")
     assert torch.isfinite(runs).all()
     assert err_runs <= 2 * err_window + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "causal"), [("borzoi", False), ("borzoi", True), ("every third row", False)])
+def test_gpu_runs_bf16_ragged_causal_and_inner_loop(layout, causal):
+    """N = 1000 (not a multiple of the 64-key tile: the last tile is ragged and the one-tile-ahead read of run
+    indices runs past the keys), causal, and a layout of more than 16 runs per tile (the kernel's inner loop,
+    RUN_SPAN 0), against float64 on the last 128 queries (the ragged row tile) and the first 128."""
+    n, h, dk, dv = 1000, 4, 64, 192
+    g = torch.Generator().manual_seed(12)
+    if layout == "borzoi":
+        features = borzoi_positional_features_reference(n, 32).float()
+        starts = equal_row_runs(features)
+        keys = (features @ (torch.randn(32, h * dk, generator=g) * 0.2)).reshape(2 * n - 1, h, dk).transpose(0, 1)
+        assert relative_run_span(starts, 2 * n - 1) == 16
+    else:
+        starts = list(range(0, 2 * n - 1, 3))
+        keys = _run_keys(h, 2 * n - 1, dk, starts, g)
+        assert relative_run_span(starts, 2 * n - 1) == 0
+    q, k = (torch.randn(1, h, n, dk, generator=g) for _ in range(2))
+    v = torch.randn(1, h, n, dv, generator=g)
+    u, w = (torch.randn(h, dk, generator=g) * 0.3 for _ in range(2))
+    q, k, v, keys = (t.to(torch.bfloat16).cuda().contiguous() for t in (q, k, v, keys))
+    common = dict(relative_keys=keys, relative_content_bias=u.cuda(), relative_position_bias=w.cuda(), causal=causal)
+    runs = attention(q, k, v, relative_runs=starts, **common)
+    window = attention(q, k, v, **common)
+    qs = q.double() * dk**-0.5
+    logits = (qs + u.double().cuda()[None, :, None]) @ k.double().transpose(-1, -2)
+    logits = logits + relative_logits(qs + w.double().cuda()[None, :, None], keys, n)
+    if causal:
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    rows = torch.cat([torch.arange(128), torch.arange(n - 128, n)]).cuda()
+    err_runs, err_window = ((x[:, :, rows].double() - expected[:, :, rows]).abs().max().item() for x in (runs, window))
+    print(f"{layout}, causal={causal}, N={n} bf16 vs float64: runs {err_runs:.3e}, relative keys {err_window:.3e}")
+    assert torch.isfinite(runs).all()
+    assert err_runs <= 2 * err_window + 1e-6
