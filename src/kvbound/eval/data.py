@@ -580,11 +580,12 @@ def has_chromosome(cache_dir: str | os.PathLike | None, chrom: str) -> bool:
     return entry is not None and all((cache / file).exists() for file in entry["files"])
 
 
-def load_chromosome(cache_dir: str | os.PathLike | None, chrom: str) -> EvalData:
+def load_chromosome(cache_dir: str | os.PathLike | None, chrom: str, first: EvalData | None = None) -> EvalData:
     """``chrom`` of a prepared cache: its first chromosome (:func:`load_data`) or an extra one (e.g. ``22``, added
-    by ``fetch --chromosomes X 22``), with the cache's motifs. Raises :class:`DataNotFoundError` naming the fix."""
+    by ``fetch --chromosomes X 22``), with the cache's motifs. ``first``: the cache's first chromosome when the
+    caller has it loaded already (it is not read again). Raises :class:`DataNotFoundError` naming the fix."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    data = load_data(cache)
+    data = first if first is not None else load_data(cache)
     name = chrom.removeprefix("chr")
     if name == data.chrom.removeprefix("chr"):
         return data
@@ -599,13 +600,19 @@ def load_chromosome(cache_dir: str | os.PathLike | None, chrom: str) -> EvalData
     for file in (genome_file, genes_file):
         if not (cache / file).exists():
             raise DataNotFoundError(f"{cache / file}: missing; {fix}")
-    with np.load(cache / genome_file) as packed:
-        codes = unpack_sequence(dict(packed))
-    if codes.size != entry["length_bp"]:
-        raise ValueError(f"{cache / genome_file}: expected {entry['length_bp']} bp, got {codes.size}")
+    codes = _read_genome(cache / genome_file, entry["length_bp"])
     return EvalData(
         chrom=name, codes=codes, motifs=data.motifs, genes=read_genes(cache / genes_file), source=entry["source"]
     )
+
+
+def _read_genome(path: Path, length_bp: int) -> np.ndarray:
+    """A cached packed sequence, checked against the length its manifest records."""
+    with np.load(path) as packed:
+        codes = unpack_sequence(dict(packed))
+    if codes.size != length_bp:
+        raise ValueError(f"{path}: expected {length_bp} bp, got {codes.size}")
+    return codes
 
 
 def load_data(cache_dir: str | os.PathLike | None = None) -> EvalData:
@@ -621,10 +628,7 @@ def load_data(cache_dir: str | os.PathLike | None = None) -> EvalData:
     for name in (GENOME_FILE, MOTIF_FILE, GENES_FILE):
         if not (cache / name).exists():
             raise DataNotFoundError(f"{cache / name}: missing; run `python -m kvbound.eval.data fetch` again")
-    with np.load(cache / GENOME_FILE) as packed:
-        codes = unpack_sequence(dict(packed))
-    if codes.size != manifest["length_bp"]:
-        raise ValueError(f"{cache / GENOME_FILE}: expected {manifest['length_bp']} bp, got {codes.size}")
+    codes = _read_genome(cache / GENOME_FILE, manifest["length_bp"])
     return EvalData(
         chrom=manifest["chrom"],
         codes=codes,

@@ -88,7 +88,7 @@ def load_test_chromosome(
     if chrom.removeprefix("chr") == benchmark.data.chrom.removeprefix("chr") and data is None:
         return benchmark
     if data is None:
-        data = load_chromosome(cache_dir, chrom)
+        data = load_chromosome(cache_dir, chrom, first=benchmark.data)
     simulator = benchmark.simulator.on(data)
     simulation = load_or_run(simulator, cache_dir, progress=progress)
     return Benchmark(data, simulator, simulation, benchmark.is_fixture, held_out=True)
