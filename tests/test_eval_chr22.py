@@ -12,7 +12,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 
 from kvbound.eval import data as eval_data
 from kvbound.eval.data import (
@@ -107,13 +106,7 @@ def _annotation(path, rows):
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As in test_eval_pipeline: small forwards on a 2-core machine are fastest on one thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ from kvbound.eval.models import (
     save_model,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _one_hot(batch, length, seed):
