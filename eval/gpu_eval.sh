@@ -10,7 +10,10 @@
 #
 # Environment: OUT [eval/gpu_out] (archive kvbound_eval_<mode>.tar.gz), EVAL_BATCH [8], EVAL_ARGS (extra
 # `kvbound eval` arguments, e.g. "--windows 16 --max-variants 200", or "--test-chromosomes X 22" with chr22 in the
-# cache: python -m kvbound.eval.data fetch --chromosomes X 22), FIXTURE (a directory: the synthetic fixture, CPU smoke
+# cache: python -m kvbound.eval.data fetch --chromosomes X 22), EVAL_RESULTS [eval/results] (where `kvbound eval`
+# writes; the held-out run of EVAL.md writes eval/results/heldout:
+#   EVAL_RESULTS=eval/results/heldout EVAL_ARGS="--test-chromosomes X 22 --settings exact,default,paired,floor,paired_tau
+#   --layer-windows 0 --scaling=" bash eval/gpu_eval.sh eval), FIXTURE (a directory: the synthetic fixture, CPU smoke
 # test), DEVICE, PYTHON [python3].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +24,8 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 python_bin="${PYTHON:-python3}"
 out="${OUT:-eval/gpu_out}"
-mkdir -p "$out" eval/results/logs
+results="${EVAL_RESULTS:-eval/results}"
+mkdir -p "$out" eval/results/logs "$results/logs"
 data_args=(--cache "$KVBOUND_CACHE")
 if [ -n "${FIXTURE:-}" ]; then data_args=(--fixture "$FIXTURE"); fi
 device_args=()
@@ -30,14 +34,16 @@ status=0
 case "$mode" in
   eval)
     # files that only some runs write: never pack a previous run's
-    rm -f eval/results/variants_chr22.csv eval/results/effects_chr22.csv
+    rm -f "$results/variants_chr22.csv" "$results/effects_chr22.csv"
     # shellcheck disable=SC2086
-    "$python_bin" -m kvbound.eval.cli "${data_args[@]}" "${device_args[@]}" --out eval/results \
+    "$python_bin" -m kvbound.eval.cli "${data_args[@]}" "${device_args[@]}" --out "$results" \
       --time-budget-s "${EVAL_BUDGET_S:-530}" --batch-size "${EVAL_BATCH:-8}" ${EVAL_ARGS:-} \
-      > eval/results/logs/eval.log 2>&1 || status=$?
-    files=(eval/results/quality.csv eval/results/quality_by_stratum.csv eval/results/effects.csv eval/results/layers.csv
-           eval/results/scaling.csv eval/results/variants.csv eval/results/eval_run.json eval/results/pareto.png
-           eval/results/logs/eval.log eval/results/variants_chr22.csv eval/results/effects_chr22.csv)
+      > "$results/logs/eval.log" 2>&1 || status=$?
+    files=()
+    for name in quality.csv quality_by_stratum.csv effects.csv layers.csv scaling.csv variants.csv eval_run.json \
+                pareto.png logs/eval.log variants_chr22.csv effects_chr22.csv; do
+      files+=("$results/$name")
+    done
     ;;
   fidelity)
     if [ -d .whl ] && [ -z "${FIXTURE:-}" ]; then
@@ -61,5 +67,5 @@ for file in "${files[@]}"; do [ -e "$file" ] && present+=("$file"); done
 archive="$out/kvbound_eval_$mode.tar.gz"
 tar -czf "$archive" "${present[@]}"
 echo "gpu_eval: $mode exited with $status after $(( $(date +%s) - start_epoch ))s; wrote $archive"
-tail -5 "eval/results/logs/$mode.log" || true
+if [ "$mode" = eval ]; then tail -5 "$results/logs/eval.log" || true; else tail -5 eval/results/logs/fidelity.log || true; fi
 exit "$status"

@@ -236,3 +236,31 @@ def test_report_pools_the_test_chromosomes_when_present(tmp_path):
     _write(tmp_path / "quality.csv", undefined)
     section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
     assert "| n/a [-0.0040, +0.0030] | 727 | 2181 | n/a |" in section  # no verdict on an undefined drop
+
+
+def test_report_reads_the_pooled_table_from_a_separate_heldout_run(tmp_path):
+    """The held-out run may write its own directory (eval/results/heldout) so that the main run keeps its sweeps:
+    the pooled table then comes from there, names that run, and the main run's own pooled columns win when present."""
+    main_rows = [_quality_row("enformer", "exact", "exact", "nan", 0.0, 0.0, method="exact"),
+                 _quality_row("enformer", "default", "default r8 b4", 2.0**-5, 0.006, 0.1)]  # fmt: skip
+    _write(tmp_path / "quality.csv", main_rows)
+    (tmp_path / "heldout").mkdir()
+    heldout = [dict(r, auroc_drop_chr22=0.002, auroc_drop_pooled=0.0041, auroc_drop_pooled_low=-0.001,
+                    auroc_drop_pooled_high=0.009, positives_pooled=727, variants_pooled=2181)
+               for r in main_rows]  # fmt: skip
+    _write(tmp_path / "heldout" / "quality.csv", heldout)
+    run = {"date": "2026-12-01T02:00:00+00:00", "commit": "abc1234", "device": "cuda (NVIDIA H200)", "seconds": 512.0,
+           "argv": ["--test-chromosomes", "X", "22"], "skipped": ["alphagenome paired_tau: time budget"]}  # fmt: skip
+    (tmp_path / "heldout" / "eval_run.json").write_text(json.dumps(run))
+    section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
+    assert "From a separate run in `heldout/`" in section and "commit abc1234" in section
+    assert "Skipped by its time budget: alphagenome paired_tau: time budget." in section
+    assert "| enformer | default r8 b4 | 0.03125 | +0.0060 | +0.0020 | +0.0041 [-0.0010, +0.0090] | 727 | 2181 | " \
+           "**BREACH: AUROC drop > 0.004** |" in section  # fmt: skip
+    assert section.count("| enformer |") == 1  # the exact row is not a setting to judge
+    # the main run's own pooled columns take precedence over the separate run
+    _write(tmp_path / "quality.csv", [dict(r, auroc_drop_chr22=0.0, auroc_drop_pooled=0.001, auroc_drop_pooled_low=0.0,
+                                           auroc_drop_pooled_high=0.002, positives_pooled=1, variants_pooled=3)
+                                      for r in main_rows])  # fmt: skip
+    section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
+    assert "separate run" not in section and "| +0.0010 [+0.0000, +0.0020] | 1 | 3 | within target |" in section

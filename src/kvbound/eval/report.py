@@ -275,10 +275,22 @@ def _noise_section(add, quality: list[dict], effects: list[dict] | None = None) 
     _float32_paragraph(add, rows, errors)
 
 
-def _pooled_section(add, quality: list[dict]) -> None:
+def _pooled_section(add, quality: list[dict], heldout: Path | None = None) -> None:
     """With ``kvbound eval --test-chromosomes X 22``: every compressed setting's AUROC drop on chrX's test split,
-    on the held-out chromosomes and pooled over all of them (the larger sample, judged against the target)."""
+    on the held-out chromosomes and pooled over all of them (the larger sample, judged against the target).
+
+    The rows come from this run's ``quality.csv`` when it has the pooled columns, otherwise from the separate
+    held-out run in ``heldout`` (``eval/results/heldout/``), whose run is then named."""
     rows = [row for row in quality if row["method"] != "exact" and row.get("auroc_drop_pooled") not in (None, "")]
+    source = None
+    if not rows and heldout is not None:
+        rows = [
+            row
+            for row in _rows(heldout / "quality.csv")
+            if row["method"] != "exact" and row.get("auroc_drop_pooled") not in (None, "")
+        ]
+        run_path = heldout / "eval_run.json"
+        source = json.loads(run_path.read_text()) if run_path.exists() else {}
     if not rows:
         return
     extra = sorted(
@@ -294,6 +306,14 @@ def _pooled_section(add, quality: list[dict]) -> None:
         f"({AUROC_DROP_TARGET})."
     )
     add("")
+    if source is not None:
+        add(
+            f"From a separate run in `{heldout.name}/` beside these results ({source.get('date', '?')}, commit "
+            f"{source.get('commit', '?')}, {source.get('device', '?')}, {source.get('seconds', '?')} s; arguments: "
+            f"{' '.join(source.get('argv', []))}), so that this run's sweeps keep their time budget."
+            + (f" Skipped by its time budget: {'; '.join(source['skipped'])}." if source.get("skipped") else "")
+        )
+        add("")
     table = []
     for row in rows:
         pooled = _float(row["auroc_drop_pooled"])
@@ -492,7 +512,7 @@ def render(results: Path) -> str:
             )
         )
     add("")
-    _pooled_section(add, quality)
+    _pooled_section(add, quality, results / "heldout")
     _noise_section(add, quality, _rows(results / "effects.csv"))
 
     # ---------------------------------------------------------------- ablation
