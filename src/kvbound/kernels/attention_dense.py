@@ -122,10 +122,19 @@ def _attention_dense_inner(
             else:
                 k = tl.load(k_ptrs)
         if RELATIVE == 2:
-            # The next tile's runs are read now, so that their loads overlap this tile.
-            next_first, next_last = relative_runs_bounds(
-                relative_runs, row_start, start_n + BLOCK_N, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
-            )
+            if RUN_SPAN > 0:
+                # The next tile's runs are read now, so that their loads overlap this tile.
+                next_first, next_last = relative_runs_bounds(
+                    relative_runs, row_start, start_n + BLOCK_N, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+                )
+            else:
+                # With the inner loop over runs, this tile's own: read one tile ahead and carried into the inner
+                # loop's bounds they gave wrong outputs on an H200 (Triton 3.6; error 3.7 against float64 in
+                # test_gpu_runs_bf16_ragged_causal_and_inner_loop), read here they do not (1.1e-2, as the keys).
+                first_run, last_run = relative_runs_bounds(
+                    relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+                )
+                next_first, next_last = first_run, last_run
             relative = relative_runs_tile(
                 relative_head,
                 stride_rel_row,
