@@ -212,8 +212,10 @@ def test_report_pools_the_test_chromosomes_when_present(tmp_path):
     pooled = {"default r8 b4": (0.001, 0.0035, -0.001, 0.008), "tau 2^-7": (-0.002, -0.0005, -0.004, 0.003)}
     blank = dict.fromkeys(("auroc_drop_chr22", "auroc_drop_pooled", "auroc_drop_pooled_low", "auroc_drop_pooled_high",
                            "positives_pooled", "variants_pooled"), "")  # fmt: skip
+    pearson_22 = {"exact": 0.8, "default r8 b4": 0.796, "tau 2^-7": 0.8}
     extended = [
-        dict(r, **blank) if r["method"] == "exact" else dict(r, auroc_drop_chr22=pooled[r["setting"]][0],
+        dict(r, **blank, pearson_expression_chr22=0.8) if r["method"] == "exact"
+        else dict(r, auroc_drop_chr22=pooled[r["setting"]][0], pearson_expression_chr22=pearson_22[r["setting"]],
                                              auroc_drop_pooled=pooled[r["setting"]][1],
                                              auroc_drop_pooled_low=pooled[r["setting"]][2],
                                              auroc_drop_pooled_high=pooled[r["setting"]][3],
@@ -223,10 +225,11 @@ def test_report_pools_the_test_chromosomes_when_present(tmp_path):
     _write(tmp_path / "quality.csv", extended)
     text = report.render(tmp_path)
     section = text.split("### Pooled over the test chromosomes")[1].split("\n#")[0]
-    assert "| dAUROC chrX test | dAUROC chr22 | dAUROC pooled |" in section
-    assert "| enformer | default r8 b4 | 0.03125 | +0.0060 | +0.0010 | +0.0035 [-0.0010, +0.0080] | 727 | 2181 | " \
-           "within target |" in section  # fmt: skip
-    assert "| enformer | tau 2^-7 | 0.00781 | +0.0010 | -0.0020 | -0.0005 [-0.0040, +0.0030] |" in section
+    assert "| dAUROC chrX test | dAUROC chr22 | dPearson expr % chr22 | dAUROC pooled |" in section
+    # the chr22 Pearson drop is relative to the exact row's: (0.8 - 0.796) / 0.8 = 0.5 %
+    assert "| enformer | default r8 b4 | 0.03125 | +0.0060 | +0.0010 | +0.500 | +0.0035 [-0.0010, +0.0080] | 727 | " \
+           "2181 | within target |" in section  # fmt: skip
+    assert "| enformer | tau 2^-7 | 0.00781 | +0.0010 | -0.0020 | +0.000 | -0.0005 [-0.0040, +0.0030] |" in section
     assert "BREACH" not in section
     breach = [dict(r, auroc_drop_pooled=0.0045) if r["setting"] == "tau 2^-7" else r for r in extended]
     _write(tmp_path / "quality.csv", breach)
@@ -255,8 +258,8 @@ def test_report_reads_the_pooled_table_from_a_separate_heldout_run(tmp_path):
     section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
     assert "From a separate run in `heldout/`" in section and "commit abc1234" in section
     assert "Skipped by its time budget: alphagenome paired_tau: time budget." in section
-    assert "| enformer | default r8 b4 | 0.03125 | +0.0060 | +0.0020 | +0.0041 [-0.0010, +0.0090] | 727 | 2181 | " \
-           "**BREACH: AUROC drop > 0.004** |" in section  # fmt: skip
+    assert "| enformer | default r8 b4 | 0.03125 | +0.0060 | +0.0020 | n/a | +0.0041 [-0.0010, +0.0090] | 727 | 2181 " \
+           "| **BREACH: AUROC drop > 0.004** |" in section  # fmt: skip (no chr22 Pearson in these rows: n/a)
     assert section.count("| enformer |") == 1  # the exact row is not a setting to judge
     # the main run's own pooled columns take precedence over the separate run
     _write(tmp_path / "quality.csv", [dict(r, auroc_drop_chr22=0.0, auroc_drop_pooled=0.001, auroc_drop_pooled_low=0.0,
@@ -264,3 +267,24 @@ def test_report_reads_the_pooled_table_from_a_separate_heldout_run(tmp_path):
                                       for r in main_rows])  # fmt: skip
     section = report.render(tmp_path).split("### Pooled over the test chromosomes")[1].split("\n#")[0]
     assert "separate run" not in section and "| +0.0010 [+0.0000, +0.0020] | 1 | 3 | within target |" in section
+
+
+def test_pooled_variant_tau_takes_the_largest_tau_within_target_on_every_model():
+    """The tau rule on the variant-scoring rows (anchored to changes, float32 K/V), judged on the pooled drop: a
+    tau breached by one model, or run on only one, does not qualify; rows scored otherwise are not read."""
+
+    def row(model, tau, pooled, anchored="changes", storage="float32", pearson=0.0):
+        return dict(_quality_row(model, "paired_tau", f"tau {tau}", tau, 0.0, pearson), anchored=anchored,
+                    kv_storage=storage, auroc_drop_pooled=pooled)  # fmt: skip
+
+    rows = [row("enformer", 2.0**-4, 0.001), row("alphagenome", 2.0**-4, 0.0045),  # breach on one model
+            row("enformer", 2.0**-5, -0.002), row("alphagenome", 2.0**-5, 0.0028),
+            row("enformer", 2.0**-6, 0.0),
+            row("enformer", 2.0**-3, 0.0, anchored="codes"), row("alphagenome", 2.0**-3, 0.0, storage="bfloat16")]
+    tau, texts = report.pooled_variant_tau(rows)
+    assert tau == 2.0**-5
+    assert texts == ["2^-4: alphagenome +0.0045, enformer +0.0010 (breach)",
+                     "2^-5: alphagenome +0.0028, enformer -0.0020 (within target)",
+                     "2^-6: enformer +0.0000 (within target, not run on every model)"]  # fmt: skip
+    assert report.pooled_variant_tau([dict(r, pearson_mean_drop_pct=0.7) for r in rows[2:4]])[0] is None
+    assert report.pooled_variant_tau([dict(r, auroc_drop_pooled="") for r in rows]) == (None, [])

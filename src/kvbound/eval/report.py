@@ -275,24 +275,67 @@ def _noise_section(add, quality: list[dict], effects: list[dict] | None = None) 
     _float32_paragraph(add, rows, errors)
 
 
+def _pearson_drop_pct(exact: dict | None, row: dict, column: str) -> float:
+    """Relative drop (%) of ``column`` from the exact row to ``row``; NaN without an exact row or value."""
+    if exact is None:
+        return float("nan")
+    base = _float(exact.get(column))
+    return (base - _float(row.get(column))) / base * 100.0 if base == base and base != 0 else float("nan")
+
+
+def _pooled_source(quality: list[dict], heldout: Path | None) -> tuple[list[dict], dict | None]:
+    """The quality rows that hold the pooled columns: this run's, or else the separate held-out run's with its
+    ``eval_run.json`` (``None`` for this run)."""
+    if heldout is None or any(row.get("auroc_drop_pooled") not in (None, "") for row in quality):
+        return quality, None
+    run_path = heldout / "eval_run.json"
+    return _rows(heldout / "quality.csv"), json.loads(run_path.read_text()) if run_path.exists() else {}
+
+
+def pooled_variant_tau(quality: list[dict], heldout: Path | None = None) -> tuple[float | None, list[str]]:
+    """The rule of :func:`choose_tau` on the variant-scoring rows (anchored to changes, K/V encoded from float32,
+    as ``handle.variants()`` in a float32 forward), judged on the pooled AUROC drop over the test chromosomes and
+    the chrX Pearson drops. Returns ``(largest tau within target for every model or None, one text per tau)``."""
+    rows, _ = _pooled_source(quality, heldout)
+    rows = [
+        row
+        for row in rows
+        if row.get("anchored") == "changes" and row.get("kv_storage") == "float32"
+        and row.get("auroc_drop_pooled") not in (None, "")
+    ]  # fmt: skip
+    models = {row["model"] for row in rows}
+    by_tau: dict[float, list[dict]] = {}
+    for row in rows:
+        by_tau.setdefault(_float(row["tau"]), []).append(row)
+    passing, texts = [], []
+    for tau in sorted(by_tau, reverse=True):
+        group = sorted(by_tau[tau], key=lambda r: r["model"])
+        within = all(
+            _float(r["auroc_drop_pooled"]) <= AUROC_DROP_TARGET
+            and _float(r["pearson_mean_drop_pct"]) <= PEARSON_DROP_TARGET_PCT
+            and _float(r["pearson_expression_drop_pct"]) <= PEARSON_DROP_TARGET_PCT
+            for r in group
+        )
+        complete = {r["model"] for r in group} == models
+        if within and complete:
+            passing.append(tau)
+        drops = ", ".join(f"{r['model']} {_fmt(r['auroc_drop_pooled'], 4, True)}" for r in group)
+        state = "within target" if within else "breach"
+        texts.append(f"{_tau_text(tau)}: {drops} ({state}{'' if complete else ', not run on every model'})")
+    return (max(passing) if passing else None), texts
+
+
 def _pooled_section(add, quality: list[dict], heldout: Path | None = None) -> None:
     """With ``kvbound eval --test-chromosomes X 22``: every compressed setting's AUROC drop on chrX's test split,
     on the held-out chromosomes and pooled over all of them (the larger sample, judged against the target).
 
     The rows come from this run's ``quality.csv`` when it has the pooled columns, otherwise from the separate
     held-out run in ``heldout`` (``eval/results/heldout/``), whose run is then named."""
-    rows = [row for row in quality if row["method"] != "exact" and row.get("auroc_drop_pooled") not in (None, "")]
-    source = None
-    if not rows and heldout is not None:
-        rows = [
-            row
-            for row in _rows(heldout / "quality.csv")
-            if row["method"] != "exact" and row.get("auroc_drop_pooled") not in (None, "")
-        ]
-        run_path = heldout / "eval_run.json"
-        source = json.loads(run_path.read_text()) if run_path.exists() else {}
+    all_rows, source = _pooled_source(quality, heldout)
+    rows = [row for row in all_rows if row["method"] != "exact" and row.get("auroc_drop_pooled") not in (None, "")]
     if not rows:
         return
+    exact = {row["model"]: row for row in all_rows if row["method"] == "exact"}
     extra = sorted(
         {key.removeprefix("auroc_drop_chr") for row in rows for key in row if key.startswith("auroc_drop_chr")}
     )
@@ -303,7 +346,8 @@ def _pooled_section(add, quality: list[dict], heldout: Path | None = None) -> No
         + ", ".join(extra)
         + " held out entirely from training (the same simulator, calibrated on chrX). AUROC drops with their 90 % "
         "paired bootstrap interval; the verdict is the pooled drop's against the target "
-        f"({AUROC_DROP_TARGET})."
+        f"({AUROC_DROP_TARGET}). The held-out chromosomes' expression-track Pearson drop (%, exact minus compressed, "
+        "relative) is beside it."
     )
     add("")
     if source is not None:
@@ -322,12 +366,15 @@ def _pooled_section(add, quality: list[dict], heldout: Path | None = None) -> No
         table.append(
             [row["model"], row["setting"], _fmt(row["tau"], 5), _fmt(row["auroc_drop"], 4, True)]
             + [_fmt(row.get(f"auroc_drop_chr{c}"), 4, True) for c in extra]
+            + [_fmt(_pearson_drop_pct(exact.get(row["model"]), row, f"pearson_expression_chr{c}"), 3, True)
+               for c in extra]
             + [_fmt(pooled, 4, True) + interval, row.get("positives_pooled", ""), row.get("variants_pooled", ""),
                "n/a" if pooled != pooled
                else f"**BREACH: AUROC drop > {AUROC_DROP_TARGET}**" if pooled > AUROC_DROP_TARGET
                else "within target"]
         )  # fmt: skip
-    header = ["model", "setting", "tau", "dAUROC chrX test"] + [f"dAUROC chr{c}" for c in extra]
+    header = (["model", "setting", "tau", "dAUROC chrX test"] + [f"dAUROC chr{c}" for c in extra]
+              + [f"dPearson expr % chr{c}" for c in extra])  # fmt: skip
     add(_table(header + ["dAUROC pooled", "positives", "variants", "verdict"], table))
     add("")
 
@@ -638,6 +685,17 @@ def render(results: Path) -> str:
                 + ("; the `paired_tau` rows of the table above score variants the same way at smaller tau."
                    if anchored_sweep else "; no anchored tau sweep is in this run.")
             )
+        variant_tau, texts = pooled_variant_tau(quality, results / "heldout")
+        if texts:
+            add("")
+            add(
+                "The same rule on the variant-scoring rows (anchored to changes, K/V encoded from float32: what "
+                "`handle.variants()` does in a float32 forward), judged on the AUROC drop pooled over the test "
+                f"chromosomes (table above) and chrX's Pearson drops: {'; '.join(texts)}. "
+                + (f"Largest tau within both targets for every model: {_tau_text(variant_tau)}"
+                   + (", the shipped default." if variant_tau in defaults else ".")
+                   if variant_tau is not None else "No tau keeps every model within both targets.")
+            )  # fmt: skip
     if (results / "pareto.png").exists():
         add("")
         add("![compression ratio against quality loss](eval/results/pareto.png)")
