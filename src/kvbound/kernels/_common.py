@@ -145,10 +145,9 @@ def softmax_step(
 
     Returns ``(p, alpha, new_max, new_sum)``: ``p = exp2(logits - new_max)`` (float32) and the factor
     ``alpha`` that rescales what was accumulated under the previous maximum. With ``FIXED_MAX`` the maximum
-    is the constant ``running_max`` the kernel started with, ``alpha`` is 1 and callers skip the rescaling.
+    is the constant ``running_max`` the kernel started with (the soft-cap's, or the compressed kernel's bound on
+    each row's logits), ``alpha`` is 1 and callers skip the rescaling.
     """
-    if FIXED_MAX:
-        tl.static_assert(SOFTCAP, "a fixed maximum needs the soft-cap's bound on the logits")
     if HAS_BIAS or SOFTCAP or MASK:
         x = finish_logits(
             x,
@@ -177,6 +176,9 @@ def softmax_step(
         p = tl.math.exp2(x - safe_max[:, None])
     else:
         # Plain tile: fold the row multiplier into the subtraction (one FMA per element).
+        if FIXED_MAX:
+            p = tl.math.exp2(x * row_mult[:, None] - running_max[:, None])
+            return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
         new_max = tl.maximum(running_max, tl.max(x, 1) * row_mult)
         safe_max = new_max
         p = tl.math.exp2(x * row_mult[:, None] - safe_max[:, None])

@@ -763,7 +763,13 @@ def _compressed_tile(
     )
     # ---- values: O += P (C_v P_v + R_v) ----
     v_meta = v_meta_base + start_n // BLOCK_SIZE_V
-    p_op = _to_operand(p, FP32)
+    if V_coeff_head.dtype.element_ty == tl.bfloat16:
+        # Bounded maximum (the launcher passes bfloat16 V coefficients only then): P spans far more than float16's
+        # range, so P and the coefficients enter the product in bfloat16; there is no V residual in such a launch.
+        tl.static_assert(not V_RESIDUAL and not V_PER_BLOCK and not FP32)
+        p_op = p.to(tl.bfloat16)
+    else:
+        p_op = _to_operand(p, FP32)
     if V_PER_BLOCK:
         if not FIXED_MAX:
             accumulator = accumulator * alpha[:, None]
@@ -826,7 +832,12 @@ def _compressed_tile(
             )
             if not FIXED_MAX:
                 rank_accumulator = rank_accumulator * alpha[:, None]
-            rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION)
+            if V_coeff_head.dtype.element_ty == tl.bfloat16:
+                rank_accumulator = tl.dot(p_op, coeffs_v, rank_accumulator)
+            else:
+                rank_accumulator = tl.dot(
+                    p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION
+                )
         if V_RESIDUAL and V_UNIFORM_BITS > 0:
             if not FIXED_MAX:
                 safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
@@ -1095,6 +1106,11 @@ def _attention_compressed_inner(
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
 
+# A bounded-maximum program whose smallest row sum ends below this redoes its keys with the running maximum: a sum
+# of at least 2**-60 (over at most 2**31 keys) puts each row's largest P above 2**-91, so every P within 2**-35 of it
+# is a normal float32 / bfloat16 number.
+BOUND_RETRY_SUM = tl.constexpr(2.0**-60)
+
 # ----------------------------------------------------------------------------------------------- autotune
 # Causal split launches (PASS 1 and 2) end their runs at a boundary of this many rows, whatever each pass's BLOCK_M
 # (every tile shape's BLOCK_M divides it).
@@ -1196,6 +1212,7 @@ COMPRESSED_TUNE_KEY = [
     "BIAS_TILE",
     "SOFTCAP",
     "FIXED_MAX",
+    "BOUNDED",
     "CAUSAL",
     "RELATIVE",
 ]
@@ -1233,6 +1250,7 @@ def _attention_compressed_fwd(
     RelKeys,
     RelContentBias,
     RelPositionBias,
+    KBound,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -1297,6 +1315,7 @@ def _attention_compressed_fwd(
     BIAS_TILE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    BOUNDED: tl.constexpr,
     CAUSAL: tl.constexpr,
     RELATIVE: tl.constexpr,
     FP32: tl.constexpr,
@@ -1306,6 +1325,13 @@ def _attention_compressed_fwd(
     BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(PASS == 0 or PASS == 1 or PASS == 2)
+    if BOUNDED:
+        tl.static_assert(
+            not (K_RESIDUAL or V_RESIDUAL or K_PER_BLOCK or V_PER_BLOCK or HAS_BIAS or SOFTCAP or RELATIVE)
+            and RANK_K > 0 and RANK_V > 0,
+            "a bounded maximum needs a launch of shared-basis low-rank tiles without residual, bias, soft-cap or "
+            "relative positions",
+        )
     tl.static_assert(PASS != 1 or not (K_RESIDUAL or V_RESIDUAL), "pass 1 is compiled without residual code")
     if RELATIVE:
         tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
@@ -1404,240 +1430,160 @@ def _attention_compressed_fwd(
     else:
         bias_rows = q_rows
 
-    if FIXED_MAX:
+    if BOUNDED:
+        # A bound on every row's logits from the rank-space query and the box of the head's key coefficients
+        # (Qp . c <= sum_r max(Qp_r cmax_r, Qp_r cmin_r)), used as a constant maximum: no row maximum is tracked
+        # and nothing is rescaled. P = exp2(x - bound) may then lie far below 1, so it enters the value product in
+        # bfloat16 (float32 with float32 operands), whose range holds any gap up to about 2**-100.
+        offs_rk = tl.arange(0, RK_PAD)
+        bound_head = KBound + (batch * H_KV + kv_head) * (2 * RANK_K)
+        k_max = tl.load(bound_head + offs_rk, mask=offs_rk < RANK_K, other=0.0)
+        k_min = tl.load(bound_head + RANK_K + offs_rk, mask=offs_rk < RANK_K, other=0.0)
+        start_max = tl.sum(tl.maximum(query_rank_f32 * k_max[None, :], query_rank_f32 * k_min[None, :]), 1)
+    elif FIXED_MAX:
         # The soft-cap bounds every logit: a constant maximum, nothing is ever rescaled.
-        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
-        accumulator_max = running_max
+        start_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
     else:
-        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-        # Reference maximum of the deferred-rescaled accumulator: -inf until a residual V tile arrives, so that
-        # the catch-up factor exp2(accumulator_max - max) is 0 (never inf) for an accumulator that is still zero.
-        accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        start_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    running_max = start_max
+    accumulator_max = start_max
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
+    # With BOUNDED a second attempt, with the running maximum, runs for a program in which some row's sum ended
+    # below BOUND_RETRY_SUM: its bound overshot the true maximum by so much that P could have lost precision.
+    for attempt in tl.static_range(1 + BOUNDED):
+        if attempt == 0:
+            go = True
+        else:
+            go = tl.min(running_sum, 0) < BOUND_RETRY_SUM
+        if go:
+            if FIXED_MAX or (BOUNDED and attempt == 0):
+                running_max = start_max
+                accumulator_max = running_max
+            else:
+                running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+                # Reference maximum of the deferred-rescaled accumulator: -inf until a residual V tile arrives, so
+                # that the catch-up factor exp2(accumulator_max - max) is 0 (never inf) for an accumulator that is
+                # still zero.
+                accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+            rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
 
-    # ---- key loops. Each head's super-blocks (SUPER_BLOCK keys, the larger codec block) form runs of
-    # consecutive low-rank-only super-blocks and runs of super-blocks with a residual in K or V (Runs holds
-    # the starts and ends of each kind, RunCounts the run counts; RUN_KINDS 3 splits residual runs into
-    # uniform and general ones, see block_runs). Loop A walks the low-rank runs with no residual code
-    # compiled in (the rank-space fast path); loop B1 the uniform runs (compile-time width, no branch per
-    # tile); loop B2 the general residual runs; loop C the masked tail (ragged last tile, causal diagonal).
-    # Softmax accumulation is order-independent, and each run is a plain range loop that the software
-    # pipeliner can prefetch. PASS splits the work over two launches (``split`` in the launcher): 1 walks loop A
-    # only, in a kernel compiled without residual code (its own tile shape and registers), 2 the other loops;
-    # the launcher merges the two partial results by their log-sum-exp. 0: everything in one launch. ----
-    unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
-    if CAUSAL and PASS != 0:
-        # The two passes of a split launch are tuned apart and may pick different BLOCK_M; where the runs end and
-        # the masked tail begins must not depend on it, or a row would lose or repeat key tiles. So the split
-        # passes take it from the row group of SPLIT_ROWS (a multiple of every BLOCK_M) holding the tile.
-        tl.static_assert(SPLIT_ROWS % BLOCK_M == 0)
-        unmasked_end, _ = key_loop_bounds(
-            (row_start // SPLIT_ROWS) * SPLIT_ROWS, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL
-        )
-    full_super = unmasked_end // SUPER_BLOCK
-    runs_row = Runs + pid_bh.to(tl.int64) * (2 * RUN_KINDS * NUM_SUPER)
-    counts_row = RunCounts + pid_bh.to(tl.int64) * RUN_KINDS
-    if (K_RESIDUAL or V_RESIDUAL or PASS == 1) and PASS != 2:
-        for run in range(0, tl.load(counts_row)):
-            run_lo = tl.load(runs_row + run)
-            run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
-            accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-                accumulator,
-                accumulator_max,
-                rank_accumulator,
-                running_sum,
-                running_max,
-                q_op,
-                q_res_mult,
-                query_rank,
-                query_rank_lo,
-                query_rank_mult,
-                K_coeff_head,
-                k_coeff_desc,
-                K_basis,
-                K_mode,
-                K_scale,
-                K_bits,
-                K_offset,
-                K_codes,
-                K_raw,
-                V_coeff_head,
-                v_coeff_desc,
-                V_basis,
-                V_mode,
-                V_scale,
-                V_bits,
-                V_offset,
-                V_codes,
-                V_raw,
-                stride_kcn,
-                stride_kcr,
-                stride_vcn,
-                stride_vcr,
-                k_meta_base,
-                v_meta_base,
-                bias_rows,
-                stride_bk,
-                row_query,
-                row_valid,
-                run_lo * SUPER_BLOCK,
-                run_hi * SUPER_BLOCK,
-                N_K,
-                bias_mult,
-                softcap_log2,
-                HEAD_DIM_K,
-                HEAD_DIM_V,
-                DK_PAD,
-                DV_PAD,
-                RANK_K,
-                RANK_V,
-                RK_PAD,
-                RV_PAD,
-                BLOCK_SIZE_K,
-                BLOCK_SIZE_V,
-                K_PER_BLOCK,
-                V_PER_BLOCK,
-                False,
-                False,
-                SPLIT_RANK,
-                BLOCK_M,
-                BLOCK_N,
-                HAS_BIAS,
-                SOFTCAP,
-                CAUSAL,
-                False,
-                FP32,
-                PRECISION,
-                USE_TMA,
-                False,
-                BIAS_TILE,
-                FIXED_MAX,
-                q_position,
-                relative_head,
-                stride_rh_row,
-                stride_rh_d,
-                row_start,
-                N_Q,
-                N_Q + N_K - 1,
-                logit_mult,
-                RELATIVE,
-                0,
-                0,
-                K_PLANES,
-                V_PLANES,
-            )
-    elif PASS == 0:
-        # Nothing to skip: one plain loop over every full super-block.
-        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-            accumulator,
-            accumulator_max,
-            rank_accumulator,
-            running_sum,
-            running_max,
-            q_op,
-            q_res_mult,
-            query_rank,
-            query_rank_lo,
-            query_rank_mult,
-            K_coeff_head,
-            k_coeff_desc,
-            K_basis,
-            K_mode,
-            K_scale,
-            K_bits,
-            K_offset,
-            K_codes,
-            K_raw,
-            V_coeff_head,
-            v_coeff_desc,
-            V_basis,
-            V_mode,
-            V_scale,
-            V_bits,
-            V_offset,
-            V_codes,
-            V_raw,
-            stride_kcn,
-            stride_kcr,
-            stride_vcn,
-            stride_vcr,
-            k_meta_base,
-            v_meta_base,
-            bias_rows,
-            stride_bk,
-            row_query,
-            row_valid,
-            0,
-            full_super * SUPER_BLOCK,
-            N_K,
-            bias_mult,
-            softcap_log2,
-            HEAD_DIM_K,
-            HEAD_DIM_V,
-            DK_PAD,
-            DV_PAD,
-            RANK_K,
-            RANK_V,
-            RK_PAD,
-            RV_PAD,
-            BLOCK_SIZE_K,
-            BLOCK_SIZE_V,
-            K_PER_BLOCK,
-            V_PER_BLOCK,
-            False,
-            False,
-            SPLIT_RANK,
-            BLOCK_M,
-            BLOCK_N,
-            HAS_BIAS,
-            SOFTCAP,
-            CAUSAL,
-            False,
-            FP32,
-            PRECISION,
-            USE_TMA,
-            False,
-            BIAS_TILE,
-            FIXED_MAX,
-            q_position,
-            relative_head,
-            stride_rh_row,
-            stride_rh_d,
-            row_start,
-            N_Q,
-            N_Q + N_K - 1,
-            logit_mult,
-            RELATIVE,
-            0,
-            0,
-            K_PLANES,
-            V_PLANES,
-        )
-    if K_RESIDUAL or V_RESIDUAL:
-        if K_RESIDUAL and not K_PER_BLOCK:
-            # Rebuilt here rather than kept live through loop A, which does not need it.
-            q_op, q_res_mult = _query_operand(
-                q_rows,
-                stride_qd,
-                row_valid,
-                logit_mult,
-                HEAD_DIM_K,
-                DK_PAD,
-                BLOCK_M,
-                FP32,
-                query_scale,
-                content_bias_head,
-                RELATIVE,
-                K_PLANES,
-            )
-        if RUN_KINDS == 3:
-            # Uniform runs: every block low-rank or packed at the compile-time widths, decoded with no branch
-            # per tile.
-            for run in range(0, tl.load(counts_row + 1)):
-                run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
-                run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
+            # ---- key loops. Each head's super-blocks (SUPER_BLOCK keys, the larger codec block) form runs of
+            # consecutive low-rank-only super-blocks and runs of super-blocks with a residual in K or V (Runs holds
+            # the starts and ends of each kind, RunCounts the run counts; RUN_KINDS 3 splits residual runs into
+            # uniform and general ones, see block_runs). Loop A walks the low-rank runs with no residual code
+            # compiled in (the rank-space fast path); loop B1 the uniform runs (compile-time width, no branch per
+            # tile); loop B2 the general residual runs; loop C the masked tail (ragged last tile, causal diagonal).
+            # Softmax accumulation is order-independent, and each run is a plain range loop that the software
+            # pipeliner can prefetch. PASS splits the work over two launches (``split`` in the launcher): 1 walks loop A
+            # only, in a kernel compiled without residual code (its own tile shape and registers), 2 the other loops;
+            # the launcher merges the two partial results by their log-sum-exp. 0: everything in one launch. ----
+            unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+            if CAUSAL and PASS != 0:
+                # The two passes of a split launch are tuned apart and may pick different BLOCK_M; where the runs end and
+                # the masked tail begins must not depend on it, or a row would lose or repeat key tiles. So the split
+                # passes take it from the row group of SPLIT_ROWS (a multiple of every BLOCK_M) holding the tile.
+                tl.static_assert(SPLIT_ROWS % BLOCK_M == 0)
+                unmasked_end, _ = key_loop_bounds(
+                    (row_start // SPLIT_ROWS) * SPLIT_ROWS, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL
+                )
+            full_super = unmasked_end // SUPER_BLOCK
+            runs_row = Runs + pid_bh.to(tl.int64) * (2 * RUN_KINDS * NUM_SUPER)
+            counts_row = RunCounts + pid_bh.to(tl.int64) * RUN_KINDS
+            if (K_RESIDUAL or V_RESIDUAL or PASS == 1) and PASS != 2:
+                for run in range(0, tl.load(counts_row)):
+                    run_lo = tl.load(runs_row + run)
+                    run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
+                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                        accumulator,
+                        accumulator_max,
+                        rank_accumulator,
+                        running_sum,
+                        running_max,
+                        q_op,
+                        q_res_mult,
+                        query_rank,
+                        query_rank_lo,
+                        query_rank_mult,
+                        K_coeff_head,
+                        k_coeff_desc,
+                        K_basis,
+                        K_mode,
+                        K_scale,
+                        K_bits,
+                        K_offset,
+                        K_codes,
+                        K_raw,
+                        V_coeff_head,
+                        v_coeff_desc,
+                        V_basis,
+                        V_mode,
+                        V_scale,
+                        V_bits,
+                        V_offset,
+                        V_codes,
+                        V_raw,
+                        stride_kcn,
+                        stride_kcr,
+                        stride_vcn,
+                        stride_vcr,
+                        k_meta_base,
+                        v_meta_base,
+                        bias_rows,
+                        stride_bk,
+                        row_query,
+                        row_valid,
+                        run_lo * SUPER_BLOCK,
+                        run_hi * SUPER_BLOCK,
+                        N_K,
+                        bias_mult,
+                        softcap_log2,
+                        HEAD_DIM_K,
+                        HEAD_DIM_V,
+                        DK_PAD,
+                        DV_PAD,
+                        RANK_K,
+                        RANK_V,
+                        RK_PAD,
+                        RV_PAD,
+                        BLOCK_SIZE_K,
+                        BLOCK_SIZE_V,
+                        K_PER_BLOCK,
+                        V_PER_BLOCK,
+                        False,
+                        False,
+                        SPLIT_RANK,
+                        BLOCK_M,
+                        BLOCK_N,
+                        HAS_BIAS,
+                        SOFTCAP,
+                        CAUSAL,
+                        False,
+                        FP32,
+                        PRECISION,
+                        USE_TMA,
+                        False,
+                        BIAS_TILE,
+                        FIXED_MAX or (BOUNDED and attempt == 0),
+                        q_position,
+                        relative_head,
+                        stride_rh_row,
+                        stride_rh_d,
+                        row_start,
+                        N_Q,
+                        N_Q + N_K - 1,
+                        logit_mult,
+                        RELATIVE,
+                        0,
+                        0,
+                        K_PLANES,
+                        V_PLANES,
+                    )
+            elif PASS == 0:
+                # Nothing to skip: one plain loop over every full super-block.
                 accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
                     accumulator,
                     accumulator_max,
@@ -1677,8 +1623,8 @@ def _attention_compressed_fwd(
                     stride_bk,
                     row_query,
                     row_valid,
-                    run_lo * SUPER_BLOCK,
-                    run_hi * SUPER_BLOCK,
+                    0,
+                    full_super * SUPER_BLOCK,
                     N_K,
                     bias_mult,
                     softcap_log2,
@@ -1694,8 +1640,8 @@ def _attention_compressed_fwd(
                     BLOCK_SIZE_V,
                     K_PER_BLOCK,
                     V_PER_BLOCK,
-                    FAST_BITS_K > 0,
-                    FAST_BITS_V > 0,
+                    False,
+                    False,
                     SPLIT_RANK,
                     BLOCK_M,
                     BLOCK_N,
@@ -1708,7 +1654,7 @@ def _attention_compressed_fwd(
                     USE_TMA,
                     False,
                     BIAS_TILE,
-                    FIXED_MAX,
+                    FIXED_MAX or (BOUNDED and attempt == 0),
                     q_position,
                     relative_head,
                     stride_rh_row,
@@ -1718,186 +1664,294 @@ def _attention_compressed_fwd(
                     N_Q + N_K - 1,
                     logit_mult,
                     RELATIVE,
-                    FAST_BITS_K,
-                    FAST_BITS_V,
+                    0,
+                    0,
                     K_PLANES,
                     V_PLANES,
                 )
-        for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
-            run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
-            run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
-            accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-                accumulator,
-                accumulator_max,
-                rank_accumulator,
-                running_sum,
-                running_max,
-                q_op,
-                q_res_mult,
-                query_rank,
-                query_rank_lo,
-                query_rank_mult,
-                K_coeff_head,
-                k_coeff_desc,
-                K_basis,
-                K_mode,
-                K_scale,
-                K_bits,
-                K_offset,
-                K_codes,
-                K_raw,
-                V_coeff_head,
-                v_coeff_desc,
-                V_basis,
-                V_mode,
-                V_scale,
-                V_bits,
-                V_offset,
-                V_codes,
-                V_raw,
-                stride_kcn,
-                stride_kcr,
-                stride_vcn,
-                stride_vcr,
-                k_meta_base,
-                v_meta_base,
-                bias_rows,
-                stride_bk,
-                row_query,
-                row_valid,
-                run_lo * SUPER_BLOCK,
-                run_hi * SUPER_BLOCK,
-                N_K,
-                bias_mult,
-                softcap_log2,
-                HEAD_DIM_K,
-                HEAD_DIM_V,
-                DK_PAD,
-                DV_PAD,
-                RANK_K,
-                RANK_V,
-                RK_PAD,
-                RV_PAD,
-                BLOCK_SIZE_K,
-                BLOCK_SIZE_V,
-                K_PER_BLOCK,
-                V_PER_BLOCK,
-                K_RESIDUAL,
-                V_RESIDUAL,
-                SPLIT_RANK,
-                BLOCK_M,
-                BLOCK_N,
-                HAS_BIAS,
-                SOFTCAP,
-                CAUSAL,
-                False,
-                FP32,
-                PRECISION,
-                USE_TMA,
-                PREDICATED_RESIDUAL,
-                BIAS_TILE,
-                FIXED_MAX,
-                q_position,
-                relative_head,
-                stride_rh_row,
-                stride_rh_d,
-                row_start,
-                N_Q,
-                N_Q + N_K - 1,
-                logit_mult,
-                RELATIVE,
-                0,
-                0,
-                K_PLANES,
-                V_PLANES,
-            )
-    if PASS != 1:
-        # the masked tail (the residual-capable launch's when the work is split)
-        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-            accumulator,
-            accumulator_max,
-            rank_accumulator,
-            running_sum,
-            running_max,
-            q_op,
-            q_res_mult,
-            query_rank,
-            query_rank_lo,
-            query_rank_mult,
-            K_coeff_head,
-            k_coeff_desc,
-            K_basis,
-            K_mode,
-            K_scale,
-            K_bits,
-            K_offset,
-            K_codes,
-            K_raw,
-            V_coeff_head,
-            v_coeff_desc,
-            V_basis,
-            V_mode,
-            V_scale,
-            V_bits,
-            V_offset,
-            V_codes,
-            V_raw,
-            stride_kcn,
-            stride_kcr,
-            stride_vcn,
-            stride_vcr,
-            k_meta_base,
-            v_meta_base,
-            bias_rows,
-            stride_bk,
-            row_query,
-            row_valid,
-            full_super * SUPER_BLOCK,
-            end,
-            N_K,
-            bias_mult,
-            softcap_log2,
-            HEAD_DIM_K,
-            HEAD_DIM_V,
-            DK_PAD,
-            DV_PAD,
-            RANK_K,
-            RANK_V,
-            RK_PAD,
-            RV_PAD,
-            BLOCK_SIZE_K,
-            BLOCK_SIZE_V,
-            K_PER_BLOCK,
-            V_PER_BLOCK,
-            K_RESIDUAL,
-            V_RESIDUAL,
-            SPLIT_RANK,
-            BLOCK_M,
-            BLOCK_N,
-            HAS_BIAS,
-            SOFTCAP,
-            CAUSAL,
-            True,
-            FP32,
-            PRECISION,
-            USE_TMA,
-            False,
-            BIAS_TILE,
-            FIXED_MAX,
-            q_position,
-            relative_head,
-            stride_rh_row,
-            stride_rh_d,
-            row_start,
-            N_Q,
-            N_Q + N_K - 1,
-            logit_mult,
-            RELATIVE,
-            0,
-            0,
-            K_PLANES,
-            V_PLANES,
-        )
+            if K_RESIDUAL or V_RESIDUAL:
+                if K_RESIDUAL and not K_PER_BLOCK:
+                    # Rebuilt here rather than kept live through loop A, which does not need it.
+                    q_op, q_res_mult = _query_operand(
+                        q_rows,
+                        stride_qd,
+                        row_valid,
+                        logit_mult,
+                        HEAD_DIM_K,
+                        DK_PAD,
+                        BLOCK_M,
+                        FP32,
+                        query_scale,
+                        content_bias_head,
+                        RELATIVE,
+                        K_PLANES,
+                    )
+                if RUN_KINDS == 3:
+                    # Uniform runs: every block low-rank or packed at the compile-time widths, decoded with no branch
+                    # per tile.
+                    for run in range(0, tl.load(counts_row + 1)):
+                        run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
+                        run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
+                        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                            accumulator,
+                            accumulator_max,
+                            rank_accumulator,
+                            running_sum,
+                            running_max,
+                            q_op,
+                            q_res_mult,
+                            query_rank,
+                            query_rank_lo,
+                            query_rank_mult,
+                            K_coeff_head,
+                            k_coeff_desc,
+                            K_basis,
+                            K_mode,
+                            K_scale,
+                            K_bits,
+                            K_offset,
+                            K_codes,
+                            K_raw,
+                            V_coeff_head,
+                            v_coeff_desc,
+                            V_basis,
+                            V_mode,
+                            V_scale,
+                            V_bits,
+                            V_offset,
+                            V_codes,
+                            V_raw,
+                            stride_kcn,
+                            stride_kcr,
+                            stride_vcn,
+                            stride_vcr,
+                            k_meta_base,
+                            v_meta_base,
+                            bias_rows,
+                            stride_bk,
+                            row_query,
+                            row_valid,
+                            run_lo * SUPER_BLOCK,
+                            run_hi * SUPER_BLOCK,
+                            N_K,
+                            bias_mult,
+                            softcap_log2,
+                            HEAD_DIM_K,
+                            HEAD_DIM_V,
+                            DK_PAD,
+                            DV_PAD,
+                            RANK_K,
+                            RANK_V,
+                            RK_PAD,
+                            RV_PAD,
+                            BLOCK_SIZE_K,
+                            BLOCK_SIZE_V,
+                            K_PER_BLOCK,
+                            V_PER_BLOCK,
+                            FAST_BITS_K > 0,
+                            FAST_BITS_V > 0,
+                            SPLIT_RANK,
+                            BLOCK_M,
+                            BLOCK_N,
+                            HAS_BIAS,
+                            SOFTCAP,
+                            CAUSAL,
+                            False,
+                            FP32,
+                            PRECISION,
+                            USE_TMA,
+                            False,
+                            BIAS_TILE,
+                            FIXED_MAX or (BOUNDED and attempt == 0),
+                            q_position,
+                            relative_head,
+                            stride_rh_row,
+                            stride_rh_d,
+                            row_start,
+                            N_Q,
+                            N_Q + N_K - 1,
+                            logit_mult,
+                            RELATIVE,
+                            FAST_BITS_K,
+                            FAST_BITS_V,
+                            K_PLANES,
+                            V_PLANES,
+                        )
+                for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
+                    run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
+                    run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
+                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                        accumulator,
+                        accumulator_max,
+                        rank_accumulator,
+                        running_sum,
+                        running_max,
+                        q_op,
+                        q_res_mult,
+                        query_rank,
+                        query_rank_lo,
+                        query_rank_mult,
+                        K_coeff_head,
+                        k_coeff_desc,
+                        K_basis,
+                        K_mode,
+                        K_scale,
+                        K_bits,
+                        K_offset,
+                        K_codes,
+                        K_raw,
+                        V_coeff_head,
+                        v_coeff_desc,
+                        V_basis,
+                        V_mode,
+                        V_scale,
+                        V_bits,
+                        V_offset,
+                        V_codes,
+                        V_raw,
+                        stride_kcn,
+                        stride_kcr,
+                        stride_vcn,
+                        stride_vcr,
+                        k_meta_base,
+                        v_meta_base,
+                        bias_rows,
+                        stride_bk,
+                        row_query,
+                        row_valid,
+                        run_lo * SUPER_BLOCK,
+                        run_hi * SUPER_BLOCK,
+                        N_K,
+                        bias_mult,
+                        softcap_log2,
+                        HEAD_DIM_K,
+                        HEAD_DIM_V,
+                        DK_PAD,
+                        DV_PAD,
+                        RANK_K,
+                        RANK_V,
+                        RK_PAD,
+                        RV_PAD,
+                        BLOCK_SIZE_K,
+                        BLOCK_SIZE_V,
+                        K_PER_BLOCK,
+                        V_PER_BLOCK,
+                        K_RESIDUAL,
+                        V_RESIDUAL,
+                        SPLIT_RANK,
+                        BLOCK_M,
+                        BLOCK_N,
+                        HAS_BIAS,
+                        SOFTCAP,
+                        CAUSAL,
+                        False,
+                        FP32,
+                        PRECISION,
+                        USE_TMA,
+                        PREDICATED_RESIDUAL,
+                        BIAS_TILE,
+                        FIXED_MAX or (BOUNDED and attempt == 0),
+                        q_position,
+                        relative_head,
+                        stride_rh_row,
+                        stride_rh_d,
+                        row_start,
+                        N_Q,
+                        N_Q + N_K - 1,
+                        logit_mult,
+                        RELATIVE,
+                        0,
+                        0,
+                        K_PLANES,
+                        V_PLANES,
+                    )
+            if PASS != 1:
+                # the masked tail (the residual-capable launch's when the work is split)
+                accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                    accumulator,
+                    accumulator_max,
+                    rank_accumulator,
+                    running_sum,
+                    running_max,
+                    q_op,
+                    q_res_mult,
+                    query_rank,
+                    query_rank_lo,
+                    query_rank_mult,
+                    K_coeff_head,
+                    k_coeff_desc,
+                    K_basis,
+                    K_mode,
+                    K_scale,
+                    K_bits,
+                    K_offset,
+                    K_codes,
+                    K_raw,
+                    V_coeff_head,
+                    v_coeff_desc,
+                    V_basis,
+                    V_mode,
+                    V_scale,
+                    V_bits,
+                    V_offset,
+                    V_codes,
+                    V_raw,
+                    stride_kcn,
+                    stride_kcr,
+                    stride_vcn,
+                    stride_vcr,
+                    k_meta_base,
+                    v_meta_base,
+                    bias_rows,
+                    stride_bk,
+                    row_query,
+                    row_valid,
+                    full_super * SUPER_BLOCK,
+                    end,
+                    N_K,
+                    bias_mult,
+                    softcap_log2,
+                    HEAD_DIM_K,
+                    HEAD_DIM_V,
+                    DK_PAD,
+                    DV_PAD,
+                    RANK_K,
+                    RANK_V,
+                    RK_PAD,
+                    RV_PAD,
+                    BLOCK_SIZE_K,
+                    BLOCK_SIZE_V,
+                    K_PER_BLOCK,
+                    V_PER_BLOCK,
+                    K_RESIDUAL,
+                    V_RESIDUAL,
+                    SPLIT_RANK,
+                    BLOCK_M,
+                    BLOCK_N,
+                    HAS_BIAS,
+                    SOFTCAP,
+                    CAUSAL,
+                    True,
+                    FP32,
+                    PRECISION,
+                    USE_TMA,
+                    False,
+                    BIAS_TILE,
+                    FIXED_MAX or (BOUNDED and attempt == 0),
+                    q_position,
+                    relative_head,
+                    stride_rh_row,
+                    stride_rh_d,
+                    row_start,
+                    N_Q,
+                    N_Q + N_K - 1,
+                    logit_mult,
+                    RELATIVE,
+                    0,
+                    0,
+                    K_PLANES,
+                    V_PLANES,
+                )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
     if not V_PER_BLOCK:
@@ -2341,6 +2395,7 @@ def attention_compressed_fwd(
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split: bool | None = None,
     lowrank_share: Sequence[float] | Callable[[], Sequence[float]] | None = None,
+    bounded_max: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2375,6 +2430,13 @@ def attention_compressed_fwd(
     super-blocks are low-rank only for K and V alike, as far as ``lowrank_share`` (the share of low-rank-only
     blocks of K and of V, or a function returning it, called with ``residual``'s; -1.0: unknown) proves it. None
     reads it off the modes in ``residual``'s host read when ``residual`` is None too; otherwise no split.
+    ``bounded_max``: in a launch of low-rank tiles alone (no block with a residual, or the low-rank pass of a split)
+    with a shared basis and no bias, soft-cap or relative positions, in bfloat16 or float32, replace the running
+    row maximum by a bound on each row's logits from the rank-space query and the box of the head's key
+    coefficients: no maximum is tracked and nothing is rescaled, and P enters the value product in bfloat16
+    (float32 in float32), whose range holds the gap between the bound and the true maximum. A program in which a
+    row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. None: the environment's
+    ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``; on by default); True / False: always (where it applies) / never.
     """
     setting = split_setting() if split is None else ("on" if split else "off")
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -2513,8 +2575,33 @@ def attention_compressed_fwd(
         )
     else:
         runs = run_counts = _placeholder(q.device, torch.int32)
-    args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, *sizes)
+    args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, None, *sizes)
     constexprs["PASS"] = 0
+    constexprs["BOUNDED"] = False
+    # Launches of low-rank tiles alone (no residual anywhere, or pass 1 of a split) may take the bounded maximum.
+    bounded = (
+        bounded_max is not False
+        and (bounded_max is True or bounded_setting())
+        and k_rank > 0
+        and v_rank > 0
+        and k.shared_basis
+        and v.shared_basis
+        and bias is None
+        and softcap is None
+        and relative is None
+        and (fp32 or q.dtype == torch.bfloat16)
+    )
+
+    def bounded_args(args: tuple) -> tuple:
+        """``args`` for a bounded-maximum launch: the box of each head's K coefficients and, unless everything is
+        float32, the V coefficients in bfloat16 (same strides, so ``sizes`` stays valid)."""
+        coeffs = k.coeffs[..., :k_rank].float()
+        box = torch.stack([coeffs.amax(dim=2), coeffs.amin(dim=2)], dim=2).contiguous()  # [B, Hkv, 2, r]
+        v_arg = args[12]
+        if not fp32:
+            v_arg = torch.empty_strided(v_coeffs.size(), v_coeffs.stride(), dtype=torch.bfloat16, device=q.device)
+            v_arg.copy_(v_coeffs)
+        return (*args[:12], v_arg, *args[13:25], box, *args[26:])
 
     def launch(args, constexprs):
         tune_key = (
@@ -2535,7 +2622,10 @@ def attention_compressed_fwd(
     else:
         split = setting == "on"
     if not (split and (residual[0] or residual[1])):
-        launch(args, constexprs)
+        if bounded and not (residual[0] or residual[1]):
+            launch(bounded_args(args), dict(constexprs, BOUNDED=True))
+        else:
+            launch(args, constexprs)
         return out, lse
     # Both passes whether or not a low-rank run exists (finding out would read the device from the host; without
     # one, pass 1 only writes empty partials).
@@ -2544,8 +2634,8 @@ def attention_compressed_fwd(
         (torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)
     ]
     lowrank = dict(constexprs, K_RESIDUAL=False, V_RESIDUAL=False, FAST_BITS_K=0, FAST_BITS_V=0, K_PLANES=1,
-                   V_PLANES=1, PASS=1)  # fmt: skip
-    launch((*args[:2], *partial[0], *args[4:]), lowrank)
+                   V_PLANES=1, PASS=1, BOUNDED=bounded)  # fmt: skip
+    launch((*args[:2], *partial[0], *(bounded_args(args) if bounded else args)[4:]), lowrank)
     launch((*args[:2], *partial[1], *args[4:]), dict(constexprs, PASS=2))
     return merge_partials(partial, out, lse)
 
@@ -2570,6 +2660,18 @@ def split_setting() -> str:
     if value in ("", "auto"):
         return "auto"
     raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
+
+
+def bounded_setting() -> bool:
+    """``KVBOUND_BOUNDED_MAX``: on (unset, empty, ``1``, ``true``, ``on``, ``yes``) or off (``0``, ``false``,
+    ``off``, ``no``): whether low-rank-only launches use the bounded maximum (``attention_compressed_fwd``'s
+    ``bounded_max``)."""
+    value = os.environ.get("KVBOUND_BOUNDED_MAX", "on").strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
 
 
 def joint_lowrank_share(k: CompressedOperand, v: CompressedOperand, shares: Sequence[float]) -> float:

@@ -1,0 +1,146 @@
+"""The bounded maximum of compressed attention: launches of low-rank tiles alone (no residual anywhere, or the
+low-rank pass of a split) replace the running row maximum by a bound from the rank-space query and the box of the
+head's key coefficients, and put P in a wide-range type (bfloat16; float32 here, in Triton's interpreter). It must
+compute the same attention, fall back to the running maximum where the bound overshoots so far that P would
+underflow, and stay off where it does not apply."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbound import CompressionConfig, calibrate, compress_kv
+from kvbound.attention import attention
+from kvbound.kernels import attention_compressed as kernels
+from kvbound.kernels.attention_compressed import bounded_setting
+from test_attention import check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
+
+
+def _constexprs(monkeypatch) -> list[dict]:
+    """(PASS, BOUNDED) of every kernel launch from now on."""
+    seen: list[dict] = []
+    original = kernels.launch_tuned
+
+    def spy(kernel, tuned, grid, args, constexprs, tune_key, config):
+        seen.append((constexprs["PASS"], constexprs["BOUNDED"]))
+        return original(kernel, tuned, grid, args, constexprs, tune_key, config)
+
+    monkeypatch.setattr(kernels, "launch_tuned", spy)
+    return seen
+
+
+def _lowrank_case(dtype=torch.float32, n=150, seed=3):
+    """K/V within tau of a shared rank-8 basis (every block low rank only), GQA: 4 query heads on 2 K/V heads."""
+    cfg = CompressionConfig(block_size=16, rank=8, tau=0.25)
+    k = structured(1, 2, n, 64, torch.float32, seed, spikes=False)
+    v = structured(1, 2, n, 40, torch.float32, seed + 1, spikes=False)
+    ck = compress_kv(k, cfg, calibrate(k, cfg))
+    cv = compress_kv(v, cfg, calibrate(v, cfg))
+    assert int((ck.mode != 0).sum()) == 0 and int((cv.mode != 0).sum()) == 0
+    q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    return q, ck, cv
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bounded_matches_running_max_and_float64(monkeypatch, causal):
+    q, ck, cv = _lowrank_case()
+    seen = _constexprs(monkeypatch)
+    out, lse = attention(q, ck, cv, causal=causal, return_lse=True)
+    assert seen == [(0, True)]
+    check_against_reference(out, q, ck.decompress(), cv.decompress(), causal=causal)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "0")
+    tracked, tracked_lse = attention(q, ck, cv, causal=causal, return_lse=True)
+    assert seen[-1] == (0, False)
+    assert torch.allclose(out, tracked, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse, tracked_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_bounded_low_rank_pass_of_a_split(monkeypatch):
+    """With residual blocks the residual-capable pass keeps the running maximum; the low-rank pass is bounded."""
+    cfg = CompressionConfig(block_size=16, rank=8)
+    k = structured(1, 2, 200, 64, torch.float32, 1)
+    v = structured(1, 2, 200, 40, torch.float32, 2)
+    ck = compress_kv(k, cfg, calibrate(structured(1, 2, 200, 64, torch.float32, 1, spikes=False), cfg))
+    cv = compress_kv(v, cfg, calibrate(structured(1, 2, 200, 40, torch.float32, 2, spikes=False), cfg))
+    q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(4))
+    seen = _constexprs(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    out = attention(q, ck, cv)
+    assert seen == [(1, True), (2, False)]
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
+
+
+def _far_bound_case():
+    """Keys of rank 2 with coefficients near (+-600, 0) and (0, +-500), queries along (1, 1): the largest logit
+    comes from one axis, but the box bound adds both, about 190 log2 units above the true maximum, so that
+    exp2(x - bound) underflows to 0 in float32."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 64, 16
+    axis = torch.arange(n) % 4
+    coeffs = torch.zeros(n, 2)
+    coeffs[axis == 0, 0], coeffs[axis == 1, 0], coeffs[axis == 2, 1], coeffs[axis == 3, 1] = 600.0, -600.0, 500.0, -500.0
+    coeffs += torch.randn(n, 2, generator=g) * 0.5
+    k = (coeffs @ torch.eye(d)[:2]).reshape(1, 1, n, d)
+    v = (torch.randn(n, 2, generator=g) @ torch.eye(d)[2:4]).reshape(1, 1, n, d)
+    cfg = CompressionConfig(block_size=16, rank=2, tau=1.0)
+    ck = compress_kv(k, cfg, calibrate(k, cfg))
+    cv = compress_kv(v, cfg, calibrate(v, cfg))
+    assert int((ck.mode != 0).sum()) == 0 and int((cv.mode != 0).sum()) == 0
+    q = torch.zeros(1, 1, 16, d)
+    q[..., :2] = 1.0 + torch.rand(1, 1, 16, 2, generator=g) * 0.1
+    return q, ck, cv
+
+
+def test_bounded_falls_back_to_the_running_max_where_the_bound_overshoots(monkeypatch):
+    q, ck, cv = _far_bound_case()
+    seen = _constexprs(monkeypatch)
+    out = attention(q, ck, cv)
+    assert seen == [(0, True)]
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
+    # Without the second attempt the same launch loses every row (P underflows): the fallback is what saves it.
+    monkeypatch.setattr(kernels, "BOUND_RETRY_SUM", 0.0)
+    broken = attention(q, ck, cv)
+    assert not torch.allclose(broken, out, atol=1e-2)
+
+
+def test_bounded_off_where_it_does_not_apply(monkeypatch):
+    q, ck, cv = _lowrank_case()
+    seen = _constexprs(monkeypatch)
+    attention(q.half(), ck, cv)  # float16: P must stay in float16's range, so the running maximum
+    attention(q, ck, cv, bias=torch.zeros(1, 4, 37, 150))
+    attention(q, ck, cv, softcap=20.0)
+    assert [bounded for _, bounded in seen] == [False, False, False]
+
+
+def test_bounded_setting_reads_the_environment(monkeypatch):
+    for value, expected in (("", True), ("on", True), ("1", True), ("off", False), ("0", False), ("no", False)):
+        monkeypatch.setenv("KVBOUND_BOUNDED_MAX", value)
+        assert bounded_setting() is expected
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "maybe")
+    with pytest.raises(ValueError, match="KVBOUND_BOUNDED_MAX: expected one of"):
+        bounded_setting()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bounded_bf16(monkeypatch, d):
+    """bfloat16 on the GPU (P and the V coefficients in bfloat16): against float64 within the 2x criterion, and
+    against the running maximum."""
+    n = 4096
+    cfg = CompressionConfig(block_size=128, rank=8, tau=0.25)
+    k = structured(1, 4, n, d, torch.float32, 7, spikes=False).cuda().bfloat16()
+    v = structured(1, 4, n, d, torch.float32, 8, spikes=False).cuda().bfloat16()
+    ck, cv = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
+    assert int((ck.mode != 0).sum()) == 0 and int((cv.mode != 0).sum()) == 0
+    q = torch.randn(1, 8, n, d, generator=torch.Generator().manual_seed(9)).cuda().bfloat16()
+    seen = _constexprs(monkeypatch)
+    out = attention(q, ck, cv)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "0")
+    tracked = attention(q, ck, cv)
+    assert seen == [(0, True), (0, False)]
+    rows = slice(0, 512)
+    check_against_reference(out[:, :, rows], q[:, :, rows], ck.decompress(), cv.decompress())
+    assert math.isfinite(float(out.float().abs().max()))
+    assert float((out.float() - tracked.float()).abs().max()) <= 4 * 2.0**-8 * float(tracked.float().abs().max())
