@@ -113,6 +113,17 @@ def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: t
 
 
 @triton.jit
+def _load_basis_twice(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The projection ``P`` stacked on itself, [RANK_PAD, D_PAD] with rows ``r`` and ``RANK + r`` both ``P[r]``
+    (zero from ``2 RANK`` on): the basis of packed coefficients ``[hi | lo]`` (``rank_accumulator`` then holds
+    ``P hi`` and ``P lo`` side by side and one product with this sums them)."""
+    offs_r = tl.arange(0, RANK_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    ptrs = basis_ptr + ((offs_r % RANK) * HEAD_DIM)[:, None] + offs_d[None, :]
+    return tl.load(ptrs, mask=(offs_r < 2 * RANK)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
 def _load_coeff_tile(
     coeff_head,
     coeff_desc,
@@ -765,7 +776,8 @@ def _compressed_tile(
     v_meta = v_meta_base + start_n // BLOCK_SIZE_V
     if V_coeff_head.dtype.element_ty == tl.bfloat16:
         # Bounded maximum (the launcher passes bfloat16 V coefficients only then): P spans far more than float16's
-        # range, so P and the coefficients enter the product in bfloat16; there is no V residual in such a launch.
+        # range, so P enters the product in bfloat16, against the coefficients as a bfloat16 pair [hi | lo]; there
+        # is no V residual in such a launch.
         tl.static_assert(not V_RESIDUAL and not V_PER_BLOCK and not FP32)
         p_op = p.to(tl.bfloat16)
     else:
@@ -827,14 +839,22 @@ def _compressed_tile(
                 )
     else:
         if RANK_V > 0:
-            coeffs_v = _load_coeff_tile(
-                V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
-            )
-            if not FIXED_MAX:
-                rank_accumulator = rank_accumulator * alpha[:, None]
             if V_coeff_head.dtype.element_ty == tl.bfloat16:
+                # [hi | lo] bfloat16 coefficients side by side (about 16 bits of the float16 ones)
+                coeffs_v = _load_coeff_tile(
+                    V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, 2 * RANK_V, RV_PAD,
+                    MASK, USE_TMA,
+                )  # fmt: skip
+                if not FIXED_MAX:
+                    rank_accumulator = rank_accumulator * alpha[:, None]
                 rank_accumulator = tl.dot(p_op, coeffs_v, rank_accumulator)
             else:
+                coeffs_v = _load_coeff_tile(
+                    V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK,
+                    USE_TMA,
+                )  # fmt: skip
+                if not FIXED_MAX:
+                    rank_accumulator = rank_accumulator * alpha[:, None]
                 rank_accumulator = tl.dot(
                     p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION
                 )
@@ -1399,9 +1419,14 @@ def _attention_compressed_fwd(
     else:
         k_coeff_desc = K_coeff_head
     if USE_TMA and RANK_V > 0:
-        v_coeff_desc = tl.make_tensor_descriptor(
-            V_coeff_head, shape=[N_K, RANK_V], strides=[stride_vcn, 1], block_shape=[BLOCK_N, RV_PAD]
-        )
+        if V_coeff.dtype.element_ty == tl.bfloat16:
+            v_coeff_desc = tl.make_tensor_descriptor(
+                V_coeff_head, shape=[N_K, 2 * RANK_V], strides=[stride_vcn, 1], block_shape=[BLOCK_N, RV_PAD]
+            )
+        else:
+            v_coeff_desc = tl.make_tensor_descriptor(
+                V_coeff_head, shape=[N_K, RANK_V], strides=[stride_vcn, 1], block_shape=[BLOCK_N, RV_PAD]
+            )
     else:
         v_coeff_desc = V_coeff_head
 
@@ -1959,9 +1984,16 @@ def _attention_compressed_fwd(
             safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
             accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
         if RANK_V > 0:
-            basis_v = _load_basis(
-                V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES
-            )
+            if V_coeff.dtype.element_ty == tl.bfloat16:
+                tl.static_assert(V_PLANES <= 1 and 2 * RANK_V <= RV_PAD)
+                basis_v = _load_basis_twice(
+                    V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
+                )
+            else:
+                basis_v = _load_basis(
+                    V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD,
+                    V_PLANES,
+                )  # fmt: skip
             if FP32:
                 accumulator = tl.dot(rank_accumulator, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
             else:
@@ -2592,16 +2624,23 @@ def attention_compressed_fwd(
         and (fp32 or q.dtype == torch.bfloat16)
     )
 
-    def bounded_args(args: tuple) -> tuple:
-        """``args`` for a bounded-maximum launch: the box of each head's K coefficients and, unless everything is
-        float32, the V coefficients in bfloat16 (same strides, so ``sizes`` stays valid)."""
+    def bounded_args(args: tuple, constexprs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``constexprs`` for a bounded-maximum launch: the box of each head's K coefficients and,
+        unless everything is float32, the V coefficients as a bfloat16 pair ``[hi | lo]`` side by side
+        (``hi + lo`` holds the float16 value to about 16 bits; rows padded to 16 bytes for tensor descriptors),
+        with ``RV_PAD`` wide enough for both."""
         coeffs = k.coeffs[..., :k_rank].float()
         box = torch.stack([coeffs.amax(dim=2), coeffs.amin(dim=2)], dim=2).contiguous()  # [B, Hkv, 2, r]
-        v_arg = args[12]
-        if not fp32:
-            v_arg = torch.empty_strided(v_coeffs.size(), v_coeffs.stride(), dtype=torch.bfloat16, device=q.device)
-            v_arg.copy_(v_coeffs)
-        return (*args[:12], v_arg, *args[13:25], box, *args[26:])
+        if fp32:
+            return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
+        values = v.coeffs[..., :v_rank].float()
+        packed = torch.zeros(*values.shape[:-1], max(8, 2 * v_rank), dtype=torch.bfloat16, device=q.device)
+        packed[..., :v_rank] = values
+        packed[..., v_rank : 2 * v_rank] = values - packed[..., :v_rank].float()
+        at = 26 + 16  # V coefficient strides within sizes (after those of q, bias, out and K coefficients)
+        assert args[at : at + 4] == tuple(v_coeffs.stride())
+        new_args = (*args[:12], packed, *args[13:25], box, *args[26:at], *packed.stride(), *args[at + 4 :])
+        return new_args, dict(constexprs, BOUNDED=True, RV_PAD=max(16, next_power_of_2(2 * v_rank)), V_PLANES=1)
 
     def launch(args, constexprs):
         tune_key = (
@@ -2623,7 +2662,7 @@ def attention_compressed_fwd(
         split = setting == "on"
     if not (split and (residual[0] or residual[1])):
         if bounded and not (residual[0] or residual[1]):
-            launch(bounded_args(args), dict(constexprs, BOUNDED=True))
+            launch(*bounded_args(args, constexprs))
         else:
             launch(args, constexprs)
         return out, lse
@@ -2634,8 +2673,9 @@ def attention_compressed_fwd(
         (torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)
     ]
     lowrank = dict(constexprs, K_RESIDUAL=False, V_RESIDUAL=False, FAST_BITS_K=0, FAST_BITS_V=0, K_PLANES=1,
-                   V_PLANES=1, PASS=1, BOUNDED=bounded)  # fmt: skip
-    launch((*args[:2], *partial[0], *(bounded_args(args) if bounded else args)[4:]), lowrank)
+                   V_PLANES=1, PASS=1)  # fmt: skip
+    lowrank_args = (*args[:2], *partial[0], *args[4:])
+    launch(*(bounded_args(lowrank_args, lowrank) if bounded else (lowrank_args, lowrank)))
     launch((*args[:2], *partial[1], *args[4:]), dict(constexprs, PASS=2))
     return merge_partials(partial, out, lse)
 
