@@ -19,7 +19,9 @@ from test_attention import check_against_reference, structured  # tests/ is on s
 
 
 def _constexprs(monkeypatch) -> list[dict]:
-    """(PASS, BOUNDED) of every kernel launch from now on."""
+    """(PASS, BOUNDED) of every kernel launch from now on, with the bounded maximum on wherever it applies
+    (``KVBOUND_BOUNDED_MAX=on``: by default it starts at ``BOUNDED_MIN_KEYS`` keys, more than these tests use)."""
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
     seen: list[dict] = []
     original = kernels.launch_tuned
 
@@ -80,7 +82,12 @@ def _far_bound_case():
     n, d = 64, 16
     axis = torch.arange(n) % 4
     coeffs = torch.zeros(n, 2)
-    coeffs[axis == 0, 0], coeffs[axis == 1, 0], coeffs[axis == 2, 1], coeffs[axis == 3, 1] = 600.0, -600.0, 500.0, -500.0
+    coeffs[axis == 0, 0], coeffs[axis == 1, 0], coeffs[axis == 2, 1], coeffs[axis == 3, 1] = (
+        600.0,
+        -600.0,
+        500.0,
+        -500.0,
+    )
     coeffs += torch.randn(n, 2, generator=g) * 0.5
     k = (coeffs @ torch.eye(d)[:2]).reshape(1, 1, n, d)
     v = (torch.randn(n, 2, generator=g) @ torch.eye(d)[2:4]).reshape(1, 1, n, d)
@@ -115,12 +122,24 @@ def test_bounded_off_where_it_does_not_apply(monkeypatch):
 
 
 def test_bounded_setting_reads_the_environment(monkeypatch):
-    for value, expected in (("", True), ("on", True), ("1", True), ("off", False), ("0", False), ("no", False)):
+    for value, expected in (("", "auto"), ("auto", "auto"), ("on", "on"), ("1", "on"), ("off", "off"), ("no", "off")):
         monkeypatch.setenv("KVBOUND_BOUNDED_MAX", value)
-        assert bounded_setting() is expected
+        assert bounded_setting() == expected
     monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "maybe")
     with pytest.raises(ValueError, match="KVBOUND_BOUNDED_MAX: expected one of"):
         bounded_setting()
+
+
+def test_bounded_by_default_only_from_the_threshold(monkeypatch):
+    """By default (``auto``) the bounded maximum starts at ``BOUNDED_MIN_KEYS`` keys: below, the running maximum."""
+    q, ck, cv = _lowrank_case()
+    seen = _constexprs(monkeypatch)
+    monkeypatch.delenv("KVBOUND_BOUNDED_MAX")
+    attention(q, ck, cv)
+    monkeypatch.setattr(kernels, "BOUNDED_MIN_KEYS", 150)  # this case's key count
+    out = attention(q, ck, cv)
+    assert seen == [(0, False), (0, True)]
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
 
 
 @pytest.mark.gpu

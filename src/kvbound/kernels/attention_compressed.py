@@ -113,7 +113,9 @@ def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: t
 
 
 @triton.jit
-def _load_basis_twice(basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _load_basis_twice(
+    basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
+):
     """The projection ``P`` stacked on itself, [RANK_PAD, D_PAD] with rows ``r`` and ``RANK + r`` both ``P[r]``
     (zero from ``2 RANK`` on): the basis of packed coefficients ``[hi | lo]`` (``rank_accumulator`` then holds
     ``P hi`` and ``P lo`` side by side and one product with this sums them)."""
@@ -1348,7 +1350,8 @@ def _attention_compressed_fwd(
     if BOUNDED:
         tl.static_assert(
             not (K_RESIDUAL or V_RESIDUAL or K_PER_BLOCK or V_PER_BLOCK or HAS_BIAS or SOFTCAP or RELATIVE)
-            and RANK_K > 0 and RANK_V > 0,
+            and RANK_K > 0
+            and RANK_V > 0,
             "a bounded maximum needs a launch of shared-basis low-rank tiles without residual, bias, soft-cap or "
             "relative positions",
         )
@@ -1508,9 +1511,9 @@ def _attention_compressed_fwd(
             # the launcher merges the two partial results by their log-sum-exp. 0: everything in one launch. ----
             unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
             if CAUSAL and PASS != 0:
-                # The two passes of a split launch are tuned apart and may pick different BLOCK_M; where the runs end and
-                # the masked tail begins must not depend on it, or a row would lose or repeat key tiles. So the split
-                # passes take it from the row group of SPLIT_ROWS (a multiple of every BLOCK_M) holding the tile.
+                # The two passes of a split launch are tuned apart and may pick different BLOCK_M; where the runs end
+                # and the masked tail begins must not depend on it, or a row would lose or repeat key tiles. So the
+                # split passes take it from the row group of SPLIT_ROWS (a multiple of every BLOCK_M) holding the tile.
                 tl.static_assert(SPLIT_ROWS % BLOCK_M == 0)
                 unmasked_end, _ = key_loop_bounds(
                     (row_start // SPLIT_ROWS) * SPLIT_ROWS, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL
@@ -1522,90 +1525,92 @@ def _attention_compressed_fwd(
                 for run in range(0, tl.load(counts_row)):
                     run_lo = tl.load(runs_row + run)
                     run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
-                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-                        accumulator,
-                        accumulator_max,
-                        rank_accumulator,
-                        running_sum,
-                        running_max,
-                        q_op,
-                        q_res_mult,
-                        query_rank,
-                        query_rank_lo,
-                        query_rank_mult,
-                        K_coeff_head,
-                        k_coeff_desc,
-                        K_basis,
-                        K_mode,
-                        K_scale,
-                        K_bits,
-                        K_offset,
-                        K_codes,
-                        K_raw,
-                        V_coeff_head,
-                        v_coeff_desc,
-                        V_basis,
-                        V_mode,
-                        V_scale,
-                        V_bits,
-                        V_offset,
-                        V_codes,
-                        V_raw,
-                        stride_kcn,
-                        stride_kcr,
-                        stride_vcn,
-                        stride_vcr,
-                        k_meta_base,
-                        v_meta_base,
-                        bias_rows,
-                        stride_bk,
-                        row_query,
-                        row_valid,
-                        run_lo * SUPER_BLOCK,
-                        run_hi * SUPER_BLOCK,
-                        N_K,
-                        bias_mult,
-                        softcap_log2,
-                        HEAD_DIM_K,
-                        HEAD_DIM_V,
-                        DK_PAD,
-                        DV_PAD,
-                        RANK_K,
-                        RANK_V,
-                        RK_PAD,
-                        RV_PAD,
-                        BLOCK_SIZE_K,
-                        BLOCK_SIZE_V,
-                        K_PER_BLOCK,
-                        V_PER_BLOCK,
-                        False,
-                        False,
-                        SPLIT_RANK,
-                        BLOCK_M,
-                        BLOCK_N,
-                        HAS_BIAS,
-                        SOFTCAP,
-                        CAUSAL,
-                        False,
-                        FP32,
-                        PRECISION,
-                        USE_TMA,
-                        False,
-                        BIAS_TILE,
-                        FIXED_MAX or (BOUNDED and attempt == 0),
-                        q_position,
-                        relative_head,
-                        stride_rh_row,
-                        stride_rh_d,
-                        row_start,
-                        N_Q,
-                        N_Q + N_K - 1,
-                        logit_mult,
-                        RELATIVE,
-                        0,
-                        0,
-                        K_PLANES,
-                        V_PLANES,
+                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                        _attention_compressed_inner(
+                            accumulator,
+                            accumulator_max,
+                            rank_accumulator,
+                            running_sum,
+                            running_max,
+                            q_op,
+                            q_res_mult,
+                            query_rank,
+                            query_rank_lo,
+                            query_rank_mult,
+                            K_coeff_head,
+                            k_coeff_desc,
+                            K_basis,
+                            K_mode,
+                            K_scale,
+                            K_bits,
+                            K_offset,
+                            K_codes,
+                            K_raw,
+                            V_coeff_head,
+                            v_coeff_desc,
+                            V_basis,
+                            V_mode,
+                            V_scale,
+                            V_bits,
+                            V_offset,
+                            V_codes,
+                            V_raw,
+                            stride_kcn,
+                            stride_kcr,
+                            stride_vcn,
+                            stride_vcr,
+                            k_meta_base,
+                            v_meta_base,
+                            bias_rows,
+                            stride_bk,
+                            row_query,
+                            row_valid,
+                            run_lo * SUPER_BLOCK,
+                            run_hi * SUPER_BLOCK,
+                            N_K,
+                            bias_mult,
+                            softcap_log2,
+                            HEAD_DIM_K,
+                            HEAD_DIM_V,
+                            DK_PAD,
+                            DV_PAD,
+                            RANK_K,
+                            RANK_V,
+                            RK_PAD,
+                            RV_PAD,
+                            BLOCK_SIZE_K,
+                            BLOCK_SIZE_V,
+                            K_PER_BLOCK,
+                            V_PER_BLOCK,
+                            False,
+                            False,
+                            SPLIT_RANK,
+                            BLOCK_M,
+                            BLOCK_N,
+                            HAS_BIAS,
+                            SOFTCAP,
+                            CAUSAL,
+                            False,
+                            FP32,
+                            PRECISION,
+                            USE_TMA,
+                            False,
+                            BIAS_TILE,
+                            FIXED_MAX or (BOUNDED and attempt == 0),
+                            q_position,
+                            relative_head,
+                            stride_rh_row,
+                            stride_rh_d,
+                            row_start,
+                            N_Q,
+                            N_Q + N_K - 1,
+                            logit_mult,
+                            RELATIVE,
+                            0,
+                            0,
+                            K_PLANES,
+                            V_PLANES,
+                        )
                     )
             elif PASS == 0:
                 # Nothing to skip: one plain loop over every full super-block.
@@ -1717,7 +1722,98 @@ def _attention_compressed_fwd(
                     for run in range(0, tl.load(counts_row + 1)):
                         run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
                         run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
-                        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
+                        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                            _attention_compressed_inner(
+                                accumulator,
+                                accumulator_max,
+                                rank_accumulator,
+                                running_sum,
+                                running_max,
+                                q_op,
+                                q_res_mult,
+                                query_rank,
+                                query_rank_lo,
+                                query_rank_mult,
+                                K_coeff_head,
+                                k_coeff_desc,
+                                K_basis,
+                                K_mode,
+                                K_scale,
+                                K_bits,
+                                K_offset,
+                                K_codes,
+                                K_raw,
+                                V_coeff_head,
+                                v_coeff_desc,
+                                V_basis,
+                                V_mode,
+                                V_scale,
+                                V_bits,
+                                V_offset,
+                                V_codes,
+                                V_raw,
+                                stride_kcn,
+                                stride_kcr,
+                                stride_vcn,
+                                stride_vcr,
+                                k_meta_base,
+                                v_meta_base,
+                                bias_rows,
+                                stride_bk,
+                                row_query,
+                                row_valid,
+                                run_lo * SUPER_BLOCK,
+                                run_hi * SUPER_BLOCK,
+                                N_K,
+                                bias_mult,
+                                softcap_log2,
+                                HEAD_DIM_K,
+                                HEAD_DIM_V,
+                                DK_PAD,
+                                DV_PAD,
+                                RANK_K,
+                                RANK_V,
+                                RK_PAD,
+                                RV_PAD,
+                                BLOCK_SIZE_K,
+                                BLOCK_SIZE_V,
+                                K_PER_BLOCK,
+                                V_PER_BLOCK,
+                                FAST_BITS_K > 0,
+                                FAST_BITS_V > 0,
+                                SPLIT_RANK,
+                                BLOCK_M,
+                                BLOCK_N,
+                                HAS_BIAS,
+                                SOFTCAP,
+                                CAUSAL,
+                                False,
+                                FP32,
+                                PRECISION,
+                                USE_TMA,
+                                False,
+                                BIAS_TILE,
+                                FIXED_MAX or (BOUNDED and attempt == 0),
+                                q_position,
+                                relative_head,
+                                stride_rh_row,
+                                stride_rh_d,
+                                row_start,
+                                N_Q,
+                                N_Q + N_K - 1,
+                                logit_mult,
+                                RELATIVE,
+                                FAST_BITS_K,
+                                FAST_BITS_V,
+                                K_PLANES,
+                                V_PLANES,
+                            )
+                        )
+                for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
+                    run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
+                    run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
+                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                        _attention_compressed_inner(
                             accumulator,
                             accumulator_max,
                             rank_accumulator,
@@ -1773,8 +1869,8 @@ def _attention_compressed_fwd(
                             BLOCK_SIZE_V,
                             K_PER_BLOCK,
                             V_PER_BLOCK,
-                            FAST_BITS_K > 0,
-                            FAST_BITS_V > 0,
+                            K_RESIDUAL,
+                            V_RESIDUAL,
                             SPLIT_RANK,
                             BLOCK_M,
                             BLOCK_N,
@@ -1785,7 +1881,7 @@ def _attention_compressed_fwd(
                             FP32,
                             PRECISION,
                             USE_TMA,
-                            False,
+                            PREDICATED_RESIDUAL,
                             BIAS_TILE,
                             FIXED_MAX or (BOUNDED and attempt == 0),
                             q_position,
@@ -1797,98 +1893,11 @@ def _attention_compressed_fwd(
                             N_Q + N_K - 1,
                             logit_mult,
                             RELATIVE,
-                            FAST_BITS_K,
-                            FAST_BITS_V,
+                            0,
+                            0,
                             K_PLANES,
                             V_PLANES,
                         )
-                for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
-                    run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
-                    run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
-                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-                        accumulator,
-                        accumulator_max,
-                        rank_accumulator,
-                        running_sum,
-                        running_max,
-                        q_op,
-                        q_res_mult,
-                        query_rank,
-                        query_rank_lo,
-                        query_rank_mult,
-                        K_coeff_head,
-                        k_coeff_desc,
-                        K_basis,
-                        K_mode,
-                        K_scale,
-                        K_bits,
-                        K_offset,
-                        K_codes,
-                        K_raw,
-                        V_coeff_head,
-                        v_coeff_desc,
-                        V_basis,
-                        V_mode,
-                        V_scale,
-                        V_bits,
-                        V_offset,
-                        V_codes,
-                        V_raw,
-                        stride_kcn,
-                        stride_kcr,
-                        stride_vcn,
-                        stride_vcr,
-                        k_meta_base,
-                        v_meta_base,
-                        bias_rows,
-                        stride_bk,
-                        row_query,
-                        row_valid,
-                        run_lo * SUPER_BLOCK,
-                        run_hi * SUPER_BLOCK,
-                        N_K,
-                        bias_mult,
-                        softcap_log2,
-                        HEAD_DIM_K,
-                        HEAD_DIM_V,
-                        DK_PAD,
-                        DV_PAD,
-                        RANK_K,
-                        RANK_V,
-                        RK_PAD,
-                        RV_PAD,
-                        BLOCK_SIZE_K,
-                        BLOCK_SIZE_V,
-                        K_PER_BLOCK,
-                        V_PER_BLOCK,
-                        K_RESIDUAL,
-                        V_RESIDUAL,
-                        SPLIT_RANK,
-                        BLOCK_M,
-                        BLOCK_N,
-                        HAS_BIAS,
-                        SOFTCAP,
-                        CAUSAL,
-                        False,
-                        FP32,
-                        PRECISION,
-                        USE_TMA,
-                        PREDICATED_RESIDUAL,
-                        BIAS_TILE,
-                        FIXED_MAX or (BOUNDED and attempt == 0),
-                        q_position,
-                        relative_head,
-                        stride_rh_row,
-                        stride_rh_d,
-                        row_start,
-                        N_Q,
-                        N_Q + N_K - 1,
-                        logit_mult,
-                        RELATIVE,
-                        0,
-                        0,
-                        K_PLANES,
-                        V_PLANES,
                     )
             if PASS != 1:
                 # the masked tail (the residual-capable launch's when the work is split)
@@ -2468,7 +2477,8 @@ def attention_compressed_fwd(
     coefficients: no maximum is tracked and nothing is rescaled, and P enters the value product in bfloat16
     (float32 in float32), whose range holds the gap between the bound and the true maximum. A program in which a
     row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. None: the environment's
-    ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``; on by default); True / False: always (where it applies) / never.
+    ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``; by default from ``BOUNDED_MIN_KEYS`` keys on); True / False:
+    always (where it applies) / never.
     """
     setting = split_setting() if split is None else ("on" if split else "off")
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -2613,7 +2623,7 @@ def attention_compressed_fwd(
     # Launches of low-rank tiles alone (no residual anywhere, or pass 1 of a split) may take the bounded maximum.
     bounded = (
         bounded_max is not False
-        and (bounded_max is True or bounded_setting())
+        and (bounded_max is True or _bounded_by_default(n_k))
         and k_rank > 0
         and v_rank > 0
         and k.shared_basis
@@ -2669,9 +2679,7 @@ def attention_compressed_fwd(
     # Both passes whether or not a low-rank run exists (finding out would read the device from the host; without
     # one, pass 1 only writes empty partials).
     # Low-rank runs in a kernel without residual code (pass 1), the rest in the residual-capable one (pass 2).
-    partial = [
-        (torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)
-    ]
+    partial = [(torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)]
     lowrank = dict(constexprs, K_RESIDUAL=False, V_RESIDUAL=False, FAST_BITS_K=0, FAST_BITS_V=0, K_PLANES=1,
                    V_PLANES=1, PASS=1)  # fmt: skip
     lowrank_args = (*args[:2], *partial[0], *args[4:])
@@ -2702,16 +2710,30 @@ def split_setting() -> str:
     raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 
 
-def bounded_setting() -> bool:
-    """``KVBOUND_BOUNDED_MAX``: on (unset, empty, ``1``, ``true``, ``on``, ``yes``) or off (``0``, ``false``,
-    ``off``, ``no``): whether low-rank-only launches use the bounded maximum (``attention_compressed_fwd``'s
-    ``bounded_max``)."""
-    value = os.environ.get("KVBOUND_BOUNDED_MAX", "on").strip().lower()
-    if value in ("", "1", "true", "on", "yes"):
-        return True
+# The bounded maximum is the default from this many keys on. On the H200 (e7dff5e, residual-free rank 8, 8 heads) it
+# was 14-17 % faster at N = 65,536 (d = 64 and 128), but slower at N = 4,096 (0.19 -> 0.40 ms) and 16,384 (d = 128:
+# 1.14 -> 1.40 ms), where the host-side preparation of each call (the key box, the packed V coefficients) and the
+# extra launches weigh more than the work they save (benchmarks/results/kernel_dev/bounded_max/).
+BOUNDED_MIN_KEYS = 65536
+
+
+def bounded_setting() -> str:
+    """``KVBOUND_BOUNDED_MAX``: ``auto`` (unset, empty or ``auto``: from ``BOUNDED_MIN_KEYS`` keys on), ``on``
+    (``1``, ``true``, ``on``, ``yes``: wherever it applies) or ``off`` (``0``, ``false``, ``off``, ``no``): whether
+    low-rank-only launches use the bounded maximum (``attention_compressed_fwd``'s ``bounded_max``)."""
+    value = os.environ.get("KVBOUND_BOUNDED_MAX", "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "on", "yes"):
+        return "on"
     if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
+        return "off"
+    raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
+
+
+def _bounded_by_default(n_k: int) -> bool:
+    setting = bounded_setting()
+    return setting == "on" or (setting == "auto" and n_k >= BOUNDED_MIN_KEYS)
 
 
 def joint_lowrank_share(k: CompressedOperand, v: CompressedOperand, shares: Sequence[float]) -> float:
