@@ -9,8 +9,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["speed_vs_n", "speed_vs_share", "bytes_vs_rank_bits", "draw_roofline", "model_forwards", "ring_vs_n",
-           "main", "provider_label"]
+__all__ = [
+    "speed_vs_n",
+    "speed_vs_share",
+    "bytes_vs_rank_bits",
+    "draw_roofline",
+    "model_forwards",
+    "ring_vs_n",
+    "main",
+    "provider_label",
+]
 
 
 def _pyplot():
@@ -42,13 +50,29 @@ def speed_vs_n(rows: list[dict], path: str | Path, family: str = "seed") -> Path
     """TFLOP/s (median) vs sequence length, one line per provider/config, one panel per head dim."""
     from kvbound.bench.tables import index_rows
 
-    timed = [r for r in index_rows(rows, "time").values()
-             if r["status"] == "ok" and r.get("family") == family and r.get("tflops")]
+    timed = [
+        r
+        for r in index_rows(rows, "time").values()
+        if r["status"] == "ok" and r.get("family") == family and r.get("tflops")
+    ]
     if not timed:
         return None
     plt = _pyplot()
     dims = sorted({r["head_dim_qk"] for r in timed})
-    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims) + 2.5, 4.5), squeeze=False)
+    # One style per series across both panels: the fused baselines black/grey and dashed, kvbound's in distinct
+    # colours (tab20 holds 20: no two series share a colour, as they did with the default 10-colour cycle).
+    labels = sorted({provider_label(r) for r in timed})
+    kvbound = [label for label in labels if label.startswith("kvbound")]
+    others = [label for label in labels if not label.startswith("kvbound")]
+    cmap = plt.get_cmap("tab20")
+    greys = ["black", "dimgrey", "darkgrey", "silver", "lightgrey"]
+    markers = ["o", "s", "^", "v", "D", "P", "X", "<", ">"]
+    style = {label: dict(color=cmap(i % 20), marker=markers[i % len(markers)], linestyle=":" if "deferred" in label
+                         else "-") for i, label in enumerate(kvbound)}  # fmt: skip
+    style.update(
+        {label: dict(color=greys[i % len(greys)], marker="s", linestyle="--") for i, label in enumerate(others)}
+    )
     for ax, d in zip(axes[0], dims, strict=True):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in timed:
@@ -56,15 +80,21 @@ def speed_vs_n(rows: list[dict], path: str | Path, family: str = "seed") -> Path
                 series.setdefault(provider_label(r), []).append((r["q_len"], r["tflops"]))
         for label, points in sorted(series.items()):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=label, **style[label])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length N")
         ax.set_ylabel("TFLOP/s (2·B·H·N²·(Dk+Dv) / median time)")
         ax.set_title(f"d = {d}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    handles, names = axes[0][-1].get_legend_handles_labels()
+    for ax in axes[0][:-1]:
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            if name not in names:
+                handles.append(handle)
+                names.append(name)
+    fig.legend(handles, names, loc="center right", fontsize=7)
     fig.suptitle("attention speed vs N\n" + _footer(timed), fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / (6 * len(dims) + 2.5), 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -94,8 +124,15 @@ def speed_vs_share(rows: list[dict], path: str | Path) -> Path | None:
         for provider, label, marker, style in variants:
             theirs = [p for p in plotted(provider) if p["d"] == d]
             if theirs:
-                ax.plot([100 * p["share"] for p in theirs], [p["ratio"] for p in theirs], marker=marker,
-                        linestyle=style, color=line[0].get_color(), alpha=0.6, label=f"d = {d}, {label}")
+                ax.plot(
+                    [100 * p["share"] for p in theirs],
+                    [p["ratio"] for p in theirs],
+                    marker=marker,
+                    linestyle=style,
+                    color=line[0].get_color(),
+                    alpha=0.6,
+                    label=f"d = {d}, {label}",
+                )
     for level, text in ((1.0, "cuDNN"), (1.3, "target 1.3x")):
         ax.axhline(level, color="grey", linestyle="--", linewidth=0.8)
         ax.annotate(text, (0, level), xytext=(2, 2), textcoords="offset points", fontsize=7, color="grey")
@@ -111,8 +148,14 @@ def speed_vs_share(rows: list[dict], path: str | Path) -> Path | None:
 
 def bytes_vs_rank_bits(rows: list[dict], path: str | Path) -> Path | None:
     """K/V storage ratio (dense bytes / CompressedKV.nbytes) per config, grouped by shape."""
-    comp = [r for r in rows if r["provider"] == "kvbound-compressed" and r["status"] in ("ok", "check_failed")
-            and r.get("compression_ratio") and r["mode"] in ("time", "ncu")]
+    comp = [
+        r
+        for r in rows
+        if r["provider"] == "kvbound-compressed"
+        and r["status"] in ("ok", "check_failed")
+        and r.get("compression_ratio")
+        and r["mode"] in ("time", "ncu")
+    ]
     if not comp:
         return None
     plt = _pyplot()
@@ -161,8 +204,9 @@ def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
     the allocator's peak above the baseline (CUDA)."""
     from kvbound.bench.tables import MODEL_VARIANTS, latest_rows
 
-    timed = [r for r in latest_rows(rows, "model", ("provider", "shape", "batch"))
-             if r["status"] == "ok" and r.get("ms_p50")]
+    timed = [
+        r for r in latest_rows(rows, "model", ("provider", "shape", "batch")) if r["status"] == "ok" and r.get("ms_p50")
+    ]
     if not timed:
         return None
     plt = _pyplot()
@@ -171,8 +215,7 @@ def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
     variants += sorted({r["provider"] for r in timed} - set(variants))
     peaks = {id(r) for r in timed if r.get("peak_bytes") is not None and r.get("baseline_bytes") is not None}
     panels = 2 if peaks else 1
-    fig, axes = plt.subplots(1, panels, figsize=(max(7, 1.6 * len(groups) + 4) * panels * 0.75 + 2, 4.8),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(max(7, 1.6 * len(groups) + 4) * panels * 0.75 + 2, 4.8), squeeze=False)
     width = 0.8 / len(variants)
     by = {(r["shape"], r["batch"], r["provider"]): r for r in timed}
     for j, variant in enumerate(variants):
@@ -180,13 +223,24 @@ def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
         xs = [i + offset for i, g in enumerate(groups) if (*g, variant) in by]
         mine = [by[(*g, variant)] for g in groups if (*g, variant) in by]
         axes[0][0].bar(xs, [r["ms_p50"] for r in mine], width=width, color=f"C{j}", label=f"{variant}: forward")
-        axes[0][0].bar(xs, [r.get("attention_ms_p50") or 0.0 for r in mine], width=width * 0.6, color="none",
-                       edgecolor="black", hatch="//", label="attention modules" if j == 0 else None)
+        axes[0][0].bar(
+            xs,
+            [r.get("attention_ms_p50") or 0.0 for r in mine],
+            width=width * 0.6,
+            color="none",
+            edgecolor="black",
+            hatch="//",
+            label="attention modules" if j == 0 else None,
+        )
         if peaks:
             mine_peak = [r for r in mine if id(r) in peaks]
-            axes[0][1].bar([x for x, r in zip(xs, mine, strict=True) if id(r) in peaks],
-                           [(r["peak_bytes"] - r["baseline_bytes"]) / 2**30 for r in mine_peak], width=width,
-                           color=f"C{j}", label=variant)
+            axes[0][1].bar(
+                [x for x, r in zip(xs, mine, strict=True) if id(r) in peaks],
+                [(r["peak_bytes"] - r["baseline_bytes"]) / 2**30 for r in mine_peak],
+                width=width,
+                color=f"C{j}",
+                label=variant,
+            )
     labels = [f"{name}\nB={batch}" for name, batch in groups]
     axes[0][0].set_yscale("log")
     axes[0][0].set_ylabel("ms per forward (median; hatched: attention modules)")
@@ -207,8 +261,11 @@ def ring_vs_n(rows: list[dict], path: str | Path) -> Path | None:
     """Context-parallel attention: ms per layer and bytes sent per rank vs N, one line per (provider, processes)."""
     from kvbound.bench.tables import latest_rows
 
-    timed = [r for r in latest_rows(rows, "ring", ("provider", "shape", "world_size"))
-             if r["status"] == "ok" and r.get("ms_p50")]
+    timed = [
+        r
+        for r in latest_rows(rows, "ring", ("provider", "shape", "world_size"))
+        if r["status"] == "ok" and r.get("ms_p50")
+    ]
     if not timed:
         return None
     plt = _pyplot()
@@ -219,12 +276,19 @@ def ring_vs_n(rows: list[dict], path: str | Path) -> Path | None:
     for i, (label, mine) in enumerate(sorted(series.items())):
         mine.sort(key=lambda r: r["q_len"])
         style = "-" if mine[0]["world_size"] > 1 else "--"
-        axes[0][0].plot([r["q_len"] for r in mine], [r["ms_p50"] for r in mine], style, marker="o", color=f"C{i}",
-                        label=label)
+        axes[0][0].plot(
+            [r["q_len"] for r in mine], [r["ms_p50"] for r in mine], style, marker="o", color=f"C{i}", label=label
+        )
         sent = [r for r in mine if r.get("bytes_sent")]
         if sent:
-            axes[0][1].plot([r["q_len"] for r in sent], [r["bytes_sent"] / 1e6 for r in sent], style, marker="o",
-                            color=f"C{i}", label=label)
+            axes[0][1].plot(
+                [r["q_len"] for r in sent],
+                [r["bytes_sent"] / 1e6 for r in sent],
+                style,
+                marker="o",
+                color=f"C{i}",
+                label=label,
+            )
     axes[0][0].set_ylabel("ms per layer (median of the slowest rank)")
     axes[0][1].set_ylabel("MB sent per rank per layer")
     for ax in axes[0]:
@@ -250,8 +314,9 @@ def draw_roofline(points: list[dict], ceilings: dict, path: str | Path, title: s
     peak = ceilings["matmul_tflops"]
     panels = [("dram_intensity", "FLOP per DRAM byte (hollow: formula bytes)", ceilings["copy_tbps"], "HBM copy")]
     if ceilings.get("l2_tbps") and any(p.get("l2_intensity") for p in points):
-        panels.append(("l2_intensity", "FLOP per L2-to-SM byte (Nsight Compute)", ceilings["l2_tbps"],
-                       "L2-resident copy"))
+        panels.append(
+            ("l2_intensity", "FLOP per L2-to-SM byte (Nsight Compute)", ceilings["l2_tbps"], "L2-resident copy")
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
     markers = "os^vDP*Xh<>"
     labels = sorted({p["label"] for p in points})
@@ -269,9 +334,15 @@ def draw_roofline(points: list[dict], ceilings: dict, path: str | Path, title: s
         for i, label in enumerate(labels):
             mine = [p for p in points if p["label"] == label and p.get(key)]
             for p in mine:
-                ax.scatter([p[key]], [p["tflops"]], marker=markers[i % len(markers)],
-                           facecolors=f"C{i % 10}" if p.get("measured", True) else "none",
-                           edgecolors=f"C{i % 10}", s=36, label=label if p is mine[0] else None)
+                ax.scatter(
+                    [p[key]],
+                    [p["tflops"]],
+                    marker=markers[i % len(markers)],
+                    facecolors=f"C{i % 10}" if p.get("measured", True) else "none",
+                    edgecolors=f"C{i % 10}",
+                    s=36,
+                    label=label if p is mine[0] else None,
+                )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_ylim(max(1e-3, min([peak / 1e3, *[p["tflops"] for p in points]]) / 2), peak * 2)
@@ -293,16 +364,19 @@ def draw_roofline(points: list[dict], ceilings: dict, path: str | Path, title: s
 def main(argv: list[str] | None = None) -> int:
     from kvbound.bench.records import read_rows
 
-    parser = argparse.ArgumentParser(prog="python -m kvbound.bench.plots", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvbound.bench.plots", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("csv", nargs="+", type=Path)
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/plots"))
     args = parser.parse_args(argv)
     rows = [r for path in args.csv for r in read_rows(path)]
-    written = [speed_vs_n(rows, args.out_dir / "speed_vs_n.png"),
-               bytes_vs_rank_bits(rows, args.out_dir / "bytes_vs_rank_bits.png"),
-               model_forwards(rows, args.out_dir / "model_forwards.png"),
-               ring_vs_n(rows, args.out_dir / "ring_vs_n.png")]
+    written = [
+        speed_vs_n(rows, args.out_dir / "speed_vs_n.png"),
+        bytes_vs_rank_bits(rows, args.out_dir / "bytes_vs_rank_bits.png"),
+        model_forwards(rows, args.out_dir / "model_forwards.png"),
+        ring_vs_n(rows, args.out_dir / "ring_vs_n.png"),
+    ]
     from kvbound.bench.roofline import roofline_from_rows
 
     written.append(roofline_from_rows(rows, args.out_dir / "roofline.png"))
