@@ -163,3 +163,89 @@ def test_gpu_bounded_bf16(monkeypatch, d):
     check_against_reference(out[:, :, rows], q[:, :, rows], ck.decompress(), cv.decompress())
     assert math.isfinite(float(out.float().abs().max()))
     assert float((out.float() - tracked.float()).abs().max()) <= 4 * 2.0**-8 * float(tracked.float().abs().max())
+
+
+# ----------------------------------------------------------------------------------------------- dense kernel
+def _dense_plans(monkeypatch) -> list[bool]:
+    """BOUNDED of every dense launch plan built from now on (each call signature and setting builds its own)."""
+    from kvbound.kernels import attention_dense
+
+    seen: list[bool] = []
+    original = attention_dense._plan
+
+    def spy(*args, **kwargs):
+        plan = original(*args, **kwargs)
+        seen.append(plan.constexprs["BOUNDED"])
+        return plan
+
+    monkeypatch.setattr(attention_dense, "_plan", spy)
+    return seen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_bounded_matches_running_max_and_float64(monkeypatch, causal):
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 4, 45, 40, generator=g)
+    k, v = torch.randn(1, 2, 45, 40, generator=g) * 2.0, torch.randn(1, 2, 45, 24, generator=g)
+    seen = _dense_plans(monkeypatch)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    check_against_reference(out, q, k, v, causal=causal)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "off")
+    tracked, tracked_lse = attention(q, k, v, causal=causal, return_lse=True)
+    assert seen == [True, False]
+    assert torch.allclose(out, tracked, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse, tracked_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_bounded_off_by_default_and_where_it_does_not_apply(monkeypatch):
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    seen = _dense_plans(monkeypatch)
+    monkeypatch.delenv("KVBOUND_BOUNDED_MAX", raising=False)
+    attention(q, k, v)  # auto: the dense kernel's bounded variant is not the default
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    attention(q.half(), k.half(), v.half())  # float16 P could not hold the gap
+    attention(q, k, v, bias=torch.zeros(1, 2, 40, 40))
+    attention(q, k, v, softcap=20.0)
+    assert seen == [False, False, False, False]
+
+
+def test_dense_bounded_falls_back_where_the_bound_overshoots(monkeypatch):
+    """Keys of norm 2000 orthogonal to the queries make the Cauchy-Schwarz bound exceed every logit by about 1400
+    log2 units, so exp2(x - bound) underflows; the second attempt (running maximum) must give the right output,
+    and without it the output is wrong."""
+    from kvbound.kernels import attention_dense
+
+    g = torch.Generator().manual_seed(23)
+    n, d = 48, 32
+    q = torch.zeros(1, 1, n, d)
+    q[..., :2] = torch.randn(1, 1, n, 2, generator=g)
+    k = torch.zeros(1, 1, n, d)
+    k[..., :2] = torch.randn(1, 1, n, 2, generator=g)
+    k[0, 0, 7, 5] = 2000.0  # a key orthogonal to every query, of huge norm
+    v = torch.randn(1, 1, n, d, generator=g)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    out = attention(q, k, v)
+    check_against_reference(out, q, k, v)
+    monkeypatch.setattr(attention_dense, "BOUND_RETRY_SUM", 0.0)
+    broken = attention(q, k, v)
+    assert not torch.allclose(broken, out, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_dense_bounded_bf16(monkeypatch, d):
+    """The dense kernel's bounded maximum in bfloat16 on the GPU: against float64 within the 2x criterion, and
+    against the running maximum."""
+    g = torch.Generator().manual_seed(24)
+    q, k, v = (torch.randn(1, 8, 4096, d, generator=g).cuda().bfloat16() for _ in range(3))
+    seen = _dense_plans(monkeypatch)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    out = attention(q, k, v)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "off")
+    tracked = attention(q, k, v)
+    assert seen == [True, False]
+    rows = slice(0, 512)
+    check_against_reference(out[:, :, rows], q[:, :, rows], k, v)
+    assert float((out.float() - tracked.float()).abs().max()) <= 4 * 2.0**-8 * float(tracked.float().abs().max())

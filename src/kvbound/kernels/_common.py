@@ -409,3 +409,23 @@ def logit_multipliers(scale: float, softcap: float | None) -> tuple[float, float
     if softcap is None:
         return scale * LOG2E, LOG2E, 0.0
     return scale / softcap, 1.0 / softcap, softcap * LOG2E
+
+
+# A bounded-maximum program (compressed or dense kernel) whose smallest row sum ends below this redoes its keys with
+# the running maximum: a sum of at least 2**-60 (over at most 2**31 keys) puts each row's largest P above 2**-91, so
+# every P within 2**-35 of it is a normal float32 / bfloat16 number.
+BOUND_RETRY_SUM = tl.constexpr(2.0**-60)
+
+
+def bounded_setting() -> str:
+    """``KVBOUND_BOUNDED_MAX``: ``auto`` (unset, empty or ``auto``: each kernel's default, see its launcher's
+    ``bounded_max``), ``on`` (``1``, ``true``, ``on``, ``yes``: wherever it applies) or ``off`` (``0``, ``false``,
+    ``off``, ``no``)."""
+    value = os.environ.get("KVBOUND_BOUNDED_MAX", "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "on", "yes"):
+        return "on"
+    if value in ("0", "false", "off", "no"):
+        return "off"
+    raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")

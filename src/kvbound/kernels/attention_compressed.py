@@ -54,7 +54,9 @@ from kvbound.codec.format import CompressedKV
 from kvbound.config import CompressionConfig
 from kvbound.kernels._common import (
     _KERNELS_INTERPRETED,
+    BOUND_RETRY_SUM,
     LN2,
+    bounded_setting,
     broadcast_strides,
     fixed_softmax_max,
     float32_dot_precision,
@@ -1127,11 +1129,6 @@ def _attention_compressed_inner(
         )
     return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
 
-
-# A bounded-maximum program whose smallest row sum ends below this redoes its keys with the running maximum: a sum
-# of at least 2**-60 (over at most 2**31 keys) puts each row's largest P above 2**-91, so every P within 2**-35 of it
-# is a normal float32 / bfloat16 number.
-BOUND_RETRY_SUM = tl.constexpr(2.0**-60)
 
 # ----------------------------------------------------------------------------------------------- autotune
 # Causal split launches (PASS 1 and 2) end their runs at a boundary of this many rows, whatever each pass's BLOCK_M
@@ -2715,20 +2712,6 @@ def split_setting() -> str:
 # 1.14 -> 1.40 ms), where the host-side preparation of each call (the key box, the packed V coefficients) and the
 # extra launches weigh more than the work they save (benchmarks/results/kernel_dev/bounded_max/).
 BOUNDED_MIN_KEYS = 65536
-
-
-def bounded_setting() -> str:
-    """``KVBOUND_BOUNDED_MAX``: ``auto`` (unset, empty or ``auto``: from ``BOUNDED_MIN_KEYS`` keys on), ``on``
-    (``1``, ``true``, ``on``, ``yes``: wherever it applies) or ``off`` (``0``, ``false``, ``off``, ``no``): whether
-    low-rank-only launches use the bounded maximum (``attention_compressed_fwd``'s ``bounded_max``)."""
-    value = os.environ.get("KVBOUND_BOUNDED_MAX", "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("1", "true", "on", "yes"):
-        return "on"
-    if value in ("0", "false", "off", "no"):
-        return "off"
-    raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 
 
 def _bounded_by_default(n_k: int) -> bool:

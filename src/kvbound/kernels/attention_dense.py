@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from kvbound.kernels._common import (
+    BOUND_RETRY_SUM,
     LN2,
+    bounded_setting,
     broadcast_strides,
     fixed_softmax_max,
     float32_dot_precision,
@@ -99,9 +101,7 @@ def _attention_dense_inner(
     first_run = 0
     last_run = 0
     if RELATIVE == 2:
-        first_run, last_run = relative_runs_bounds(
-            relative_runs, row_start, lo, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
-        )
+        first_run, last_run = relative_runs_bounds(relative_runs, row_start, lo, N_Q, N_K, N_REL, q.shape[0], BLOCK_N)
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     dk_ok = offs_dk < HEAD_DIM_K
@@ -288,6 +288,7 @@ DENSE_TUNE_KEY = [
     "BIAS_TILE",
     "SOFTCAP",
     "FIXED_MAX",
+    "BOUNDED",
     "CAUSAL",
     "RELATIVE",
     "RUN_SPAN",
@@ -310,6 +311,7 @@ def _attention_dense_fwd(
     RelKeys,
     RelContentBias,
     RelPositionBias,
+    KMaxNorm,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -352,6 +354,7 @@ def _attention_dense_fwd(
     BIAS_TILE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    BOUNDED: tl.constexpr,
     CAUSAL: tl.constexpr,
     RELATIVE: tl.constexpr,
     RUN_SPAN: tl.constexpr,
@@ -361,6 +364,10 @@ def _attention_dense_fwd(
     BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(DK_PAD >= 16 and DV_PAD >= 16, "tl.dot needs head dims padded to >= 16")
+    if BOUNDED:
+        tl.static_assert(
+            not (HAS_BIAS or SOFTCAP or RELATIVE or FIXED_MAX), "a bounded maximum needs plain logits q . k"
+        )
     if RELATIVE:
         tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles >= 16")
@@ -424,112 +431,132 @@ def _attention_dense_fwd(
         bias_rows = q_rows  # unused placeholder of the right type
 
     row_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + logit_mult
-    if FIXED_MAX:
-        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
+    if BOUNDED:
+        # Cauchy-Schwarz: every logit q_i . k_j (log2 units) is at most |q_i| max_j |k_j| times the multiplier, a
+        # constant maximum (no row maximum tracked, nothing rescaled). P = exp2(x - bound) may lie far below 1; it
+        # enters the value product in V's dtype, bfloat16 or float32, whose range holds it (float16 is never bounded).
+        q_float = q.to(tl.float32)
+        start_max = tl.sqrt(tl.sum(q_float * q_float, 1)) * tl.load(KMaxNorm + batch * H_KV + kv_head) * logit_mult
+    elif FIXED_MAX:
+        start_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
     else:
-        running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        start_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    running_max = start_max
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
-
-    unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
-    accumulator, running_sum, running_max = _attention_dense_inner(
-        accumulator,
-        running_sum,
-        running_max,
-        q,
-        k_head,
-        v_head,
-        k_desc,
-        v_desc,
-        bias_rows,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
-        stride_bk,
-        row_query,
-        row_valid,
-        row_mult,
-        0,
-        unmasked_end,
-        N_K,
-        bias_mult,
-        softcap_log2,
-        HEAD_DIM_K,
-        HEAD_DIM_V,
-        DK_PAD,
-        DV_PAD,
-        BLOCK_N,
-        HAS_BIAS,
-        SOFTCAP,
-        CAUSAL,
-        False,
-        PRECISION,
-        USE_TMA,
-        BIAS_TILE,
-        FIXED_MAX,
-        q_position,
-        relative_head,
-        RelPositionBias,
-        stride_rh_row,
-        stride_rh_d,
-        row_start,
-        N_Q,
-        n_relative,
-        RELATIVE,
-        RUN_SPAN,
-    )
-    accumulator, running_sum, running_max = _attention_dense_inner(
-        accumulator,
-        running_sum,
-        running_max,
-        q,
-        k_head,
-        v_head,
-        k_desc,
-        v_desc,
-        bias_rows,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
-        stride_bk,
-        row_query,
-        row_valid,
-        row_mult,
-        unmasked_end,
-        end,
-        N_K,
-        bias_mult,
-        softcap_log2,
-        HEAD_DIM_K,
-        HEAD_DIM_V,
-        DK_PAD,
-        DV_PAD,
-        BLOCK_N,
-        HAS_BIAS,
-        SOFTCAP,
-        CAUSAL,
-        True,
-        PRECISION,
-        USE_TMA,
-        BIAS_TILE,
-        FIXED_MAX,
-        q_position,
-        relative_head,
-        RelPositionBias,
-        stride_rh_row,
-        stride_rh_d,
-        row_start,
-        N_Q,
-        n_relative,
-        RELATIVE,
-        RUN_SPAN,
-    )
+    # With BOUNDED a second attempt, with the running maximum, for a program in which some row's sum ended below
+    # BOUND_RETRY_SUM (the bound overshot the true maximum so far that P could have lost precision).
+    for attempt in tl.static_range(1 + BOUNDED):
+        if attempt == 0:
+            go = True
+        else:
+            go = tl.min(running_sum, 0) < BOUND_RETRY_SUM
+        if go:
+            if FIXED_MAX or (BOUNDED and attempt == 0):
+                running_max = start_max
+            else:
+                running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+            unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+            accumulator, running_sum, running_max = _attention_dense_inner(
+                accumulator,
+                running_sum,
+                running_max,
+                q,
+                k_head,
+                v_head,
+                k_desc,
+                v_desc,
+                bias_rows,
+                stride_kn,
+                stride_kd,
+                stride_vn,
+                stride_vd,
+                stride_bk,
+                row_query,
+                row_valid,
+                row_mult,
+                0,
+                unmasked_end,
+                N_K,
+                bias_mult,
+                softcap_log2,
+                HEAD_DIM_K,
+                HEAD_DIM_V,
+                DK_PAD,
+                DV_PAD,
+                BLOCK_N,
+                HAS_BIAS,
+                SOFTCAP,
+                CAUSAL,
+                False,
+                PRECISION,
+                USE_TMA,
+                BIAS_TILE,
+                FIXED_MAX or (BOUNDED and attempt == 0),
+                q_position,
+                relative_head,
+                RelPositionBias,
+                stride_rh_row,
+                stride_rh_d,
+                row_start,
+                N_Q,
+                n_relative,
+                RELATIVE,
+                RUN_SPAN,
+            )
+            accumulator, running_sum, running_max = _attention_dense_inner(
+                accumulator,
+                running_sum,
+                running_max,
+                q,
+                k_head,
+                v_head,
+                k_desc,
+                v_desc,
+                bias_rows,
+                stride_kn,
+                stride_kd,
+                stride_vn,
+                stride_vd,
+                stride_bk,
+                row_query,
+                row_valid,
+                row_mult,
+                unmasked_end,
+                end,
+                N_K,
+                bias_mult,
+                softcap_log2,
+                HEAD_DIM_K,
+                HEAD_DIM_V,
+                DK_PAD,
+                DV_PAD,
+                BLOCK_N,
+                HAS_BIAS,
+                SOFTCAP,
+                CAUSAL,
+                True,
+                PRECISION,
+                USE_TMA,
+                BIAS_TILE,
+                FIXED_MAX or (BOUNDED and attempt == 0),
+                q_position,
+                relative_head,
+                RelPositionBias,
+                stride_rh_row,
+                stride_rh_d,
+                row_start,
+                N_Q,
+                n_relative,
+                RELATIVE,
+                RUN_SPAN,
+            )
 
     # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with a fixed maximum); padding
     # rows are never stored.
-    if FIXED_MAX:
+    if FIXED_MAX or BOUNDED:
         running_max = tl.where(running_sum > 0.0, running_max, float("-inf"))
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
     out = accumulator / running_sum[:, None]
@@ -566,6 +593,7 @@ def attention_dense_fwd(
     before_launch: Callable[[], object] | None = None,
     relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     run_span: int = 0,
+    bounded_max: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -584,8 +612,24 @@ def attention_dense_fwd(
     ``r`` holding the distances ``j - i`` in ``[run_starts[r], run_starts[r + 1])``; ``run_starts`` is followed by
     the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32). ``run_span``: with
     ``relative_runs``, ``relative_run_span(run_starts)`` (the kernel then unrolls the runs of a tile and pipelines
-    its loads), or 0 (any layout, an inner loop per tile)."""
+    its loads), or 0 (any layout, an inner loop per tile).
+    ``bounded_max``: for plain logits (no bias, soft-cap or relative positions) in bfloat16 or float32, replace the
+    running row maximum by the Cauchy-Schwarz bound ``|q_i| max_j |k_j|`` (one norm reduction over K per call): no
+    maximum is tracked and nothing rescaled; P enters the value product in V's dtype, whose range holds the gap; a
+    program in which a row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. True /
+    False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): only ``on`` enables it,
+    ``auto`` (the default) does not, because the dense kernel's bounded variant has not been timed yet."""
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    wanted = bounded_max if bounded_max is not None else bounded_setting() == "on"
+    bounded = bool(
+        wanted
+        and bias is None
+        and softcap is None
+        and relative is None
+        and relative_runs is None
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and v.dtype == q.dtype
+    )
     if run_span and (run_span > MAX_RUN_SPAN or run_span & (run_span - 1)):
         raise ValueError(f"run_span: expected 0 or a power of two <= {MAX_RUN_SPAN}, got {run_span}")
     if run_span and config is not None and config["BLOCK_M"] + config["BLOCK_N"] - 1 > _RELATIVE_WINDOW:
@@ -625,11 +669,24 @@ def attention_dense_fwd(
         bias_tile,
         fixed_max,
         float32_dot_precision() if q.dtype == torch.float32 else None,
+        bounded,
     )
     plan = _PLANS.get(plan_key) if config is None else None
     if plan is None:
-        plan = _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative,
-                     run_span if relative_runs is not None else None)
+        plan = _plan(
+            q,
+            k,
+            v,
+            bias,
+            scale,
+            causal,
+            softcap,
+            bias_tile,
+            fixed_max,
+            relative,
+            run_span if relative_runs is not None else None,
+            bounded,
+        )
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -646,6 +703,8 @@ def attention_dense_fwd(
         relative_keys,
         content_bias,
         position_bias,
+        # the largest key norm of each (batch, K/V head), float32 [B, Hkv]
+        torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=-1).contiguous() if bounded else None,
         *plan.scalar_args,
     )
     use_tma = tma_ready(k, v)
@@ -684,7 +743,10 @@ class _Plan:
         self.launch = tuple((grid, {**self.constexprs, "USE_TMA": use_tma, **best}) for use_tma in (False, True))
 
 
-def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None) -> _Plan:
+def _plan(
+    q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None,
+    bounded: bool = False,
+) -> _Plan:  # fmt: skip
     runs = run_span is not None
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -730,6 +792,7 @@ def _plan(q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative,
         BIAS_TILE=bias_tile if bias is not None else 1,
         SOFTCAP=softcap is not None,
         FIXED_MAX=max_value is not None,
+        BOUNDED=bounded,
         CAUSAL=causal,
         RELATIVE=2 if runs else int(relative is not None),
         RUN_SPAN=run_span if runs else 0,
