@@ -54,6 +54,9 @@
 #                         the default launch, one launch (kvbound-compressed-one) and the split launch
 #                         (kvbound-compressed-split: low-rank runs in a kernel without residual code, merged by
 #                         log-sum-exp) side by side
+#   bounded     ~5 min    benchmarks/bounded_sweep.py: the bounded maximum against the running maximum
+#                         (KVBOUND_BOUNDED_MAX=on / off), compressed (residual-free rank 8) and dense, N = 4096 ..
+#                         65536 x d = 64, 128, beside cuDNN; bounded.png draws the speed-ups
 #   relative    ~4 min    Enformer / Borzoi attention cores (relative positions) at batch 1 and 8 / 4: the ports' math,
 #                         SDPA and FlexAttention with the position term built for them, kvbound fused (exact and
 #                         compressed K/V), time and peak memory (kvbound/bench/relative.py)
@@ -68,7 +71,7 @@
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share relative asm models models2 alphagenome ring"
+PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -276,6 +279,11 @@ sweep | sweep-d128)
 share)
     bench "$RES/share.csv" --shapes benchmarks/shapes/share.toml --configs r8b4 --no-calibration
     step share 500 "$RES/share.csv" "${CMD[@]}"
+    ;;
+bounded)
+    sweep=("$PY" benchmarks/bounded_sweep.py "$RES/bounded.csv")
+    if [[ "$SMOKE" == "1" ]]; then sweep+=(--cpu-smoke); else sweep+=(--plot "$RES/bounded.png"); fi
+    step bounded 500 "$RES/bounded.csv" "${sweep[@]}"
     ;;
 asm)
     # The GPU test reruns the byte-decode checks in a child process with the compiler's decode

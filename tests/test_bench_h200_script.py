@@ -16,6 +16,7 @@ PARTS = (
     "sweep",
     "sweep-d128",
     "share",
+    "bounded",
     "relative",
     "asm",
     "models",
@@ -145,3 +146,14 @@ def test_asm_part_runs_the_gpu_check_then_both_timings(tmp_path, smoke):
     assert ("--cpu-smoke" in calls[1]) == smoke
     status = (out / "status.txt").read_text()
     assert "asm-tests 0" in status and "residual-ptx 0" in status and "residual-plain 0" in status
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_bounded_part_runs_the_sweep(tmp_path, smoke):
+    proc, out, _ = _run("bounded", tmp_path, smoke=smoke)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    calls = [line for line in (tmp_path / "args.log").read_text().splitlines() if not line.startswith("-c ")]
+    assert len(calls) == 1 and calls[0].startswith("benchmarks/bounded_sweep.py ")
+    assert calls[0].split()[1].endswith("/bounded/bounded.csv")
+    assert ("--cpu-smoke" in calls[0]) == smoke and ("--plot" in calls[0]) == (not smoke)
+    assert "bounded 0" in (out / "status.txt").read_text()
