@@ -143,26 +143,45 @@ def test_bounded_by_default_only_from_the_threshold(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
-def test_gpu_bounded_bf16(monkeypatch, d):
-    """bfloat16 on the GPU (P and the V coefficients in bfloat16): against float64 within the 2x criterion, and
-    against the running maximum."""
+@pytest.mark.parametrize(("d", "causal", "rank"), [(64, False, 8), (128, False, 8), (64, True, 8), (64, False, 6)])
+def test_gpu_bounded_bf16(monkeypatch, d, causal, rank):
+    """bfloat16 on the GPU (P in bfloat16, the V coefficients as a bfloat16 pair; rank 6: the pair's rows padded to
+    16 bytes for the tensor descriptors): against float64 within the 2x criterion, and against the running
+    maximum."""
     n = 4096
-    cfg = CompressionConfig(block_size=128, rank=8, tau=0.25)
+    cfg = CompressionConfig(block_size=128, rank=rank, tau=0.25)
     k = structured(1, 4, n, d, torch.float32, 7, spikes=False).cuda().bfloat16()
     v = structured(1, 4, n, d, torch.float32, 8, spikes=False).cuda().bfloat16()
     ck, cv = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
     assert int((ck.mode != 0).sum()) == 0 and int((cv.mode != 0).sum()) == 0
     q = torch.randn(1, 8, n, d, generator=torch.Generator().manual_seed(9)).cuda().bfloat16()
     seen = _constexprs(monkeypatch)
-    out = attention(q, ck, cv)
+    out = attention(q, ck, cv, causal=causal)
     monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "0")
-    tracked = attention(q, ck, cv)
+    tracked = attention(q, ck, cv, causal=causal)
     assert seen == [(0, True), (0, False)]
-    rows = slice(0, 512)
-    check_against_reference(out[:, :, rows], q[:, :, rows], ck.decompress(), cv.decompress())
+    rows = slice(0, 512)  # the first queries: a causal reference of these rows lines up with the keys
+    check_against_reference(out[:, :, rows], q[:, :, rows], ck.decompress(), cv.decompress(), causal=causal)
     assert math.isfinite(float(out.float().abs().max()))
     assert float((out.float() - tracked.float()).abs().max()) <= 4 * 2.0**-8 * float(tracked.float().abs().max())
+
+
+@pytest.mark.gpu
+def test_gpu_bounded_split_bf16(monkeypatch):
+    """The split launch's low-rank pass bounded in bfloat16 (residual blocks in pass 2), causal."""
+    n, d = 4096, 64
+    cfg = CompressionConfig(block_size=128, rank=8)
+    k = structured(1, 4, n, d, torch.float32, 1).cuda().bfloat16()
+    v = structured(1, 4, n, d, torch.float32, 2).cuda().bfloat16()
+    clean = (structured(1, 4, n, d, torch.float32, s, spikes=False).cuda().bfloat16() for s in (1, 2))
+    ck, cv = (compress_kv(x, cfg, calibrate(c, cfg)) for x, c in zip((k, v), clean, strict=True))
+    q = torch.randn(1, 8, n, d, generator=torch.Generator().manual_seed(10)).cuda().bfloat16()
+    seen = _constexprs(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    out = attention(q, ck, cv, causal=True)
+    assert seen == [(1, True), (2, False)]
+    rows = slice(0, 512)  # the first queries: a causal reference of these rows lines up with the keys
+    check_against_reference(out[:, :, rows], q[:, :, rows], ck.decompress(), cv.decompress(), causal=True)
 
 
 # ----------------------------------------------------------------------------------------------- dense kernel
@@ -249,3 +268,35 @@ def test_gpu_dense_bounded_bf16(monkeypatch, d):
     rows = slice(0, 512)
     check_against_reference(out[:, :, rows], q[:, :, rows], k, v)
     assert float((out.float() - tracked.float()).abs().max()) <= 4 * 2.0**-8 * float(tracked.float().abs().max())
+
+
+def test_packed_value_pair_holds_the_coefficients():
+    """``[hi | lo]``: hi the bfloat16 rounding, hi + lo the float16 value to about 16 bits in bfloat16 and exactly
+    in float32; rows padded with zeros to a multiple of 8 (16 bytes in bfloat16) for any rank."""
+    from kvbound.kernels.attention_compressed import packed_value_pair
+
+    g = torch.Generator().manual_seed(25)
+    for rank, width in ((2, 8), (4, 8), (5, 16), (6, 16), (8, 16), (9, 24), (16, 32)):
+        coeffs = (torch.randn(1, 2, 40, rank, generator=g) * 3).half()
+        for dtype, tolerance in ((torch.bfloat16, 2.0**-15), (torch.float32, 0.0)):
+            packed = packed_value_pair(coeffs, dtype)
+            assert packed.shape == (1, 2, 40, width) and packed.dtype == dtype and packed.is_contiguous()
+            hi, lo = packed[..., :rank].float(), packed[..., rank : 2 * rank].float()
+            assert torch.equal(hi, coeffs.float().bfloat16().float())
+            assert float((hi + lo - coeffs.float()).abs().max()) <= tolerance * float(coeffs.float().abs().max())
+            assert not packed[..., 2 * rank :].any()
+
+
+def test_bounded_packed_pair_path_against_float64():
+    """The packed pair's path (the bfloat16 launch's layout: 2r coefficient columns, the basis stacked twice) run
+    in float32 in the interpreter: exact to float32 rounding, so losing either half (about 2**-9 of each
+    coefficient) would show."""
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    from kvbound.reference import reference_attention
+
+    q, ck, cv = _lowrank_case()
+    kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+    out = attention_compressed_fwd(q, kop, vop, None, 64**-0.5, False, None, (False, False), bounded_max=True,
+                                   pack_values=True)[0]  # fmt: skip
+    expected = reference_attention(q, ck.decompress(), cv.decompress())
+    assert float((out.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

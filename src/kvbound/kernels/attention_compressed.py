@@ -780,8 +780,8 @@ def _compressed_tile(
     v_meta = v_meta_base + start_n // BLOCK_SIZE_V
     if V_coeff_head.dtype.element_ty == tl.bfloat16:
         # Bounded maximum (the launcher passes bfloat16 V coefficients only then): P spans far more than float16's
-        # range, so P enters the product in bfloat16, against the coefficients as a bfloat16 pair [hi | lo]; there
-        # is no V residual in such a launch.
+        # range, so P enters the product in bfloat16, against the coefficients as a bfloat16 pair [hi | lo]
+        # (V_PACKED); there is no V residual in such a launch. In float32 P stays float32.
         tl.static_assert(not V_RESIDUAL and not V_PER_BLOCK and not FP32)
         p_op = p.to(tl.bfloat16)
     else:
@@ -843,22 +843,16 @@ def _compressed_tile(
                 )
     else:
         if RANK_V > 0:
+            # With a packed pair (bounded launches) RANK_V here is twice the rank: [hi | lo] side by side.
+            coeffs_v = _load_coeff_tile(
+                V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK,
+                USE_TMA,
+            )  # fmt: skip
+            if not FIXED_MAX:
+                rank_accumulator = rank_accumulator * alpha[:, None]
             if V_coeff_head.dtype.element_ty == tl.bfloat16:
-                # [hi | lo] bfloat16 coefficients side by side (about 16 bits of the float16 ones)
-                coeffs_v = _load_coeff_tile(
-                    V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, 2 * RANK_V, RV_PAD,
-                    MASK, USE_TMA,
-                )  # fmt: skip
-                if not FIXED_MAX:
-                    rank_accumulator = rank_accumulator * alpha[:, None]
                 rank_accumulator = tl.dot(p_op, coeffs_v, rank_accumulator)
             else:
-                coeffs_v = _load_coeff_tile(
-                    V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK,
-                    USE_TMA,
-                )  # fmt: skip
-                if not FIXED_MAX:
-                    rank_accumulator = rank_accumulator * alpha[:, None]
                 rank_accumulator = tl.dot(
                     p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION
                 )
@@ -1232,6 +1226,7 @@ COMPRESSED_TUNE_KEY = [
     "SOFTCAP",
     "FIXED_MAX",
     "BOUNDED",
+    "V_PACKED",
     "CAUSAL",
     "RELATIVE",
 ]
@@ -1335,6 +1330,7 @@ def _attention_compressed_fwd(
     SOFTCAP: tl.constexpr,
     FIXED_MAX: tl.constexpr,
     BOUNDED: tl.constexpr,
+    V_PACKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     RELATIVE: tl.constexpr,
     FP32: tl.constexpr,
@@ -1352,6 +1348,7 @@ def _attention_compressed_fwd(
             "a bounded maximum needs a launch of shared-basis low-rank tiles without residual, bias, soft-cap or "
             "relative positions",
         )
+    tl.static_assert(BOUNDED or not V_PACKED, "packed V coefficients belong to a bounded launch")
     tl.static_assert(PASS != 1 or not (K_RESIDUAL or V_RESIDUAL), "pass 1 is compiled without residual code")
     if RELATIVE:
         tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
@@ -1419,7 +1416,7 @@ def _attention_compressed_fwd(
     else:
         k_coeff_desc = K_coeff_head
     if USE_TMA and RANK_V > 0:
-        if V_coeff.dtype.element_ty == tl.bfloat16:
+        if V_PACKED:
             v_coeff_desc = tl.make_tensor_descriptor(
                 V_coeff_head, shape=[N_K, 2 * RANK_V], strides=[stride_vcn, 1], block_shape=[BLOCK_N, RV_PAD]
             )
@@ -1572,7 +1569,7 @@ def _attention_compressed_fwd(
                             DK_PAD,
                             DV_PAD,
                             RANK_K,
-                            RANK_V,
+                            RANK_V * (1 + V_PACKED),
                             RK_PAD,
                             RV_PAD,
                             BLOCK_SIZE_K,
@@ -1660,7 +1657,7 @@ def _attention_compressed_fwd(
                     DK_PAD,
                     DV_PAD,
                     RANK_K,
-                    RANK_V,
+                    RANK_V * (1 + V_PACKED),
                     RK_PAD,
                     RV_PAD,
                     BLOCK_SIZE_K,
@@ -1769,7 +1766,7 @@ def _attention_compressed_fwd(
                                 DK_PAD,
                                 DV_PAD,
                                 RANK_K,
-                                RANK_V,
+                                RANK_V * (1 + V_PACKED),
                                 RK_PAD,
                                 RV_PAD,
                                 BLOCK_SIZE_K,
@@ -1859,7 +1856,7 @@ def _attention_compressed_fwd(
                             DK_PAD,
                             DV_PAD,
                             RANK_K,
-                            RANK_V,
+                            RANK_V * (1 + V_PACKED),
                             RK_PAD,
                             RV_PAD,
                             BLOCK_SIZE_K,
@@ -1947,7 +1944,7 @@ def _attention_compressed_fwd(
                     DK_PAD,
                     DV_PAD,
                     RANK_K,
-                    RANK_V,
+                    RANK_V * (1 + V_PACKED),
                     RK_PAD,
                     RV_PAD,
                     BLOCK_SIZE_K,
@@ -1990,7 +1987,7 @@ def _attention_compressed_fwd(
             safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
             accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
         if RANK_V > 0:
-            if V_coeff.dtype.element_ty == tl.bfloat16:
+            if V_PACKED:
                 tl.static_assert(V_PLANES <= 1 and 2 * RANK_V <= RV_PAD)
                 basis_v = _load_basis_twice(
                     V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
@@ -2434,6 +2431,7 @@ def attention_compressed_fwd(
     split: bool | None = None,
     lowrank_share: Sequence[float] | Callable[[], Sequence[float]] | None = None,
     bounded_max: bool | None = None,
+    pack_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2475,7 +2473,9 @@ def attention_compressed_fwd(
     (float32 in float32), whose range holds the gap between the bound and the true maximum. A program in which a
     row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. None: the environment's
     ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``; by default from ``BOUNDED_MIN_KEYS`` keys on); True / False:
-    always (where it applies) / never.
+    always (where it applies) / never. ``pack_values``: in a bounded launch, pass the V coefficients as the pair of
+    ``packed_value_pair`` (None: in bfloat16 launches, where P and the coefficients meet in bfloat16; True also in
+    float32, which tests the pair's path on the CPU).
     """
     setting = split_setting() if split is None else ("on" if split else "off")
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -2617,6 +2617,7 @@ def attention_compressed_fwd(
     args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, None, *sizes)
     constexprs["PASS"] = 0
     constexprs["BOUNDED"] = False
+    constexprs["V_PACKED"] = False
     # Launches of low-rank tiles alone (no residual anywhere, or pass 1 of a split) may take the bounded maximum.
     bounded = (
         bounded_max is not False
@@ -2632,22 +2633,22 @@ def attention_compressed_fwd(
     )
 
     def bounded_args(args: tuple, constexprs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``constexprs`` for a bounded-maximum launch: the box of each head's K coefficients and,
-        unless everything is float32, the V coefficients as a bfloat16 pair ``[hi | lo]`` side by side
-        (``hi + lo`` holds the float16 value to about 16 bits; rows padded to 16 bytes for tensor descriptors),
-        with ``RV_PAD`` wide enough for both."""
-        coeffs = k.coeffs[..., :k_rank].float()
-        box = torch.stack([coeffs.amax(dim=2), coeffs.amin(dim=2)], dim=2).contiguous()  # [B, Hkv, 2, r]
-        if fp32:
+        """``args`` and ``constexprs`` for a bounded-maximum launch: the box of each head's K coefficients and the
+        V coefficients as a pair ``[hi | lo]`` side by side (``packed_value_pair``; in bfloat16 unless everything
+        is float32, where ``pack_values=True`` packs them too), with ``RV_PAD`` wide enough for both."""
+        coeffs = k.coeffs[..., :k_rank]
+        lowest, highest = torch.aminmax(coeffs, dim=2)
+        box = torch.stack([highest, lowest], dim=2).float().contiguous()  # [B, Hkv, 2, r]
+        if not (pack_values if pack_values is not None else not fp32):
             return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
-        values = v.coeffs[..., :v_rank].float()
-        packed = torch.zeros(*values.shape[:-1], max(8, 2 * v_rank), dtype=torch.bfloat16, device=q.device)
-        packed[..., :v_rank] = values
-        packed[..., v_rank : 2 * v_rank] = values - packed[..., :v_rank].float()
+        packed = packed_value_pair(v.coeffs[..., :v_rank], torch.float32 if fp32 else torch.bfloat16)
         at = 26 + 16  # V coefficient strides within sizes (after those of q, bias, out and K coefficients)
-        assert args[at : at + 4] == tuple(v_coeffs.stride())
+        if args[at : at + 4] != tuple(v_coeffs.stride()):
+            raise RuntimeError("attention_compressed_fwd: the V coefficient strides moved within the arguments")
         new_args = (*args[:12], packed, *args[13:25], box, *args[26:at], *packed.stride(), *args[at + 4 :])
-        return new_args, dict(constexprs, BOUNDED=True, RV_PAD=max(16, next_power_of_2(2 * v_rank)), V_PLANES=1)
+        use_tma = constexprs["USE_TMA"] and tma_ready(packed)
+        return new_args, dict(constexprs, BOUNDED=True, V_PACKED=True, RV_PAD=max(16, next_power_of_2(2 * v_rank)),
+                              V_PLANES=1, USE_TMA=use_tma)  # fmt: skip
 
     def launch(args, constexprs):
         tune_key = (
@@ -2707,11 +2708,26 @@ def split_setting() -> str:
     raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 
 
-# The bounded maximum is the default from this many keys on. On the H200 (e7dff5e, residual-free rank 8, 8 heads) it
-# was 14-17 % faster at N = 65,536 (d = 64 and 128), but slower at N = 4,096 (0.19 -> 0.40 ms) and 16,384 (d = 128:
-# 1.14 -> 1.40 ms), where the host-side preparation of each call (the key box, the packed V coefficients) and the
-# extra launches weigh more than the work they save (benchmarks/results/kernel_dev/bounded_max/).
+# The bounded maximum is the default from this many keys on. On the H200 (e7dff5e, residual-free rank 8, 8 heads) the
+# running maximum took 1.17x (d = 64) and 1.12x (d = 128) its time at N = 65,536, measured side by side. At N = 4,096
+# (0.40 ms against 0.19-0.23 ms) and 16,384 (d = 128: 1.40 against 1.14 ms) it was slower than the running maximum's
+# rows of earlier sessions; no side-by-side run exists below 65,536 yet (benchmarks/bounded_sweep.py makes one), and
+# why it is slower there is not known (benchmarks/results/kernel_dev/bounded_max/).
 BOUNDED_MIN_KEYS = 65536
+
+
+def packed_value_pair(coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """V coefficients ``[..., r]`` as ``[hi | lo]`` in ``dtype``, ``[..., w]`` with ``w`` = ``2 r`` rounded up to a
+    multiple of 8 (16-byte rows in bfloat16, as tensor descriptors need; zeros past ``2 r``): ``hi`` the
+    coefficients rounded to bfloat16, ``lo`` what is left of them, rounded to ``dtype``. ``hi + lo`` holds a float16
+    coefficient to about 16 bits in bfloat16, exactly in float32."""
+    rank = coeffs.shape[-1]
+    values = coeffs.float()
+    hi = values.to(torch.bfloat16).float()
+    packed = torch.zeros(*coeffs.shape[:-1], -(-2 * rank // 8) * 8, dtype=dtype, device=coeffs.device)
+    packed[..., :rank] = hi
+    packed[..., rank : 2 * rank] = values - hi
+    return packed
 
 
 def _bounded_by_default(n_k: int) -> bool:
