@@ -79,25 +79,12 @@ def main() -> int:
 
         for d, n in tqdm([(d, n) for d in dims for n in lengths], desc="bounded sweep", unit="shape"):
             start = time.time()
-            k_sub = bench_data.kv_subspace(heads, d, seed=1, device=device)
-            v_sub = bench_data.kv_subspace(heads, d, seed=2, device=device)
-
-            def kv(sub, seed, n=n):
-                return bench_data.structured_kv(1, n, sub, zero_tile_share=1.0, block_size=block, dtype=dtype,
-                                                seed=seed)  # fmt: skip
-
-            q = bench_data.structured_queries(1, heads, n, k_sub, dtype=dtype, seed=3)
-            k, v = kv(k_sub, 4), kv(v_sub, 5)
-            tau = 8 * kvbound.CompressionConfig().tau
-            while True:
-                config = kvbound.CompressionConfig(block_size=block, rank=8, bits=4, tau=tau)
-                bases = [kvbound.calibrate(kv(sub, seed), config) for sub, seed in ((k_sub, 14), (v_sub, 15))]
-                ck, cv = (kvbound.compress_kv(x, config, basis) for x, basis in zip((k, v), bases, strict=True))
-                if all(bool((c.mode == 0).all()) for c in (ck, cv)):
-                    break
-                if tau >= 64.0:
-                    raise SystemExit(f"d={d}, N={n}: no tau up to {tau:g} leaves every block low rank only")
-                tau *= 2
+            try:
+                q, ck, cv, tau = bench_data.residual_free_case(
+                    heads, n, d, dtype=dtype, device=device, block_size=block
+                )
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
             k_dec, v_dec = (x.to(dtype) for x in (ck.decompress(), cv.decompress()))
             check = slice(0, min(128, n))
             expected = reference_attention(q[:, :, check], k_dec, v_dec)

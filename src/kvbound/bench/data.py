@@ -33,6 +33,7 @@ __all__ = [
     "kv_subspace",
     "structured_kv",
     "structured_queries",
+    "residual_free_case",
     "tile_pair_bias",
     "relative_position_table",
     "dense_bias",
@@ -130,6 +131,33 @@ def structured_queries(
     z = torch.randn(batch, q_heads, seq_len, rank, generator=g, device=device) * math.sqrt(dim / rank) * 0.8
     noise = 0.6 * torch.randn(batch, q_heads, seq_len, dim, generator=g, device=device)
     return (z @ basis + noise).to(dtype)
+
+
+def residual_free_case(heads: int, seq_len: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
+                       device: torch.device | str = "cpu", block_size: int = 128, rank: int = 8):  # fmt: skip
+    """``(q, ck, cv, tau)`` with every block of the compressed K and V low rank only: the ``lowrank-r8`` inputs of
+    ``kvbound bench`` (every generated block residual-free, a shared basis calibrated on another draw), the tolerance
+    raised from 8x the default until no block keeps a residual. Raises ValueError when none up to 64 does."""
+    import kvbound  # the package imports this module's users, not this module
+
+    k_sub = kv_subspace(heads, head_dim, seed=1, device=device)
+    v_sub = kv_subspace(heads, head_dim, seed=2, device=device)
+
+    def kv(sub, seed):
+        return structured_kv(1, seq_len, sub, zero_tile_share=1.0, block_size=block_size, dtype=dtype, seed=seed)
+
+    q = structured_queries(1, heads, seq_len, k_sub, dtype=dtype, seed=3)
+    k, v = kv(k_sub, 4), kv(v_sub, 5)
+    tau = 8 * DEFAULT_TAU
+    while True:
+        config = kvbound.CompressionConfig(block_size=block_size, rank=rank, bits=4, tau=tau)
+        bases = [kvbound.calibrate(kv(sub, seed), config) for sub, seed in ((k_sub, 14), (v_sub, 15))]
+        ck, cv = (kvbound.compress_kv(x, config, basis) for x, basis in zip((k, v), bases, strict=True))
+        if all(bool((c.mode == 0).all()) for c in (ck, cv)):
+            return q, ck, cv, tau
+        if tau >= 64.0:
+            raise ValueError(f"d={head_dim}, N={seq_len}: no tau up to {tau:g} leaves every block low rank only")
+        tau *= 2
 
 
 def tile_pair_bias(batch: int, q_heads: int, q_len: int, kv_len: int, tile: int, *,
