@@ -65,6 +65,7 @@ def test_targets_table_verdicts_and_errors_next_to_speed():
     assert by[("seed-n65536-d64", "kvbound-dense", "")]["verdict"].startswith("MISSED")
     assert by[("seed-n65536-d64", "kvbound-compressed", "quant-r0b4")]["verdict"] == "-"
     assert by[("seed-n4096-d64", "kvbound-dense", "")]["target"] == "-"
+    assert fused["commit"] == "aaaaaaa"  # each row names the run it comes from
     # order: d, then N, then provider
     assert [r[0] for r in body][:2] == ["seed-n4096-d64", "seed-n16384-d64"]
     summary = tables.targets_summary(_rows())

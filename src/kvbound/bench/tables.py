@@ -144,9 +144,10 @@ def _verdict(r: dict, ratio: float | None, target: tuple[float, str] | None) -> 
 
 def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Every kvbound row on the seed shapes (default configs and dense) against cuDNN SDPA of the same run, with
-    its error next to its speed and the target that applies."""
+    its error next to its speed, the target that applies and the commit it was measured at (the latest row of each
+    shape and provider: rows of one table can come from different runs)."""
     headers = ["shape", "provider", "config", "status", "p50 ms", "cuDNN p50 ms", "vs cuDNN", "vs cuDNN (p80..p20)",
-               "rel err", "err vs dense ref", "zero tiles", "target", "verdict"]
+               "rel err", "err vs dense ref", "zero tiles", "target", "verdict", "commit"]
     timed = list(index_rows(rows, "time").values())
     ratios = cudnn_ratios(rows)
     table = []
@@ -167,7 +168,8 @@ def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             _f(cudnn_ms, ".4g") + ("" if not found or found[2] else " (other run)"),
             "-" if ratio is None else f"{ratio:.2f}x", spread, _f(r.get("err_rel"), ".2e"),
             _f(r.get("err_vs_dense_rel"), ".2e"), _f(r.get("zero_residual_share"), ".0%"),
-            "-" if target is None else f">= {target[0]:.1f}x ({target[1]})", _verdict(r, ratio, target)])
+            "-" if target is None else f">= {target[0]:.1f}x ({target[1]})", _verdict(r, ratio, target),
+            r.get("commit") or "-"])
     return headers, table
 
 
