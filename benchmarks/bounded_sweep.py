@@ -9,7 +9,8 @@ of ``kvbound bench``: ``kvbound.bench.data``'s generator, a shared basis calibra
 until no block keeps a residual), timed through ``kvbound.attention`` (host preparation included, as a user calls
 it) with ``KVBOUND_BOUNDED_MAX=on`` and ``off``; the dense kernel on the decompressed K/V the same two ways; cuDNN
 SDPA on the same decompressed K/V. Every call's error against float64 on the decompressed K/V (first 128 queries of
-every head) is in its row, cuDNN's beside it. CSV columns: ``d, N, provider, bounded, status, ms_p20, ms_p50,
+every head; the compressed rows against its float32 reconstruction, the others against that rounded to bf16, the
+K/V each reads) is in its row, cuDNN's beside it. CSV columns: ``d, N, provider, bounded, status, ms_p20, ms_p50,
 ms_p80, vs_cudnn, vs_running_max, err_max, err_cudnn, reason``; with ``--plot`` a figure of the speed-ups.
 
 CPU check (Triton's interpreter, tiny sizes, float32, no timing)::
@@ -85,13 +86,19 @@ def main() -> int:
                 )
             except ValueError as exc:
                 raise SystemExit(str(exc)) from None
-            k_dec, v_dec = (x.to(dtype) for x in (ck.decompress(), cv.decompress()))
+            # The compressed kernel reads the float32 reconstruction; dense and cuDNN read it rounded to q's dtype:
+            # each is checked against float64 attention on what it reads.
+            k_full, v_full = ck.decompress(), cv.decompress()
+            k_dec, v_dec = k_full.to(dtype), v_full.to(dtype)
             check = slice(0, min(128, n))
-            expected = reference_attention(q[:, :, check], k_dec, v_dec)
+            references = {
+                "kvbound-compressed": reference_attention(q[:, :, check], k_full, v_full),
+                "dense": reference_attention(q[:, :, check], k_dec, v_dec),
+            }
             tqdm.write(f"d={d} N={n}: inputs ready (tau {tau:g}) in {time.time() - start:.1f} s")
 
-            def error(out, check=check, expected=expected):
-                return (out[:, :, check].double() - expected).abs().max().item()
+            def error(out, provider="dense", check=check, references=references):
+                return (out[:, :, check].double() - references.get(provider, references["dense"])).abs().max().item()
 
             cudnn_ms = cudnn_err = None
             if not smoke:
@@ -117,7 +124,7 @@ def main() -> int:
                         return kvbound.attention(q, *operands)
 
                     try:
-                        row.update(status="ok", err_max=f"{error(call()):.3e}")
+                        row.update(status="ok", err_max=f"{error(call(), provider):.3e}")
                         result = timed(call)
                         if result is not None:
                             p20, p50, p80 = result

@@ -216,11 +216,44 @@ def test_dense_bounded_matches_running_max_and_float64(monkeypatch, causal):
     monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
     out, lse = attention(q, k, v, causal=causal, return_lse=True)
     check_against_reference(out, q, k, v, causal=causal)
+    from kvbound.kernels import attention_dense
+
+    retry_sum = attention_dense.BOUND_RETRY_SUM
+    monkeypatch.setattr(attention_dense, "BOUND_RETRY_SUM", 0.0)
+    assert torch.equal(attention(q, k, v, causal=causal), out)  # no program retried
+    monkeypatch.setattr(attention_dense, "BOUND_RETRY_SUM", retry_sum)
     monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "off")
     tracked, tracked_lse = attention(q, k, v, causal=causal, return_lse=True)
     assert seen == [True, False]
     assert torch.allclose(out, tracked, rtol=1e-5, atol=1e-5)
     assert torch.allclose(lse, tracked_lse, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, tracked)  # a different path (no maximum tracked), equal to float32 rounding
+
+
+def test_dense_bounded_reads_each_heads_key_norm(monkeypatch):
+    """Batch 2, two query heads per K/V head, keys whose norms differ by 30x between (batch, head) pairs and logits
+    up to about 1,500 log2 units: a bound taken from another pair's keys would overflow or underflow P."""
+    g = torch.Generator().manual_seed(26)
+    q = torch.randn(2, 4, 45, 32, generator=g) * 4
+    k = torch.randn(2, 2, 45, 32, generator=g) * torch.tensor([[1.0, 30.0], [30.0, 1.0]]).view(2, 2, 1, 1) * 4
+    v = torch.randn(2, 2, 45, 24, generator=g)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    out = attention(q, k, v)
+    assert torch.isfinite(out).all()
+    check_against_reference(out, q, k, v)
+
+
+@pytest.mark.parametrize("bounded", ["on", "off"])
+def test_dense_negative_scale(monkeypatch, bounded):
+    """A negative scale (a legal if unusual softmax temperature) flips which logit is largest; the plain softmax
+    step and the bound must follow it, with and without a bias."""
+    g = torch.Generator().manual_seed(27)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", bounded)
+    for scale in (-8.0, -0.1):  # -8: logits span more than float32 exp2 holds from the wrong end
+        check_against_reference(attention(q, k, v, scale=scale), q, k, v, scale=scale)
+        bias = torch.randn(1, 2, 40, 40, generator=g)
+        check_against_reference(attention(q, k, v, scale=scale, bias=bias), q, k, v, scale=scale, bias=bias)
 
 
 def test_dense_bounded_off_by_default_and_where_it_does_not_apply(monkeypatch):
@@ -293,16 +326,33 @@ def test_packed_value_pair_holds_the_coefficients():
             assert not packed[..., 2 * rank :].any()
 
 
-def test_bounded_packed_pair_path_against_float64():
+@pytest.mark.parametrize(("rank", "causal"), [(8, False), (6, False), (6, True), (7, True)])
+def test_bounded_packed_pair_path_against_float64(rank, causal):
     """The packed pair's path (the bfloat16 launch's layout: 2r coefficient columns, the basis stacked twice) run
     in float32 in the interpreter: exact to float32 rounding, so losing either half (about 2**-9 of each
-    coefficient) would show."""
+    coefficient) would show. Ranks 6 and 7 pad the pair's rows (16 bytes) and take the pointer loads."""
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
     from kvbound.reference import reference_attention
 
-    q, ck, cv = _lowrank_case()
+    cfg = CompressionConfig(block_size=16, rank=rank, tau=0.25)
+    k = structured(1, 2, 150, 64, torch.float32, 3, spikes=False)
+    v = structured(1, 2, 150, 40, torch.float32, 4, spikes=False)
+    ck, cv = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
+    assert int((ck.mode != 0).sum()) == 0 and int((cv.mode != 0).sum()) == 0
+    q = torch.randn(1, 4, 37, 64, generator=torch.Generator().manual_seed(5))
     kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
-    out = attention_compressed_fwd(q, kop, vop, None, 64**-0.5, False, None, (False, False), bounded_max=True,
+    out = attention_compressed_fwd(q, kop, vop, None, 64**-0.5, causal, None, (False, False), bounded_max=True,
                                    pack_values=True)[0]  # fmt: skip
-    expected = reference_attention(q, ck.decompress(), cv.decompress())
+    expected = reference_attention(q, ck.decompress(), cv.decompress(), causal=causal)
     assert float((out.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+
+
+def test_bounded_refuses_unpacked_bfloat16():
+    """In bfloat16 the bounded launch needs the packed pair: float16 coefficients would pull P into float16."""
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+
+    q, ck, cv = _lowrank_case(dtype=torch.bfloat16)
+    kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+    with pytest.raises(ValueError, match="pack_values: a bounded launch in bfloat16 needs the packed pair"):
+        attention_compressed_fwd(q, kop, vop, None, 0.125, False, None, (False, False), bounded_max=True,
+                                 pack_values=False)  # fmt: skip

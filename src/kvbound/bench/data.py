@@ -135,9 +135,10 @@ def structured_queries(
 
 def residual_free_case(heads: int, seq_len: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
                        device: torch.device | str = "cpu", block_size: int = 128, rank: int = 8):  # fmt: skip
-    """``(q, ck, cv, tau)`` with every block of the compressed K and V low rank only: the ``lowrank-r8`` inputs of
-    ``kvbound bench`` (every generated block residual-free, a shared basis calibrated on another draw), the tolerance
-    raised from 8x the default until no block keeps a residual. Raises ValueError when none up to 64 does."""
+    """``(q, ck, cv, tau)`` with every block of the compressed K and V low rank only, built as ``kvbound bench``'s
+    ``lowrank-r8`` inputs are (this module's generator with every block residual-free, a shared basis calibrated on
+    another draw; its own seeds), the tolerance raised from 8x the default until no block keeps a residual. Raises
+    ValueError when none up to 64 does."""
     import kvbound  # the package imports this module's users, not this module
 
     k_sub = kv_subspace(heads, head_dim, seed=1, device=device)

@@ -2639,6 +2639,9 @@ def attention_compressed_fwd(
         coeffs = k.coeffs[..., :k_rank]
         lowest, highest = torch.aminmax(coeffs, dim=2)
         box = torch.stack([highest, lowest], dim=2).float().contiguous()  # [B, Hkv, 2, r]
+        if pack_values is False and not fp32:
+            # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
+            raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
         if not (pack_values if pack_values is not None else not fp32):
             return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
         packed = packed_value_pair(v.coeffs[..., :v_rank], torch.float32 if fp32 else torch.bfloat16)

@@ -436,7 +436,8 @@ def _attention_dense_fwd(
         # constant maximum (no row maximum tracked, nothing rescaled). P = exp2(x - bound) may lie far below 1; it
         # enters the value product in V's dtype, bfloat16 or float32, whose range holds it (float16 is never bounded).
         q_float = q.to(tl.float32)
-        start_max = tl.sqrt(tl.sum(q_float * q_float, 1)) * tl.load(KMaxNorm + batch * H_KV + kv_head) * logit_mult
+        k_max_norm = tl.load(KMaxNorm + batch * H_KV + kv_head)
+        start_max = tl.sqrt(tl.sum(q_float * q_float, 1)) * k_max_norm * tl.abs(logit_mult)
     elif FIXED_MAX:
         start_max = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
     else:
@@ -554,8 +555,8 @@ def _attention_dense_fwd(
                 RUN_SPAN,
             )
 
-    # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with a fixed maximum); padding
-    # rows are never stored.
+    # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with the soft-cap's fixed maximum,
+    # >= BOUND_RETRY_SUM with the bounded one); padding rows are never stored.
     if FIXED_MAX or BOUNDED:
         running_max = tl.where(running_sum > 0.0, running_max, float("-inf"))
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
@@ -619,6 +620,10 @@ def attention_dense_fwd(
     program in which a row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. True /
     False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): only ``on`` enables it,
     ``auto`` (the default) does not, because the dense kernel's bounded variant has not been timed yet."""
+    if scale < 0 and relative is None and relative_runs is None:
+        # The kernel's plain softmax step takes the row maximum of q . k before multiplying by the (then negative)
+        # scale: give it scale q . k as |scale| q . (-k) instead (relative positions scale q in the kernel).
+        k, scale = k.neg(), -scale
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     wanted = bounded_max if bounded_max is not None else bounded_setting() == "on"
     bounded = bool(
