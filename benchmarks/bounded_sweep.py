@@ -8,10 +8,11 @@ For each head dim and length: residual-free compressed K/V (rank 8, every block 
 of ``kvbound bench``: ``kvbound.bench.data``'s generator, a shared basis calibrated on another draw, tau raised
 until no block keeps a residual), timed through ``kvbound.attention`` (host preparation included, as a user calls
 it) with ``KVBOUND_BOUNDED_MAX=on`` and ``off``; the dense kernel on the decompressed K/V the same two ways; cuDNN
-SDPA on the same decompressed K/V. Every call's error against float64 on the decompressed K/V (first 128 queries of
-every head; the compressed rows against its float32 reconstruction, the others against that rounded to bf16, the
-K/V each reads) is in its row, cuDNN's beside it. CSV columns: ``d, N, provider, bounded, status, ms_p20, ms_p50,
-ms_p80, vs_cudnn, vs_running_max, err_max, err_cudnn, reason``; with ``--plot`` a figure of the speed-ups.
+SDPA on the same decompressed K/V. Column ``launched`` says which variant the launcher actually took. Every
+call's error against float64 on the decompressed K/V (first 128 queries of every head; the compressed rows against
+its float32 reconstruction, the others against that rounded to bf16, the K/V each reads) is in its row, cuDNN's
+beside it. CSV columns: ``d, N, provider, bounded, launched, status, ms_p20,
+ms_p50, ms_p80, vs_cudnn, vs_running_max, err_max, err_cudnn, reason``; with ``--plot`` a figure of the speed-ups.
 
 CPU check (Triton's interpreter, tiny sizes, float32, no timing)::
 
@@ -27,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-FIELDS = ["d", "N", "provider", "bounded", "status", "ms_p20", "ms_p50", "ms_p80", "vs_cudnn", "vs_running_max",
-          "err_max", "err_cudnn", "reason"]  # fmt: skip
+FIELDS = ["d", "N", "provider", "bounded", "launched", "status", "ms_p20", "ms_p50", "ms_p80", "vs_cudnn",
+          "vs_running_max", "err_max", "err_cudnn", "reason"]  # fmt: skip
 LENGTHS = (4096, 8192, 16384, 32768, 65536)
 
 
@@ -51,7 +52,25 @@ def main() -> int:
 
     import kvbound
     from kvbound.bench import data as bench_data
+    from kvbound.kernels import attention_compressed, attention_dense
     from kvbound.reference import reference_attention
+
+    # Which variant each call launched (the BOUNDED compile-time flag), so that a row never claims the bounded
+    # maximum where the launcher did not take it: every compressed launch passes launch_tuned; each dense call
+    # signature builds one plan (the setting is part of its key).
+    launched: list[bool] = []
+    launch_tuned, dense_plan = attention_compressed.launch_tuned, attention_dense._plan
+
+    def spy_launch(kernel, tuned, grid, args_, constexprs, tune_key, config):
+        launched.append(bool(constexprs.get("BOUNDED")))
+        return launch_tuned(kernel, tuned, grid, args_, constexprs, tune_key, config)
+
+    def spy_plan(*args_, **kwargs):
+        plan = dense_plan(*args_, **kwargs)
+        launched.append(bool(plan.constexprs.get("BOUNDED")))
+        return plan
+
+    attention_compressed.launch_tuned, attention_dense._plan = spy_launch, spy_plan
 
     smoke = args.cpu_smoke
     device = torch.device("cpu" if smoke else "cuda")
@@ -124,7 +143,9 @@ def main() -> int:
                         return kvbound.attention(q, *operands)
 
                     try:
+                        launched.clear()
                         row.update(status="ok", err_max=f"{error(call(), provider):.3e}")
+                        row["launched"] = "bounded" if launched and all(launched) else "running max"
                         result = timed(call)
                         if result is not None:
                             p20, p50, p80 = result

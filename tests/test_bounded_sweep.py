@@ -23,4 +23,5 @@ def test_cpu_smoke_writes_checked_rows(tmp_path):
     assert [(r["d"], r["N"], r["provider"], r["bounded"]) for r in rows] == expected
     for r in rows:
         assert r["status"] == "ok" and not r["ms_p50"]  # no timing in the interpreter
+        assert r["launched"] == ("bounded" if r["bounded"] == "on" else "running max")  # what actually ran
         assert 0 <= float(r["err_max"]) < 1e-4  # float32 attention on the decompressed K/V
