@@ -356,3 +356,17 @@ def test_bounded_refuses_unpacked_bfloat16():
     with pytest.raises(ValueError, match="pack_values: a bounded launch in bfloat16 needs the packed pair"):
         attention_compressed_fwd(q, kop, vop, None, 0.125, False, None, (False, False), bounded_max=True,
                                  pack_values=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 8])
+def test_compressed_negative_scale(rank):
+    """The compressed kernel with a negative scale, with (rank 8) and without (rank 0: the row multiplier is then
+    the scale's own) a low-rank part; -8 spans more than float32's exp2 holds from the wrong end."""
+    g = torch.Generator().manual_seed(28)
+    cfg = CompressionConfig(block_size=16, rank=rank, bits=4)
+    k, v = torch.randn(1, 2, 64, 32, generator=g), torch.randn(1, 2, 64, 32, generator=g)
+    q = torch.randn(1, 2, 40, 32, generator=g)
+    ck = compress_kv(k, cfg, calibrate(k, cfg) if rank else None)
+    cv = compress_kv(v, cfg, calibrate(v, cfg) if rank else None)
+    for scale in (-8.0, -0.1):
+        check_against_reference(attention(q, ck, cv, scale=scale), q, ck.decompress(), cv.decompress(), scale=scale)

@@ -141,7 +141,8 @@ def softmax_step(
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
 ):
-    """One online-softmax step over a tile of raw dot products ``x`` [BLOCK_M, BLOCK_N].
+    """One online-softmax step over a tile of raw dot products ``x`` [BLOCK_M, BLOCK_N] (``row_mult >= 0``: the
+    launchers fold a negative scale into ``q``, ``fold_scale_sign``).
 
     Returns ``(p, alpha, new_max, new_sum)``: ``p = exp2(logits - new_max)`` (float32) and the factor
     ``alpha`` that rescales what was accumulated under the previous maximum. With ``FIXED_MAX`` the maximum
@@ -401,6 +402,16 @@ def fixed_softmax_max(softcap: float | None) -> float | None:
     if softcap is None or softcap * LOG2E > FIXED_MAX_LIMIT:
         return None
     return softcap * LOG2E - FIXED_MAX_LIMIT
+
+
+def fold_scale_sign(q: torch.Tensor, scale: float, relative: bool) -> tuple[torch.Tensor, float]:
+    """``(q, scale)`` with a scale >= 0: ``softmax_step`` takes each row's maximum of the raw products before
+    multiplying by the row multiplier, which is only right for a multiplier >= 0. A negative scale is therefore
+    given as ``|scale| (-q) . k`` (the same logits; one copy of ``q``, only then). With relative positions the
+    kernels scale ``q`` themselves and the multiplier carries no scale: nothing to fold."""
+    if scale < 0 and not relative:
+        return q.neg(), -scale
+    return q, scale
 
 
 def logit_multipliers(scale: float, softcap: float | None) -> tuple[float, float, float]:

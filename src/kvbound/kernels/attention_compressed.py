@@ -60,6 +60,7 @@ from kvbound.kernels._common import (
     broadcast_strides,
     fixed_softmax_max,
     float32_dot_precision,
+    fold_scale_sign,
     interpreting,
     key_loop_bounds,
     launch_tuned,
@@ -2477,6 +2478,7 @@ def attention_compressed_fwd(
     ``packed_value_pair`` (None: in bfloat16 launches, where P and the coefficients meet in bfloat16; True also in
     float32, which tests the pair's path on the CPU).
     """
+    q, scale = fold_scale_sign(q, scale, relative is not None)
     setting = split_setting() if split is None else ("on" if split else "off")
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]

@@ -27,6 +27,7 @@ from kvbound.kernels._common import (
     broadcast_strides,
     fixed_softmax_max,
     float32_dot_precision,
+    fold_scale_sign,
     interpreting,
     key_loop_bounds,
     launch_tuned,
@@ -620,10 +621,7 @@ def attention_dense_fwd(
     program in which a row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. True /
     False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): only ``on`` enables it,
     ``auto`` (the default) does not, because the dense kernel's bounded variant has not been timed yet."""
-    if scale < 0 and relative is None and relative_runs is None:
-        # The kernel's plain softmax step takes the row maximum of q . k before multiplying by the (then negative)
-        # scale: give it scale q . k as |scale| q . (-k) instead (relative positions scale q in the kernel).
-        k, scale = k.neg(), -scale
+    q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     wanted = bounded_max if bounded_max is not None else bounded_setting() == "on"
     bounded = bool(
