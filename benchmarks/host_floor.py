@@ -37,13 +37,15 @@ def main() -> int:
         writer.writeheader()
         for d in (int(x) for x in args.dims.split(",")):
             for n in (int(x) for x in args.lengths.split(",")):
-                q, ck, cv, _ = bench_data.residual_free_case(8, n, d, dtype=torch.bfloat16, device="cuda", block_size=128)
+                q, ck, cv, _ = bench_data.residual_free_case(
+                    8, n, d, dtype=torch.bfloat16, device="cuda", block_size=128
+                )
                 kd, vd = ck.decompress().to(torch.bfloat16), cv.decompress().to(torch.bfloat16)
                 for provider, operands in (("kvbound-compressed", (ck, cv)), ("kvbound-dense", (kd, vd))):
                     for setting in ("off", "on"):
                         os.environ["KVBOUND_BOUNDED_MAX"] = setting
 
-                        def call(operands=operands):
+                        def call(operands=operands, q=q):
                             return kvbound.attention(q, *operands)
 
                         ms = triton.testing.do_bench(call, quantiles=[0.5], rep=200)

@@ -204,6 +204,7 @@ def _dense_plans(monkeypatch) -> list[bool]:
         return plan
 
     monkeypatch.setattr(attention_dense, "_plan", spy)
+    monkeypatch.setattr(attention_dense, "_PLANS", {})  # plans of earlier tests would hide their calls
     return seen
 
 
@@ -261,12 +262,111 @@ def test_dense_bounded_off_by_default_and_where_it_does_not_apply(monkeypatch):
     q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
     seen = _dense_plans(monkeypatch)
     monkeypatch.delenv("KVBOUND_BOUNDED_MAX", raising=False)
-    attention(q, k, v)  # auto: the dense kernel's bounded variant is not the default
+    attention(q, k, v)  # auto: 40 keys, below the default's threshold
     monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
     attention(q.half(), k.half(), v.half())  # float16 P could not hold the gap
     attention(q, k, v, bias=torch.zeros(1, 2, 40, 40))
     attention(q, k, v, softcap=20.0)
     assert seen == [False, False, False, False]
+
+
+def test_dense_bounded_by_default_from_the_threshold_up_to_the_head_dim(monkeypatch):
+    """``auto``: bounded where ``Dk <= BOUNDED_MAX_HEAD_DIM`` and ``Nk >= BOUNDED_MIN_KEYS`` (the H200's side-by-side
+    sweep), the running maximum elsewhere; ``off`` never."""
+    from kvbound.kernels import attention_dense
+
+    g = torch.Generator().manual_seed(28)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    wide = [torch.randn(1, 2, 40, 80, generator=g) for _ in range(2)]  # Dk 80 > 64
+    seen = _dense_plans(monkeypatch)
+    monkeypatch.delenv("KVBOUND_BOUNDED_MAX", raising=False)
+    monkeypatch.setattr(attention_dense, "BOUNDED_MIN_KEYS", 40)  # this case's key count
+    out = attention(q, k, v)
+    attention(wide[0], wide[1], v)
+    monkeypatch.setattr(attention_dense, "BOUNDED_MIN_KEYS", 41)
+    attention(q, k, v.clone())
+    monkeypatch.setattr(attention_dense, "BOUNDED_MIN_KEYS", 40)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "off")
+    monkeypatch.setattr(attention_dense, "_PLANS", {})
+    attention(q, k, v)
+    assert seen == [True, False, False, False]
+    check_against_reference(out, q, k, v)
+
+
+def test_derived_tensors_follow_their_source(monkeypatch):
+    """The bound's preparation (key box, packed value pair, dense key norms) is kept per source tensor: reused while
+    the tensor is unmodified, recomputed after an in-place change, dropped when the tensor is freed, never kept for
+    inference tensors; a call after an in-place change reads the new values."""
+    import gc
+    from functools import partial
+
+    from kvbound.kernels import attention_dense
+    from kvbound.kernels._common import DERIVED, DerivedCache
+
+    cache = DerivedCache(limit=3)
+    calls = []
+
+    def derive(t):
+        calls.append(1)
+        return t.sum()
+
+    a = torch.ones(4)
+    assert cache.get(a, ("s",), partial(derive, a)) == 4 and cache.get(a, ("s",), partial(derive, a)) == 4
+    assert len(calls) == 1
+    a.mul_(2)  # in place: the version counter moves
+    assert cache.get(a, ("s",), partial(derive, a)) == 8 and len(calls) == 2
+    view = a[:2]
+    assert cache.get(view, ("s",), partial(derive, view)) == 4 and len(calls) == 3  # a view is another source
+    assert len(cache) == 2
+    a[0] = 5.0  # through the base: the view shares its version counter
+    assert cache.get(view, ("s",), partial(derive, view)) == 7 and len(calls) == 4
+    other = torch.ones(2)
+    cache.get(other, ("s",), partial(derive, other))
+    assert len(cache) == 3
+    del other
+    gc.collect()
+    assert len(cache) == 2  # the freed source's entry went with it
+    del view, a
+    gc.collect()
+    assert len(cache) == 0
+    with torch.inference_mode():
+        b = torch.ones(3)
+    cache.get(b, ("s",), partial(derive, b))
+    cache.get(b, ("s",), partial(derive, b))
+    assert len(calls) == 7 and len(cache) == 0
+    keep = [torch.ones(2) for _ in range(4)]
+    for t in keep:
+        cache.get(t, ("s",), partial(derive, t))
+    assert len(cache) == 3  # the limit
+
+    # Through the kernels: an in-place change of the V coefficients (compressed) or of K (dense) after a bounded call
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    from kvbound.reference import reference_attention
+
+    q, ck, cv = _lowrank_case()
+    kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+
+    def compressed():
+        return attention_compressed_fwd(q, kop, vop, None, 0.125, False, None, (False, False), bounded_max=True,
+                                        pack_values=True)[0]  # fmt: skip
+
+    DERIVED.clear()
+    first = compressed()
+    assert len(DERIVED) == 2  # the key box and the value pair
+    assert torch.equal(compressed(), first) and len(DERIVED) == 2
+    cv.coeffs.mul_(-1)  # a stale pair would return -out
+    ck.coeffs.mul_(0.5)  # a stale box would be twice too wide: a different rounding, not a wrong output
+    again = compressed()
+    expected = reference_attention(q, ck.decompress(), cv.decompress())
+    assert float((again.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    g = torch.Generator().manual_seed(29)
+    qd, kd, vd = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    qd.mul_(4.0)
+    attention(qd, kd, vd)
+    kd.mul_(50.0)  # a stale key norm would be 50x too small: P overflows
+    check_against_reference(attention(qd, kd, vd), qd, kd, vd)
+    assert attention_dense.DERIVED is DERIVED
 
 
 def test_dense_bounded_falls_back_where_the_bound_overshoots(monkeypatch):

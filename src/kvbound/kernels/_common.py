@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -440,3 +441,59 @@ def bounded_setting() -> str:
     if value in ("0", "false", "off", "no"):
         return "off"
     raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
+
+
+class DerivedCache:
+    """Small tensors that a launcher derives from an input tensor (the bounded maximum's key box and packed value
+    pair, the dense kernel's key norms), kept for as long as that same tensor object lives unmodified, so that calls
+    which reuse their K/V (compressed once, attended many times) skip the derivation's kernel launches.
+
+    An entry is found by the source tensor's identity and checked against a weak reference to it and its version
+    counter (which every in-place change moves; views share their base's), so a modified, replaced or freed source
+    never returns a stale result; it is dropped when the source is freed. Nothing is cached while ``torch.compile``
+    traces or a CUDA graph captures (the result could live in their memory), nor for inference tensors (no version
+    counter). The derived tensors are read-only kernel operands. At most ``limit`` entries (oldest dropped first)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._entries: dict[tuple, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @staticmethod
+    def _cacheable(source: torch.Tensor) -> bool:
+        if torch.compiler.is_compiling() or source.is_inference():
+            return False
+        return not (source.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def get(self, source: torch.Tensor, key: tuple, derive):
+        """``derive()`` for ``source`` under ``key`` (which must name everything else the result depends on),
+        computed once per unmodified ``source`` object."""
+        if not self._cacheable(source):
+            return derive()
+        full_key = (id(source), key)
+        entry = self._entries.get(full_key)
+        if entry is not None:
+            ref, version, value = entry
+            if ref() is source and version == source._version:
+                return value
+            del self._entries[full_key]
+        value = derive()
+        entries = self._entries
+
+        def forget(_ref, full_key=full_key):
+            held = entries.get(full_key)
+            if held is not None and held[0] is _ref:
+                del entries[full_key]
+
+        while len(entries) >= self.limit:
+            del entries[next(iter(entries))]
+        entries[full_key] = (weakref.ref(source, forget), source._version, value)
+        return value
+
+
+DERIVED = DerivedCache()

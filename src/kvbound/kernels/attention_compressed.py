@@ -55,6 +55,7 @@ from kvbound.config import CompressionConfig
 from kvbound.kernels._common import (
     _KERNELS_INTERPRETED,
     BOUND_RETRY_SUM,
+    DERIVED,
     LN2,
     bounded_setting,
     broadcast_strides,
@@ -2638,15 +2639,16 @@ def attention_compressed_fwd(
         """``args`` and ``constexprs`` for a bounded-maximum launch: the box of each head's K coefficients and the
         V coefficients as a pair ``[hi | lo]`` side by side (``packed_value_pair``; in bfloat16 unless everything
         is float32, where ``pack_values=True`` packs them too), with ``RV_PAD`` wide enough for both."""
-        coeffs = k.coeffs[..., :k_rank]
-        lowest, highest = torch.aminmax(coeffs, dim=2)
-        box = torch.stack([highest, lowest], dim=2).float().contiguous()  # [B, Hkv, 2, r]
+        box = DERIVED.get(k.coeffs, ("key box", k_rank), lambda: key_box(k.coeffs[..., :k_rank]))
         if pack_values is False and not fp32:
             # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
             raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
         if not (pack_values if pack_values is not None else not fp32):
             return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
-        packed = packed_value_pair(v.coeffs[..., :v_rank], torch.float32 if fp32 else torch.bfloat16)
+        dtype = torch.float32 if fp32 else torch.bfloat16
+        packed = DERIVED.get(
+            v.coeffs, ("value pair", v_rank, dtype), lambda: packed_value_pair(v.coeffs[..., :v_rank], dtype)
+        )
         at = 26 + 16  # V coefficient strides within sizes (after those of q, bias, out and K coefficients)
         if args[at : at + 4] != tuple(v_coeffs.stride()):
             raise RuntimeError("attention_compressed_fwd: the V coefficient strides moved within the arguments")
@@ -2713,12 +2715,20 @@ def split_setting() -> str:
     raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 
 
-# The bounded maximum is the default from this many keys on. On the H200 (e7dff5e, residual-free rank 8, 8 heads) the
-# running maximum took 1.17x (d = 64) and 1.12x (d = 128) its time at N = 65,536, measured side by side. At N = 4,096
-# (0.40 ms against 0.19-0.23 ms) and 16,384 (d = 128: 1.40 against 1.14 ms) it was slower than the running maximum's
-# rows of earlier sessions; no side-by-side run exists below 65,536 yet (benchmarks/bounded_sweep.py makes one), and
-# why it is slower there is not known (benchmarks/results/kernel_dev/bounded_max/).
-BOUNDED_MIN_KEYS = 65536
+# The bounded maximum is the default from this many keys on. Side by side on the H200 (e5f554b, residual-free rank
+# 8, 8 heads, bf16; benchmarks/results/h200_2026-12-01_e5f554b/bounded/), the running maximum took this many times
+# the bounded maximum's time at N = 4096, 8192, 16384, 32768, 65536: d = 64 0.50, 0.75, 0.99, 1.08, 1.16; d = 128
+# 0.97, 0.71, 0.92, 1.05, 1.06. Below 16384 keys the calls were bound by host time (benchmarks/host_floor.py: about
+# 60 us of kernel at N = 4096 in a 0.5 ms call), to which the bound's preparation added about 0.3 ms; that
+# preparation is now kept per K/V tensor (``DERIVED``), so it is paid once for K/V that are attended many times.
+BOUNDED_MIN_KEYS = 32768
+
+
+def key_box(coeffs: torch.Tensor) -> torch.Tensor:
+    """The box of each head's key coefficients ``[B, Hkv, N, r]``: float32 ``[B, Hkv, 2, r]``, the largest then the
+    smallest coefficient of each rank-space axis over the keys."""
+    lowest, highest = torch.aminmax(coeffs, dim=2)
+    return torch.stack([highest, lowest], dim=2).float().contiguous()
 
 
 def packed_value_pair(coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -2728,11 +2738,12 @@ def packed_value_pair(coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     coefficient to about 16 bits in bfloat16, exactly in float32."""
     rank = coeffs.shape[-1]
     values = coeffs.float()
-    hi = values.to(torch.bfloat16).float()
-    packed = torch.zeros(*coeffs.shape[:-1], -(-2 * rank // 8) * 8, dtype=dtype, device=coeffs.device)
-    packed[..., :rank] = hi
-    packed[..., rank : 2 * rank] = values - hi
-    return packed
+    hi = values.to(torch.bfloat16)
+    pad = -(-2 * rank // 8) * 8 - 2 * rank
+    parts = [hi.to(dtype), (values - hi.float()).to(dtype)]
+    if pad:
+        parts.append(values.new_zeros(*coeffs.shape[:-1], pad, dtype=dtype))
+    return torch.cat(parts, dim=-1)
 
 
 def _bounded_by_default(n_k: int) -> bool:

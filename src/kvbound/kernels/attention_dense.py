@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvbound.kernels._common import (
     BOUND_RETRY_SUM,
+    DERIVED,
     LN2,
     bounded_setting,
     broadcast_strides,
@@ -579,6 +580,26 @@ def _attention_dense_fwd(
 _TUNED: dict[tuple, dict] = {}
 
 
+# The bounded maximum is the default for head dimensions up to BOUNDED_MAX_HEAD_DIM from BOUNDED_MIN_KEYS keys on.
+# Side by side on the H200 (e5f554b, 8 heads, bf16; benchmarks/results/h200_2026-12-01_e5f554b/bounded/), the
+# running maximum took this many times the bounded maximum's time at N = 4096, 8192, 16384, 32768, 65536: d = 64
+# 0.87, 1.14, 1.24, 1.24, 1.22; d = 128 0.85, 1.06, 0.98, 0.91, 0.91 (at d = 128 the bound gains nothing).
+BOUNDED_MIN_KEYS = 8192
+BOUNDED_MAX_HEAD_DIM = 64
+
+
+def key_norms(k: torch.Tensor) -> torch.Tensor:
+    """The largest key norm of each (batch, K/V head) of ``k`` ``[B, Hkv, N, Dk]``: float32 ``[B, Hkv]``."""
+    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=-1).contiguous()
+
+
+def _bounded_by_default(head_dim: int, n_k: int) -> bool:
+    setting = bounded_setting()
+    if setting != "auto":
+        return setting == "on"
+    return head_dim <= BOUNDED_MAX_HEAD_DIM and n_k >= BOUNDED_MIN_KEYS
+
+
 def attention_dense_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -619,11 +640,11 @@ def attention_dense_fwd(
     running row maximum by the Cauchy-Schwarz bound ``|q_i| max_j |k_j|`` (one norm reduction over K per call): no
     maximum is tracked and nothing rescaled; P enters the value product in V's dtype, whose range holds the gap; a
     program in which a row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. True /
-    False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): only ``on`` enables it,
-    ``auto`` (the default) does not, because the dense kernel's bounded variant has not been timed yet."""
+    False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): ``on`` / ``off`` as True /
+    False; ``auto`` (the default) where ``Dk <= BOUNDED_MAX_HEAD_DIM`` and ``Nk >= BOUNDED_MIN_KEYS``."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
-    wanted = bounded_max if bounded_max is not None else bounded_setting() == "on"
+    wanted = bounded_max if bounded_max is not None else _bounded_by_default(k_shape[-1], k_shape[-2])
     bounded = bool(
         wanted
         and bias is None
@@ -707,7 +728,7 @@ def attention_dense_fwd(
         content_bias,
         position_bias,
         # the largest key norm of each (batch, K/V head), float32 [B, Hkv]
-        torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=-1).contiguous() if bounded else None,
+        DERIVED.get(k, ("key norms",), lambda: key_norms(k)) if bounded else None,
         *plan.scalar_args,
     )
     use_tma = tma_ready(k, v)
