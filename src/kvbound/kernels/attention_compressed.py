@@ -1475,7 +1475,7 @@ def _attention_compressed_fwd(
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
     # With BOUNDED a second attempt, with the running maximum, runs for a program in which some row's sum ended
-    # below BOUND_RETRY_SUM: its bound overshot the true maximum by so much that P could have lost precision.
+    # below BOUND_RETRY_SUM: its bound overshot the true maximum by so much that terms of P could be lost.
     for attempt in tl.static_range(1 + BOUNDED):
         if attempt == 0:
             go = True
