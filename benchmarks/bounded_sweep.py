@@ -1,8 +1,8 @@
 # Device command (one call, about 4 minutes with compiles): PYTHONPATH=src python3 benchmarks/bounded_sweep.py OUT.csv
 # (or `bash benchmarks/h200.sh bounded`)
 """The bounded maximum against the running maximum, over the sequence length: where each kernel's bounded variant
-wins, so that the default thresholds (``attention_compressed.BOUNDED_MIN_KEYS``; ``attention_dense.BOUNDED_MIN_KEYS``
-and ``BOUNDED_MAX_HEAD_DIM``) rest on measurements.
+wins, so that the default thresholds (``attention_compressed.BOUNDED_MIN_KEYS``, ``attention_dense.BOUNDED_MIN_KEYS``)
+rest on measurements.
 
 For each head dim and length: residual-free compressed K/V (rank 8, every block low rank only, as ``lowrank-r8``
 of ``kvbound bench``: ``kvbound.bench.data``'s generator, a shared basis calibrated on another draw, tau raised

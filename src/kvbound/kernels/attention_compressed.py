@@ -2715,13 +2715,14 @@ def split_setting() -> str:
     raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 
 
-# The bounded maximum is the default from this many keys on. Side by side on the H200 (e5f554b, residual-free rank
-# 8, 8 heads, bf16; benchmarks/results/h200_2026-12-01_e5f554b/bounded/), the running maximum took this many times
-# the bounded maximum's time at N = 4096, 8192, 16384, 32768, 65536: d = 64 0.50, 0.75, 0.99, 1.08, 1.16; d = 128
-# 0.97, 0.71, 0.92, 1.05, 1.06. Below 16384 keys the calls were bound by host time (benchmarks/host_floor.py: about
-# 60 us of kernel at N = 4096 in a 0.5 ms call), to which the bound's preparation added about 0.3 ms; that
-# preparation is now kept per K/V tensor (``DERIVED``), so it is paid once for K/V that are attended many times.
-BOUNDED_MIN_KEYS = 32768
+# The bounded maximum is the default from this many keys on. Side by side on the H200 (residual-free rank 8, 8 heads,
+# bf16; benchmarks/bounded_sweep.py), the running maximum's time over the bounded maximum's at N = 4096, 8192, 16384,
+# 32768, 65536, at 341cd17 (retry below a row sum of 2**-90; benchmarks/results/h200_2026-12-01_341cd17/bounded/):
+# d = 64 0.88, 1.03, 1.15, 1.15, 1.17; d = 128 1.97, 1.03, 1.16, 1.11, 1.14. At N = 4096 the calls are bound by host
+# time (benchmarks/host_floor.py: about 60 us of kernel in a 0.2-0.6 ms call) and the two variants trade places
+# between runs; at 8192 the gain is within the runs' spread. The bound's preparation is kept per K/V tensor
+# (``DERIVED``), so K/V attended many times pay it once.
+BOUNDED_MIN_KEYS = 16384
 
 
 def key_box(coeffs: torch.Tensor) -> torch.Tensor:

@@ -581,12 +581,12 @@ def _attention_dense_fwd(
 _TUNED: dict[tuple, dict] = {}
 
 
-# The bounded maximum is the default for head dimensions up to BOUNDED_MAX_HEAD_DIM from BOUNDED_MIN_KEYS keys on.
-# Side by side on the H200 (e5f554b, 8 heads, bf16; benchmarks/results/h200_2026-12-01_e5f554b/bounded/), the
-# running maximum took this many times the bounded maximum's time at N = 4096, 8192, 16384, 32768, 65536: d = 64
-# 0.87, 1.14, 1.24, 1.24, 1.22; d = 128 0.85, 1.06, 0.98, 0.91, 0.91 (at d = 128 the bound gains nothing).
-BOUNDED_MIN_KEYS = 8192
-BOUNDED_MAX_HEAD_DIM = 64
+# The bounded maximum is the default from BOUNDED_MIN_KEYS keys on. Side by side on the H200 (8 heads, bf16,
+# benchmarks/bounded_sweep.py's decompressed K/V), the running maximum's time over the bounded maximum's at N = 4096,
+# 8192, 16384, 32768, 65536, at 341cd17 (retry below a row sum of 2**-90; benchmarks/results/h200_2026-12-01_341cd17/
+# bounded/): d = 64 0.63, 0.95, 1.33, 1.27, 1.25; d = 128 0.83, 1.15, 1.08, 1.11, 1.11. (At e5f554b, retrying below
+# 2**-60, d = 128 lost from 16384 on: 8 % of its programs retried on these K/V.)
+BOUNDED_MIN_KEYS = 16384
 
 
 def key_norms(k: torch.Tensor) -> torch.Tensor:
@@ -594,11 +594,11 @@ def key_norms(k: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=-1).contiguous()
 
 
-def _bounded_by_default(head_dim: int, n_k: int) -> bool:
+def _bounded_by_default(n_k: int) -> bool:
     setting = bounded_setting()
     if setting != "auto":
         return setting == "on"
-    return head_dim <= BOUNDED_MAX_HEAD_DIM and n_k >= BOUNDED_MIN_KEYS
+    return n_k >= BOUNDED_MIN_KEYS
 
 
 def attention_dense_fwd(
@@ -642,10 +642,10 @@ def attention_dense_fwd(
     maximum is tracked and nothing rescaled; P enters the value product in V's dtype, whose range holds the gap; a
     program in which a row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. True /
     False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): ``on`` / ``off`` as True /
-    False; ``auto`` (the default) where ``Dk <= BOUNDED_MAX_HEAD_DIM`` and ``Nk >= BOUNDED_MIN_KEYS``."""
+    False; ``auto`` (the default) from ``BOUNDED_MIN_KEYS`` keys on."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
-    wanted = bounded_max if bounded_max is not None else _bounded_by_default(k_shape[-1], k_shape[-2])
+    wanted = bounded_max if bounded_max is not None else _bounded_by_default(k_shape[-2])
     bounded = bool(
         wanted
         and bias is None
