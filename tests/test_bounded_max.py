@@ -80,10 +80,10 @@ def test_bounded_low_rank_pass_of_a_split(monkeypatch):
     check_against_reference(out, q, ck.decompress(), cv.decompress())
 
 
-def _far_bound_case():
+def _far_bound_case(factor: float = 1.0):
     """Keys of rank 2 with coefficients near (+-600, 0) and (0, +-500), queries along (1, 1): the largest logit
     comes from one axis, but the box bound adds both, about 190 log2 units above the true maximum, so that
-    exp2(x - bound) underflows to 0 in float32."""
+    exp2(x - bound) underflows to 0 in float32. ``factor`` scales the keys, and with them every gap."""
     g = torch.Generator().manual_seed(0)
     n, d = 64, 16
     axis = torch.arange(n) % 4
@@ -95,7 +95,7 @@ def _far_bound_case():
         -500.0,
     )
     coeffs += torch.randn(n, 2, generator=g) * 0.5
-    k = (coeffs @ torch.eye(d)[:2]).reshape(1, 1, n, d)
+    k = (coeffs * factor @ torch.eye(d)[:2]).reshape(1, 1, n, d)
     v = (torch.randn(n, 2, generator=g) @ torch.eye(d)[2:4]).reshape(1, 1, n, d)
     cfg = CompressionConfig(block_size=16, rank=2, tau=1.0)
     ck = compress_kv(k, cfg, calibrate(k, cfg))
@@ -116,6 +116,34 @@ def test_bounded_falls_back_to_the_running_max_where_the_bound_overshoots(monkey
     monkeypatch.setattr(kernels, "BOUND_RETRY_SUM", 0.0)
     broken = attention(q, ck, cv)
     assert not torch.allclose(broken, out, atol=1e-2)
+
+
+@pytest.mark.parametrize(("kernel", "factor", "retries"), [
+    ("compressed", 0.41, False),  # the box bound leaves row sums of 2**-77 .. 2**-71
+    ("compressed", 0.71, True),  # 2**-136 .. 2**-125
+    ("dense", 0.83, False),  # the Cauchy-Schwarz bound: 2**-82 .. 2**-68
+    ("dense", 1.2, True),  # about 2**-121 .. 2**-101
+])  # fmt: skip
+def test_bounded_retry_threshold(monkeypatch, kernel, factor, retries):
+    """Where ``BOUND_RETRY_SUM`` (2**-90) sits: a program whose smallest row sum is about 2**-70 .. 2**-82 keeps its
+    bounded pass (2**-60 would have retried it), one whose row sums are all below 2**-100 retries (2**-140 would not
+    have); either way the output is float32-exact. A retry shows as a different rounding than the same launch with
+    the retry compiled out."""
+    from kvbound.kernels import attention_dense
+
+    q, ck, cv = _far_bound_case(factor)
+    module = kernels if kernel == "compressed" else attention_dense
+    operands = (ck, cv) if kernel == "compressed" else (ck.decompress(), cv.decompress())
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    if kernel == "dense":
+        monkeypatch.setattr(attention_dense, "_PLANS", {})
+    out = attention(q, *operands)
+    check_against_reference(out, q, ck.decompress(), cv.decompress())
+    monkeypatch.setattr(module, "BOUND_RETRY_SUM", 0.0)
+    if kernel == "dense":
+        monkeypatch.setattr(attention_dense, "_PLANS", {})
+    without_retry = attention(q, *operands)
+    assert torch.equal(out, without_retry) != retries
 
 
 def test_bounded_off_where_it_does_not_apply(monkeypatch):
@@ -292,104 +320,6 @@ def test_dense_bounded_by_default_from_the_threshold(monkeypatch):
     check_against_reference(out, q, k, v)
 
 
-def test_derived_tensors_follow_their_source(monkeypatch):
-    """The bound's preparation (key box, packed value pair, dense key norms) is kept per source tensor: reused while
-    the tensor is unmodified, recomputed after an in-place change, dropped when the tensor is freed, never kept for
-    inference tensors; a call after an in-place change reads the new values."""
-    import gc
-    from functools import partial
-
-    from kvbound.kernels import attention_dense
-    from kvbound.kernels._common import DERIVED, DerivedCache
-
-    cache = DerivedCache(limit=3)
-    calls = []
-
-    def derive(t):
-        calls.append(1)
-        return t.sum()
-
-    a = torch.ones(4)
-    assert cache.get(a, ("s",), partial(derive, a)) == 4 and cache.get(a, ("s",), partial(derive, a)) == 4
-    assert len(calls) == 1
-    a.mul_(2)  # in place: the version counter moves
-    assert cache.get(a, ("s",), partial(derive, a)) == 8 and len(calls) == 2
-    view = a[:2]
-    assert cache.get(view, ("s",), partial(derive, view)) == 4 and len(calls) == 3  # a view is another source
-    assert len(cache) == 2
-    a[0] = 5.0  # through the base: the view shares its version counter
-    assert cache.get(view, ("s",), partial(derive, view)) == 7 and len(calls) == 4
-    other = torch.ones(2)
-    cache.get(other, ("s",), partial(derive, other))
-    assert len(cache) == 3
-    del other
-    gc.collect()
-    assert len(cache) == 2  # the freed source's entry went with it
-    del view, a
-    gc.collect()
-    assert len(cache) == 0
-    with torch.inference_mode():
-        b = torch.ones(3)
-    cache.get(b, ("s",), partial(derive, b))
-    cache.get(b, ("s",), partial(derive, b))
-    assert len(calls) == 7 and len(cache) == 0
-    keep = [torch.ones(2) for _ in range(4)]
-    for t in keep:
-        cache.get(t, ("s",), partial(derive, t))
-    assert len(cache) == 3  # the limit
-
-    # Through the kernels: an in-place change of the V coefficients (compressed) or of K (dense) after a bounded call
-    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
-    from kvbound.reference import reference_attention
-
-    q, ck, cv = _lowrank_case()
-    kop, vop = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
-
-    def compressed():
-        return attention_compressed_fwd(q, kop, vop, None, 0.125, False, None, (False, False), bounded_max=True,
-                                        pack_values=True)[0]  # fmt: skip
-
-    DERIVED.clear()
-    first = compressed()
-    assert len(DERIVED) == 2  # the key box and the value pair
-    assert torch.equal(compressed(), first) and len(DERIVED) == 2
-    cv.coeffs.mul_(-1)  # a stale pair would return -out
-    ck.coeffs.mul_(0.5)  # a stale box would be twice too wide: a different rounding, not a wrong output
-    again = compressed()
-    expected = reference_attention(q, ck.decompress(), cv.decompress())
-    assert float((again.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
-    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
-    g = torch.Generator().manual_seed(29)
-    qd, kd, vd = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
-    qd.mul_(4.0)
-    attention(qd, kd, vd)
-    kd.mul_(50.0)  # a stale key norm would be 50x too small: P overflows
-    check_against_reference(attention(qd, kd, vd), qd, kd, vd)
-    assert attention_dense.DERIVED is DERIVED
-
-
-def test_dense_bounded_falls_back_where_the_bound_overshoots(monkeypatch):
-    """Keys of norm 2000 orthogonal to the queries make the Cauchy-Schwarz bound exceed every logit by about 1400
-    log2 units, so exp2(x - bound) underflows; the second attempt (running maximum) must give the right output,
-    and without it the output is wrong."""
-    from kvbound.kernels import attention_dense
-
-    g = torch.Generator().manual_seed(23)
-    n, d = 48, 32
-    q = torch.zeros(1, 1, n, d)
-    q[..., :2] = torch.randn(1, 1, n, 2, generator=g)
-    k = torch.zeros(1, 1, n, d)
-    k[..., :2] = torch.randn(1, 1, n, 2, generator=g)
-    k[0, 0, 7, 5] = 2000.0  # a key orthogonal to every query, of huge norm
-    v = torch.randn(1, 1, n, d, generator=g)
-    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
-    out = attention(q, k, v)
-    check_against_reference(out, q, k, v)
-    monkeypatch.setattr(attention_dense, "BOUND_RETRY_SUM", 0.0)
-    broken = attention(q, k, v)
-    assert not torch.allclose(broken, out, atol=1e-2)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_dense_bounded_bf16(monkeypatch, d):
@@ -469,3 +399,21 @@ def test_compressed_negative_scale(rank):
     cv = compress_kv(v, cfg, calibrate(v, cfg) if rank else None)
     for scale in (-8.0, -0.1):
         check_against_reference(attention(q, ck, cv, scale=scale), q, ck.decompress(), cv.decompress(), scale=scale)
+
+
+def test_dense_tile_list_fits_shared_memory():
+    """128 x 128 keys on 3 stages joins the autotuner's dense tiles only where its pipelined K/V tiles and Q tile fit
+    227 KiB: bf16 at d = 128, not float32 nor a padded V width of 256; the other tiles are pruned as before."""
+    from kvbound.kernels.attention_dense import _prune_dense_configs, _shape_of, dense_configs
+
+    configs = dense_configs(interpret=False)
+    wide = (128, 128, 8, 3)
+
+    def kept(dtype, dk_pad, dv_pad):
+        named = {"Q": torch.empty(0, dtype=dtype), "DK_PAD": dk_pad, "DV_PAD": dv_pad, "RELATIVE": 0}
+        return {_shape_of(c) for c in _prune_dense_configs(configs, named)}
+
+    assert wide in kept(torch.bfloat16, 128, 128) and wide in kept(torch.bfloat16, 64, 64)
+    assert wide not in kept(torch.float32, 128, 128)
+    assert wide not in kept(torch.bfloat16, 128, 256)
+    assert kept(torch.float32, 128, 128) == kept(torch.bfloat16, 128, 128) - {wide}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 
 import torch
 import triton
@@ -42,7 +41,7 @@ def row_normaliser(x):
     """Per-row power-of-two ``scale`` with ``|x / scale| < 256`` row-wise, so ``x / scale`` fits float16 with
     its full 11-bit precision (scaling by a power of two is exact). Returns ``(scale, 1 / scale)``."""
     row_max = tl.max(tl.abs(x), 1)
-    row_max = tl.maximum(row_max, 1.0e-30)
+    row_max = tl.maximum(row_max, 2.0**-118)  # below the bounded maximum's smallest row sums (2**-90), 1 / scale finite
     scale = pow2_floor(row_max) * (1.0 / 128.0)
     return scale, 1.0 / scale
 
@@ -427,8 +426,9 @@ def logit_multipliers(scale: float, softcap: float | None) -> tuple[float, float
 # the running maximum. P = exp2(x - bound) is formed in float32 and kept in float32 or bfloat16, whose normal range
 # reaches 2**-126 with full relative precision; only terms below 2**-126 are lost (flushed to zero). With a row sum of
 # at least 2**-90 the lost terms of Nk keys weigh less than Nk * 2**-126 / 2**-90 = Nk * 2**-36 of the row (2**-16 at
-# a million keys), far below bfloat16's rounding of P. (2**-60 through 6e5937c: about 8 % of the dense kernel's
-# 128-row programs retried on the benchmark's structured K/V at d = 128, N = 65536; kernels/README.md.)
+# a million keys), far below bfloat16's rounding of P; the products P v (P hi, P lo for the compressed kernel's pair)
+# meet the same floor, so their loss is absolute, below Nk * 2**-36 in V's units. (2**-60 through 6e5937c, when
+# programs retried on the benchmark's structured K/V at d = 128: benchmarks/bound_gap.py, kernels/README.md.)
 BOUND_RETRY_SUM = tl.constexpr(2.0**-90)
 
 
@@ -445,58 +445,3 @@ def bounded_setting() -> str:
         return "off"
     raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 
-
-class DerivedCache:
-    """Small tensors that a launcher derives from an input tensor (the bounded maximum's key box and packed value
-    pair, the dense kernel's key norms), kept for as long as that same tensor object lives unmodified, so that calls
-    which reuse their K/V (compressed once, attended many times) skip the derivation's kernel launches.
-
-    An entry is found by the source tensor's identity and checked against a weak reference to it and its version
-    counter (which every in-place change moves; views share their base's), so a modified, replaced or freed source
-    never returns a stale result; it is dropped when the source is freed. Nothing is cached while ``torch.compile``
-    traces or a CUDA graph captures (the result could live in their memory), nor for inference tensors (no version
-    counter). The derived tensors are read-only kernel operands. At most ``limit`` entries (oldest dropped first)."""
-
-    def __init__(self, limit: int = 64):
-        self.limit = limit
-        self._entries: dict[tuple, tuple] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    @staticmethod
-    def _cacheable(source: torch.Tensor) -> bool:
-        if torch.compiler.is_compiling() or source.is_inference():
-            return False
-        return not (source.is_cuda and torch.cuda.is_current_stream_capturing())
-
-    def get(self, source: torch.Tensor, key: tuple, derive):
-        """``derive()`` for ``source`` under ``key`` (which must name everything else the result depends on),
-        computed once per unmodified ``source`` object."""
-        if not self._cacheable(source):
-            return derive()
-        full_key = (id(source), key)
-        entry = self._entries.get(full_key)
-        if entry is not None:
-            ref, version, value = entry
-            if ref() is source and version == source._version:
-                return value
-            del self._entries[full_key]
-        value = derive()
-        entries = self._entries
-
-        def forget(_ref, full_key=full_key):
-            held = entries.get(full_key)
-            if held is not None and held[0] is _ref:
-                del entries[full_key]
-
-        while len(entries) >= self.limit:
-            del entries[next(iter(entries))]
-        entries[full_key] = (weakref.ref(source, forget), source._version, value)
-        return value
-
-
-DERIVED = DerivedCache()

@@ -55,7 +55,6 @@ from kvbound.config import CompressionConfig
 from kvbound.kernels._common import (
     _KERNELS_INTERPRETED,
     BOUND_RETRY_SUM,
-    DERIVED,
     LN2,
     bounded_setting,
     broadcast_strides,
@@ -1458,7 +1457,7 @@ def _attention_compressed_fwd(
         # A bound on every row's logits from the rank-space query and the box of the head's key coefficients
         # (Qp . c <= sum_r max(Qp_r cmax_r, Qp_r cmin_r)), used as a constant maximum: no row maximum is tracked
         # and nothing is rescaled. P = exp2(x - bound) may then lie far below 1, so it enters the value product in
-        # bfloat16 (float32 with float32 operands), whose range holds any gap up to about 2**-100.
+        # bfloat16 (float32 with float32 operands), whose range holds it down to 2**-126 (BOUND_RETRY_SUM).
         offs_rk = tl.arange(0, RK_PAD)
         bound_head = KBound + (batch * H_KV + kv_head) * (2 * RANK_K)
         k_max = tl.load(bound_head + offs_rk, mask=offs_rk < RANK_K, other=0.0)
@@ -2639,16 +2638,13 @@ def attention_compressed_fwd(
         """``args`` and ``constexprs`` for a bounded-maximum launch: the box of each head's K coefficients and the
         V coefficients as a pair ``[hi | lo]`` side by side (``packed_value_pair``; in bfloat16 unless everything
         is float32, where ``pack_values=True`` packs them too), with ``RV_PAD`` wide enough for both."""
-        box = DERIVED.get(k.coeffs, ("key box", k_rank), lambda: key_box(k.coeffs[..., :k_rank]))
+        box = key_box(k.coeffs[..., :k_rank])
         if pack_values is False and not fp32:
             # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
             raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
         if not (pack_values if pack_values is not None else not fp32):
             return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
-        dtype = torch.float32 if fp32 else torch.bfloat16
-        packed = DERIVED.get(
-            v.coeffs, ("value pair", v_rank, dtype), lambda: packed_value_pair(v.coeffs[..., :v_rank], dtype)
-        )
+        packed = packed_value_pair(v.coeffs[..., :v_rank], torch.float32 if fp32 else torch.bfloat16)
         at = 26 + 16  # V coefficient strides within sizes (after those of q, bias, out and K coefficients)
         if args[at : at + 4] != tuple(v_coeffs.stride()):
             raise RuntimeError("attention_compressed_fwd: the V coefficient strides moved within the arguments")
@@ -2716,13 +2712,14 @@ def split_setting() -> str:
 
 
 # The bounded maximum is the default from this many keys on. Side by side on the H200 (residual-free rank 8, 8 heads,
-# bf16; benchmarks/bounded_sweep.py), the running maximum's time over the bounded maximum's at N = 4096, 8192, 16384,
-# 32768, 65536, at 341cd17 (retry below a row sum of 2**-90; benchmarks/results/h200_2026-12-01_341cd17/bounded/):
-# d = 64 0.88, 1.03, 1.15, 1.15, 1.17; d = 128 1.97, 1.03, 1.16, 1.11, 1.14. At N = 4096 the calls are bound by host
-# time (benchmarks/host_floor.py: about 60 us of kernel in a 0.2-0.6 ms call) and the two variants trade places
-# between runs; at 8192 the gain is within the runs' spread. The bound's preparation is kept per K/V tensor
-# (``DERIVED``), so K/V attended many times pay it once.
-BOUNDED_MIN_KEYS = 16384
+# bf16; benchmarks/bounded_sweep.py; running maximum's time over the bounded maximum's at N = 4096 .. 65536), at
+# e5f554b, with the bound's preparation (key box, packed pair: about 11 small kernels) on every call and retries below
+# a row sum of 2**-60: d = 64 0.50, 0.75, 0.99, 1.08, 1.16; d = 128 0.97, 0.71, 0.92, 1.05, 1.06
+# (benchmarks/results/h200_2026-12-01_e5f554b/bounded/). Below 32768 keys the calls are bound by the host, to which
+# the preparation adds about 0.3 ms (benchmarks/host_floor.py). At 341cd17, with the preparation cached per K/V tensor
+# (withdrawn: a cache keyed on the tensor object returned stale results under torch.compile) and retries below 2**-90,
+# the bound won from 8192 keys on; that run does not say what the preparation costs when paid on every call.
+BOUNDED_MIN_KEYS = 32768
 
 
 def key_box(coeffs: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ import triton.language as tl
 
 from kvbound.kernels._common import (
     BOUND_RETRY_SUM,
-    DERIVED,
     LN2,
     bounded_setting,
     broadcast_strides,
@@ -246,7 +245,7 @@ def dense_configs(interpret: bool) -> list[triton.Config]:
         (128, 64, 8, 3),
         (128, 64, 8, 2),
         (128, 128, 8, 2),
-        (128, 128, 8, 3),  # d = 128 (dense_tiles.py, H200: 34.5 against 36.3 ms for the next at N = 65536)
+        (128, 128, 8, 3),  # d = 128 (dense_tiles.py, H200, N = 65536: 34.5 ms against 35.7 ms for the next tile)
         (64, 64, 4, 3),
     ]
     # Relative positions (Enformer, Borzoi) only: the [BLOCK_M, 2 max(BLOCK_M, BLOCK_N)] float32 relative table
@@ -261,9 +260,13 @@ def _shape_of(config: triton.Config) -> tuple[int, int, int, int]:
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
+_SHARED_MEMORY_BYTES = 227 * 1024
+
+
 def _prune_dense_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    dv_pad = args["DV_PAD"]
+    dv_pad, dk_pad = args["DV_PAD"], args["DK_PAD"]
+    element = args["Q"].element_size() if hasattr(args.get("Q"), "element_size") else 2
     keep = []
     for config in configs:
         # Each variant gets its own tile list (see dense_configs).
@@ -275,6 +278,11 @@ def _prune_dense_configs(configs, named_args, **kwargs):
             continue
         # Large V tiles times deep pipelines exceed shared memory.
         if dv_pad >= 256 and block_n >= 128 and config.num_stages > 2:
+            continue
+        # Wide key tiles on 3+ stages (128 x 128 / 8 / 3, for bf16 at d = 128): their pipelined K and V tiles and the
+        # Q tile must fit the SM's shared memory (227 KiB on Hopper); not float32, nor Dk or Dv above 128.
+        too_big = (config.num_stages * block_n * (dk_pad + dv_pad) + block_m * dk_pad) * element > _SHARED_MEMORY_BYTES
+        if block_n >= 128 and config.num_stages > 2 and too_big:
             continue
         keep.append(config)
     return keep or configs[:1]
@@ -585,7 +593,7 @@ _TUNED: dict[tuple, dict] = {}
 # benchmarks/bounded_sweep.py's decompressed K/V), the running maximum's time over the bounded maximum's at N = 4096,
 # 8192, 16384, 32768, 65536, at 341cd17 (retry below a row sum of 2**-90; benchmarks/results/h200_2026-12-01_341cd17/
 # bounded/): d = 64 0.63, 0.95, 1.33, 1.27, 1.25; d = 128 0.83, 1.15, 1.08, 1.11, 1.11. (At e5f554b, retrying below
-# 2**-60, d = 128 lost from 16384 on: 8 % of its programs retried on these K/V.)
+# 2**-60, d = 128 lost from 16384 on: 8-11 % of its programs retried on these K/V, benchmarks/bound_gap.py.)
 BOUNDED_MIN_KEYS = 16384
 
 
@@ -729,7 +737,7 @@ def attention_dense_fwd(
         content_bias,
         position_bias,
         # the largest key norm of each (batch, K/V head), float32 [B, Hkv]
-        DERIVED.get(k, ("key norms",), lambda: key_norms(k)) if bounded else None,
+        key_norms(k) if bounded else None,
         *plan.scalar_args,
     )
     use_tma = tma_ready(k, v)
