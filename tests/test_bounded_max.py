@@ -7,6 +7,7 @@ underflow, and stay off where it does not apply."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -417,3 +418,25 @@ def test_dense_tile_list_fits_shared_memory():
     assert wide not in kept(torch.float32, 128, 128)
     assert wide not in kept(torch.bfloat16, 128, 256)
     assert kept(torch.float32, 128, 128) == kept(torch.bfloat16, 128, 128) - {wide}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor needs a C++ compiler")
+def test_bounded_under_torch_compile_with_reused_buffers(monkeypatch):
+    """Two layers compiled by Inductor, whose generated code writes the second layer's keys into the first layer's
+    buffer (one tensor object, its version counter unmoved): anything derived from the keys (the dense kernel's key
+    norms) must come from the second layer's values. A bound derived from the first layer's keys, 30x too small,
+    would overflow P."""
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+
+    def two_layers(q, x, y, v):
+        o1 = attention(q, torch.sin(x) * 2.0, v)
+        o2 = attention(q, torch.cos(y) * 60.0, v)
+        return o1, o2
+
+    g = torch.Generator().manual_seed(30)
+    q = torch.randn(1, 2, 40, 32, generator=g) * 3
+    x, y, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    torch._dynamo.reset()
+    o1, o2 = torch.compile(two_layers)(q, x, y, v)
+    check_against_reference(o1, q, torch.sin(x) * 2.0, v)
+    check_against_reference(o2, q, torch.cos(y) * 60.0, v)
