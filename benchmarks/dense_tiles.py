@@ -8,8 +8,9 @@ and its queries (``kvbound.bench.data.residual_free_case``), the data of ``bound
 rows ``tile=autotuned``: ``kvbound.attention`` with ``KVBOUND_BOUNDED_MAX`` on / off, and the tile the autotuner
 chose for it.
 
-Every call's output is checked against float64 on the first 128 queries before it is timed; a tile that does not
-compile (shared memory, registers) is a row with its reason."""
+Every call's largest error against float64 on the first 128 queries is recorded next to its time (column
+``err_max``, beside cuDNN's row; not judged); a tile that does not compile (shared memory, registers) is a row with
+its reason."""
 
 from __future__ import annotations
 

@@ -41,7 +41,10 @@ def row_normaliser(x):
     """Per-row power-of-two ``scale`` with ``|x / scale| < 256`` row-wise, so ``x / scale`` fits float16 with
     its full 11-bit precision (scaling by a power of two is exact). Returns ``(scale, 1 / scale)``."""
     row_max = tl.max(tl.abs(x), 1)
-    row_max = tl.maximum(row_max, 2.0**-118)  # below the bounded maximum's smallest row sums (2**-90), 1 / scale finite
+    # A floor for rows of zeros. Callers divide other quantities by the scale (K steps, 1 / scale), so it stays far
+    # from float32's limits (2**-118 gave NaN for zero query rows). Rows below the floor (the bounded maximum's rank
+    # accumulators can be, with row sums down to 2**-90) lose float16 precision only below about 2**-124 absolute.
+    row_max = tl.maximum(row_max, 1.0e-30)
     scale = pow2_floor(row_max) * (1.0 / 128.0)
     return scale, 1.0 / scale
 

@@ -2715,10 +2715,11 @@ def split_setting() -> str:
 # bf16; benchmarks/bounded_sweep.py; running maximum's time over the bounded maximum's at N = 4096 .. 65536), at
 # e5f554b, with the bound's preparation (key box, packed pair: about 11 small kernels) on every call and retries below
 # a row sum of 2**-60: d = 64 0.50, 0.75, 0.99, 1.08, 1.16; d = 128 0.97, 0.71, 0.92, 1.05, 1.06
-# (benchmarks/results/h200_2026-12-01_e5f554b/bounded/). Below 32768 keys the calls are bound by the host, to which
-# the preparation adds about 0.3 ms (benchmarks/host_floor.py). At 341cd17, with the preparation cached per K/V tensor
-# (withdrawn: a cache keyed on the tensor object returned stale results under torch.compile) and retries below 2**-90,
-# the bound won from 8192 keys on; that run does not say what the preparation costs when paid on every call.
+# (benchmarks/results/h200_2026-12-01_e5f554b/bounded/). At 4096 keys the calls are bound by the host, to which the
+# preparation adds about 0.3 ms (benchmarks/host_floor.py); at 16384 the bound was level or slower. At 341cd17, with
+# the preparation cached per K/V tensor (withdrawn: a cache keyed on the tensor object returned stale results under
+# torch.compile) and retries below 2**-90, the bound won from 8192 keys on; that run does not say what the
+# preparation costs when paid on every call.
 BOUNDED_MIN_KEYS = 32768
 
 
