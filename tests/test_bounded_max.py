@@ -14,7 +14,7 @@ import torch
 from kvbound import CompressionConfig, calibrate, compress_kv
 from kvbound.attention import attention
 from kvbound.kernels import attention_compressed as kernels
-from kvbound.kernels.attention_compressed import bounded_setting
+from kvbound.kernels._common import bounded_setting
 from test_attention import check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
 
 

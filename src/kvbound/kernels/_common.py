@@ -435,16 +435,29 @@ def logit_multipliers(scale: float, softcap: float | None) -> tuple[float, float
 BOUND_RETRY_SUM = tl.constexpr(2.0**-90)
 
 
+def bounded_by_default(n_k: int, min_keys: int) -> bool:
+    """Whether a launch that can take the bounded maximum takes it without being told: ``KVBOUND_BOUNDED_MAX`` on /
+    off, or with ``auto`` from ``min_keys`` keys on (each kernel's ``BOUNDED_MIN_KEYS``)."""
+    setting = bounded_setting()
+    return setting == "on" or (setting == "auto" and n_k >= min_keys)
+
+
 def bounded_setting() -> str:
     """``KVBOUND_BOUNDED_MAX``: ``auto`` (unset, empty or ``auto``: each kernel's default, see its launcher's
     ``bounded_max``), ``on`` (``1``, ``true``, ``on``, ``yes``: wherever it applies) or ``off`` (``0``, ``false``,
     ``off``, ``no``)."""
-    value = os.environ.get("KVBOUND_BOUNDED_MAX", "auto").strip().lower()
+    return switch_setting("KVBOUND_BOUNDED_MAX")
+
+
+def switch_setting(name: str) -> str:
+    """The environment variable ``name`` as ``on`` (``1``, ``true``, ``on``, ``yes``), ``off`` (``0``, ``false``,
+    ``off``, ``no``) or ``auto`` (unset, empty or ``auto``); anything else raises ValueError naming it."""
+    value = os.environ.get(name, "auto").strip().lower()
     if value in ("", "auto"):
         return "auto"
     if value in ("1", "true", "on", "yes"):
         return "on"
     if value in ("0", "false", "off", "no"):
         return "off"
-    raise ValueError(f"KVBOUND_BOUNDED_MAX: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
+    raise ValueError(f"{name}: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
 

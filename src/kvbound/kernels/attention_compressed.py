@@ -56,7 +56,7 @@ from kvbound.kernels._common import (
     _KERNELS_INTERPRETED,
     BOUND_RETRY_SUM,
     LN2,
-    bounded_setting,
+    bounded_by_default,
     broadcast_strides,
     fixed_softmax_max,
     float32_dot_precision,
@@ -69,6 +69,7 @@ from kvbound.kernels._common import (
     relative_logits_tile,
     row_normaliser,
     softmax_step,
+    switch_setting,
     tma_ready,
 )
 
@@ -2623,7 +2624,7 @@ def attention_compressed_fwd(
     # Launches of low-rank tiles alone (no residual anywhere, or pass 1 of a split) may take the bounded maximum.
     bounded = (
         bounded_max is not False
-        and (bounded_max is True or _bounded_by_default(n_k))
+        and (bounded_max is True or bounded_by_default(n_k, BOUNDED_MIN_KEYS))
         and k_rank > 0
         and v_rank > 0
         and k.shared_basis
@@ -2701,14 +2702,7 @@ def split_setting() -> str:
     """``KVBOUND_SPLIT_LOWRANK``: ``on`` (``1``, ``true``, ``on``, ``yes``), ``off`` (``0``, ``false``, ``off``,
     ``no``) or ``auto`` (unset, empty or ``auto``): whether the compressed launcher splits its work
     (``attention_compressed_fwd``'s ``split``)."""
-    value = os.environ.get("KVBOUND_SPLIT_LOWRANK", "auto").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return "on"
-    if value in ("0", "false", "off", "no"):
-        return "off"
-    if value in ("", "auto"):
-        return "auto"
-    raise ValueError(f"KVBOUND_SPLIT_LOWRANK: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
+    return switch_setting("KVBOUND_SPLIT_LOWRANK")
 
 
 # The bounded maximum is the default from this many keys on. Side by side on the H200 (residual-free rank 8, 8 heads,
@@ -2743,11 +2737,6 @@ def packed_value_pair(coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if pad:
         parts.append(values.new_zeros(*coeffs.shape[:-1], pad, dtype=dtype))
     return torch.cat(parts, dim=-1)
-
-
-def _bounded_by_default(n_k: int) -> bool:
-    setting = bounded_setting()
-    return setting == "on" or (setting == "auto" and n_k >= BOUNDED_MIN_KEYS)
 
 
 def joint_lowrank_share(k: CompressedOperand, v: CompressedOperand, shares: Sequence[float]) -> float:

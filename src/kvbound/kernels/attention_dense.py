@@ -23,7 +23,7 @@ import triton.language as tl
 from kvbound.kernels._common import (
     BOUND_RETRY_SUM,
     LN2,
-    bounded_setting,
+    bounded_by_default,
     broadcast_strides,
     fixed_softmax_max,
     float32_dot_precision,
@@ -602,13 +602,6 @@ def key_norms(k: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=-1).contiguous()
 
 
-def _bounded_by_default(n_k: int) -> bool:
-    setting = bounded_setting()
-    if setting != "auto":
-        return setting == "on"
-    return n_k >= BOUNDED_MIN_KEYS
-
-
 def attention_dense_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -653,7 +646,7 @@ def attention_dense_fwd(
     False; ``auto`` (the default) from ``BOUNDED_MIN_KEYS`` keys on."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
-    wanted = bounded_max if bounded_max is not None else _bounded_by_default(k_shape[-2])
+    wanted = bounded_max if bounded_max is not None else bounded_by_default(k_shape[-2], BOUNDED_MIN_KEYS)
     bounded = bool(
         wanted
         and bias is None
