@@ -57,12 +57,14 @@ once ``--budget-s`` is spent (the rest are written with status ``skipped_budget`
 subset, one child process per layout, under ``ncu --clock-control none`` and writes a second CSV.
 
 ``--ncu`` subset (about 3 minutes): layouts ``lowrank``, ``packed4``, ``packed4_scatter50``, ``promoted5`` at
-d = 64 and 128, N = 16384; providers ``uniform``, ``general`` (not for ``lowrank``: the same kernel) and ``dense``
-(once). Sections SpeedOfLight, Occupancy, LaunchStats, WarpStateStats, MemoryWorkloadAnalysis plus explicit
+d = 64 and 128, N = 16384; providers ``uniform``, ``general`` (not for ``lowrank``: the same kernel), ``dense`` and
+``cudnn`` (once each). Sections SpeedOfLight, Occupancy, LaunchStats, WarpStateStats, MemoryWorkloadAnalysis,
+SchedulerStats (issue-slot utilisation), ComputeWorkloadAnalysis (tensor-pipe utilisation), InstructionStats plus explicit
 metrics (duration, achieved/theoretical occupancy, registers per thread, local load/store sectors x 32 bytes,
 DRAM read/write bytes, L2 bytes, instructions); if this Nsight Compute rejects a metric name the layout is
 profiled again with the sections only (column ``ncu_metrics``). The five largest stall reasons per kernel are
-``stall_1`` .. ``stall_5`` (warps per issue-active cycle).
+``stall_1`` .. ``stall_5`` (warps per issue-active cycle). Every metric of every profiled kernel is also written
+next to the CSV as ``<out stem>_raw_<layout>.csv`` (Nsight Compute's raw page).
 
 CSV columns (timing): layout, dtype, d, N, H, provider, tile, ms_p20/50/80 (``triton.testing.do_bench``),
 runs_lowrank/uniform/general (``block_runs`` summed over heads, checked against a recount from the modes),
@@ -129,7 +131,7 @@ LONG_N = 65536
 LONG_LAYOUTS = ("packed4", "packed4_scatter50")
 FLOAT32_LAYOUT = "packed4_scatter50"
 NCU_LAYOUTS = ("lowrank", "packed4", "packed4_scatter50", "promoted5")
-NCU_PROVIDERS = ("uniform", "general", "dense")
+NCU_PROVIDERS = ("uniform", "general", "dense", "cudnn")
 
 # Pinned tiles (BLOCK_M, BLOCK_N, warps, stages): the H200 winners of kernels/README.md. Compressed kernels with
 # residual code at d = 128 take 128 x 64 on 8 warps (64 x 64 on 8 warps spills least but miscompiles with
@@ -946,7 +948,18 @@ def print_indicators(rows: list[dict], console) -> None:
 
 
 # ----------------------------------------------------------------------------------------- Nsight Compute
-NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
+NCU_SECTIONS = (
+    "SpeedOfLight",
+    "Occupancy",
+    "LaunchStats",
+    "WarpStateStats",
+    "MemoryWorkloadAnalysis",
+    "SchedulerStats",
+    "ComputeWorkloadAnalysis",
+    "InstructionStats",
+)
+# Kernels profiled inside each measurement's NVTX range: kvbound's (``_attention_...``) and cuDNN's SDPA kernel.
+NCU_KERNELS = "regex:_attention_|cudnn|sdpa|fmha|flash"
 NCU_METRICS = {
     "gpu__time_duration.sum": "duration_ns",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
@@ -975,6 +988,9 @@ NCU_FIELDS = (
     "dram_write_bytes",
     "l2_bytes",
     "instructions",
+    "issue_active_pct",
+    "tensor_pipe_pct",
+    "tensor_pipe_metric",
     "stall_1",
     "stall_2",
     "stall_3",
@@ -1012,7 +1028,7 @@ def ncu_command(ncu: str, report: Path, child: list[str], with_metrics: bool) ->
         "--nvtx-include",
         f"regex:{NVTX_PREFIX}.*/",
         "--kernel-name",
-        "regex:_attention_",
+        NCU_KERNELS,
         "--force-overwrite",
         "--export",
         str(report),
@@ -1058,6 +1074,22 @@ def stall_reasons(row: dict[str, str], top: int = 5) -> list[tuple[str, float]]:
     return sorted(best.items(), key=lambda kv: -kv[1])[:top]
 
 
+def pipe_utilisation(row: dict[str, str]) -> dict:
+    """Issue-slot and tensor-pipe utilisation from a raw-page row (SchedulerStats, ComputeWorkloadAnalysis):
+    ``issue_active_pct`` = ``smsp__issue_active.avg.pct_of_peak_sustained_active``; ``tensor_pipe_pct`` = the
+    largest ``..pipe_tensor..pct_of_peak_sustained_active`` column (named in ``tensor_pipe_metric``, since the
+    name differs between Nsight Compute versions and between mma and gmma pipes)."""
+    out: dict = {"issue_active_pct": _number(row.get("smsp__issue_active.avg.pct_of_peak_sustained_active"))}
+    best: tuple[float, str] | None = None
+    for column, text in row.items():
+        if column and "pipe_tensor" in column and column.endswith("pct_of_peak_sustained_active"):
+            value = _number(text)
+            if value is not None and (best is None or value > best[0]):
+                best = (value, column)
+    out["tensor_pipe_pct"], out["tensor_pipe_metric"] = best if best else (None, None)
+    return out
+
+
 def parse_ncu_raw(text: str) -> list[dict]:
     """Rows of ``ncu --import --csv --page raw --print-units base --print-nvtx-rename kernel``: one dict per
     profiled kernel with ``measurement_id``, ``kernel`` and the NCU_FIELDS metrics."""
@@ -1077,6 +1109,7 @@ def parse_ncu_raw(text: str) -> list[dict]:
         for metric, field in NCU_METRICS.items():
             entry[field] = _number(row.get(metric))
         entry["stalls"] = stall_reasons(row)
+        entry.update(pipe_utilisation(row))
         out.append(entry)
     return out
 
@@ -1100,6 +1133,8 @@ def merge_ncu(child_rows: list[dict], profiled: list[dict]) -> list[dict]:
             for side in ("load", "store"):
                 sectors = p.get(f"local_{side}_sectors")
                 entry[f"local_{side}_bytes"] = None if sectors is None else sectors * 32
+            for field in ("issue_active_pct", "tensor_pipe_pct", "tensor_pipe_metric"):
+                entry[field] = p.get(field)
             for i, (reason, value) in enumerate(p["stalls"], start=1):
                 entry[f"stall_{i}"] = f"{reason}={value:.3g}"
             merged.append(entry)
@@ -1121,7 +1156,7 @@ def run_ncu(s: Settings, args: argparse.Namespace, log: Log) -> int:
         for i, layout in enumerate(layouts):
             # The residual-free kernel is the same for both loops, and dense does not depend on the layout.
             chosen = [p for p in providers if not (layout == "lowrank" and p == "general")]
-            chosen = [p for p in chosen if p != "dense" or i == 0]
+            chosen = [p for p in chosen if p not in ("dense", "cudnn") or i == 0]
             child_csv, report = Path(tmp) / f"child{i}.csv", Path(tmp) / f"report{i}"
             child = [
                 sys.executable,
@@ -1179,6 +1214,8 @@ def run_ncu(s: Settings, args: argparse.Namespace, log: Log) -> int:
                     dict(r, status="error", reason=f"ncu export: {export.stderr.strip()[:300]}") for r in child_rows
                 ]
                 continue
+            # Every metric of every section, for reading beyond the summary columns.
+            s.out.with_name(f"{s.out.stem}_raw_{layout}.csv").write_text(export.stdout)
             rows += [dict(r, ncu_metrics=collected) for r in merge_ncu(child_rows, parse_ncu_raw(export.stdout))]
     write_csv(s.out, rows, NCU_FIELDS)
     print_ncu(rows)
@@ -1202,6 +1239,9 @@ def print_ncu(rows: list[dict]) -> None:
         "local_store_bytes",
         "dram_read_bytes",
         "l2_bytes",
+        "instructions",
+        "issue_active_pct",
+        "tensor_pipe_pct",
         "stall_1",
         "stall_2",
         "stall_3",

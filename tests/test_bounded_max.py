@@ -367,14 +367,33 @@ def test_packed_value_pair_holds_the_coefficients():
 
     g = torch.Generator().manual_seed(25)
     for rank, width in ((2, 8), (4, 8), (5, 16), (6, 16), (8, 16), (9, 24), (16, 32)):
-        coeffs = (torch.randn(1, 2, 40, rank, generator=g) * 3).half()
-        for dtype, tolerance in ((torch.bfloat16, 2.0**-15), (torch.float32, 0.0)):
-            packed = packed_value_pair(coeffs, dtype)
-            assert packed.shape == (1, 2, 40, width) and packed.dtype == dtype and packed.is_contiguous()
-            hi, lo = packed[..., :rank].float(), packed[..., rank : 2 * rank].float()
-            assert torch.equal(hi, coeffs.float().bfloat16().float())
-            assert float((hi + lo - coeffs.float()).abs().max()) <= tolerance * float(coeffs.float().abs().max())
-            assert not packed[..., 2 * rank :].any()
+        for source in (torch.float16, torch.float32, torch.bfloat16):
+            coeffs = (torch.randn(1, 2, 40, rank, generator=g) * 3).to(source)
+            # a bfloat16 coefficient is its own hi; float32 keeps 24 bits, of which hi + lo hold about 16
+            exact_in_bf16 = source == torch.bfloat16
+            for dtype, tolerance in ((torch.bfloat16, 0.0 if exact_in_bf16 else 2.0**-15), (torch.float32, 0.0)):
+                packed = packed_value_pair(coeffs, dtype)
+                assert packed.shape == (1, 2, 40, width) and packed.dtype == dtype and packed.is_contiguous()
+                hi, lo = packed[..., :rank].float(), packed[..., rank : 2 * rank].float()
+                assert torch.equal(hi, coeffs.float().bfloat16().float())
+                assert torch.equal(lo, (coeffs.float() - hi).to(dtype).float())
+                assert float((hi + lo - coeffs.float()).abs().max()) <= tolerance * float(coeffs.float().abs().max())
+                assert not packed[..., 2 * rank :].any()
+
+
+def test_key_box_is_the_largest_then_smallest_coefficient_per_axis():
+    from kvbound.kernels.attention_compressed import key_box
+
+    g = torch.Generator().manual_seed(26)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        coeffs = (torch.randn(2, 3, 70, 6, generator=g) * 5).to(dtype)
+        box = key_box(coeffs)
+        assert box.shape == (2, 3, 2, 6) and box.dtype == torch.float32 and box.is_contiguous()
+        for b in range(2):
+            for h in range(3):
+                for axis in range(6):
+                    column = coeffs[b, h, :, axis].float()
+                    assert box[b, h, 0, axis] == column.max() and box[b, h, 1, axis] == column.min()
 
 
 @pytest.mark.parametrize(("rank", "causal"), [(8, False), (6, False), (6, True), (7, True)])
@@ -488,3 +507,30 @@ def test_compressed_zero_query_row(rank, key_scale, tau):
     out = attention(q, ck, cv)
     assert torch.isfinite(out).all()
     check_against_reference(out, q, ck.decompress(), cv.decompress())
+
+
+def test_bound_preparation_is_queued_before_the_residual_read(monkeypatch):
+    """The box and the packed pair are built before the launcher reads the residual flags (the call's one host
+    synchronisation), so that their host work overlaps the device work queued before the call; built also when a
+    residual then rules the bound out (without a split), and the launch then runs the running maximum."""
+    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+
+    events = []
+    box, pair = kernels.key_box, kernels.packed_value_pair
+    monkeypatch.setattr(kernels, "key_box", lambda c: events.append("box") or box(c))
+    monkeypatch.setattr(kernels, "packed_value_pair", lambda c, d: events.append("pair") or pair(c, d))
+    cfg = CompressionConfig(block_size=16, rank=4, tau=0.25)
+    k = structured(1, 1, 64, 32, torch.float32, 3, spikes=False)
+    ck = compress_kv(k, cfg, calibrate(k, cfg))
+    op = CompressedOperand.from_compressed(ck)
+    q = torch.randn(1, 1, 16, 32, generator=torch.Generator().manual_seed(2))
+
+    def flags():
+        events.append("read")
+        return (False, False)
+
+    attention_compressed_fwd(q, op, op, None, 32**-0.5, False, None, flags, bounded_max=True, pack_values=True)
+    assert events == ["box", "pair", "read"]
+    events.clear()
+    attention_compressed_fwd(q, op, op, None, 32**-0.5, False, None, flags, bounded_max=False)
+    assert events == ["read"]

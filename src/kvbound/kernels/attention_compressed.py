@@ -2585,6 +2585,33 @@ def attention_compressed_fwd(
         PRECISION=float32_dot_precision() if fp32 else "tf32",
         USE_TMA=(k_rank == 0 or tma_ready(k_coeffs)) and (v_rank == 0 or tma_ready(v_coeffs)),
     )
+    # Launches of low-rank tiles alone (no residual anywhere, or pass 1 of a split) may take the bounded maximum.
+    bounded = (
+        bounded_max is not False
+        and (bounded_max is True or bounded_by_default(n_k, BOUNDED_MIN_KEYS))
+        and k_rank > 0
+        and v_rank > 0
+        and k.shared_basis
+        and v.shared_basis
+        and bias is None
+        and softcap is None
+        and relative is None
+        and (fp32 or q.dtype == torch.bfloat16)
+    )
+    bound_operands = None
+    if bounded:
+        if pack_values is False and not fp32:
+            # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
+            raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
+        # Prepared before the host read of the residual flags below, so that this host work overlaps the device
+        # work queued before the call (after the read the device would wait for it). Unused, and its few small
+        # kernels wasted, when a residual turns out to need the residual-capable kernel without a split.
+        bound_operands = (
+            key_box(k.coeffs[..., :k_rank]),
+            packed_value_pair(v.coeffs[..., :v_rank], torch.float32 if fp32 else torch.bfloat16)
+            if (pack_values if pack_values is not None else not fp32)
+            else None,
+        )
     if residual is None:
         counts = torch.stack([(k.mode != 0).sum(), (v.mode != 0).sum()]).tolist()
         residual = [count > 0 for count in counts]
@@ -2621,31 +2648,14 @@ def attention_compressed_fwd(
     constexprs["PASS"] = 0
     constexprs["BOUNDED"] = False
     constexprs["V_PACKED"] = False
-    # Launches of low-rank tiles alone (no residual anywhere, or pass 1 of a split) may take the bounded maximum.
-    bounded = (
-        bounded_max is not False
-        and (bounded_max is True or bounded_by_default(n_k, BOUNDED_MIN_KEYS))
-        and k_rank > 0
-        and v_rank > 0
-        and k.shared_basis
-        and v.shared_basis
-        and bias is None
-        and softcap is None
-        and relative is None
-        and (fp32 or q.dtype == torch.bfloat16)
-    )
 
     def bounded_args(args: tuple, constexprs: dict) -> tuple[tuple, dict]:
         """``args`` and ``constexprs`` for a bounded-maximum launch: the box of each head's K coefficients and the
         V coefficients as a pair ``[hi | lo]`` side by side (``packed_value_pair``; in bfloat16 unless everything
         is float32, where ``pack_values=True`` packs them too), with ``RV_PAD`` wide enough for both."""
-        box = key_box(k.coeffs[..., :k_rank])
-        if pack_values is False and not fp32:
-            # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
-            raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
-        if not (pack_values if pack_values is not None else not fp32):
+        box, packed = bound_operands
+        if packed is None:
             return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
-        packed = packed_value_pair(v.coeffs[..., :v_rank], torch.float32 if fp32 else torch.bfloat16)
         at = 26 + 16  # V coefficient strides within sizes (after those of q, bias, out and K coefficients)
         if args[at : at + 4] != tuple(v_coeffs.stride()):
             raise RuntimeError("attention_compressed_fwd: the V coefficient strides moved within the arguments")
@@ -2719,24 +2729,27 @@ BOUNDED_MIN_KEYS = 32768
 
 def key_box(coeffs: torch.Tensor) -> torch.Tensor:
     """The box of each head's key coefficients ``[B, Hkv, N, r]``: float32 ``[B, Hkv, 2, r]``, the largest then the
-    smallest coefficient of each rank-space axis over the keys."""
+    smallest coefficient of each rank-space axis over the keys (two device kernels)."""
     lowest, highest = torch.aminmax(coeffs, dim=2)
-    return torch.stack([highest, lowest], dim=2).float().contiguous()
+    box = torch.empty(*coeffs.shape[:2], 2, coeffs.shape[3], dtype=torch.float32, device=coeffs.device)
+    return torch.stack([highest, lowest], dim=2, out=box)
 
 
 def packed_value_pair(coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """V coefficients ``[..., r]`` as ``[hi | lo]`` in ``dtype``, ``[..., w]`` with ``w`` = ``2 r`` rounded up to a
     multiple of 8 (16-byte rows in bfloat16, as tensor descriptors need; zeros past ``2 r``): ``hi`` the
     coefficients rounded to bfloat16, ``lo`` what is left of them, rounded to ``dtype``. ``hi + lo`` holds a float16
-    coefficient to about 16 bits in bfloat16, exactly in float32."""
+    coefficient to about 16 bits in bfloat16, exactly in float32. Written in place into one new tensor (two or three
+    device kernels: ``hi``, ``lo`` (a difference formed in float32, exact, then rounded) and the zero padding)."""
     rank = coeffs.shape[-1]
-    values = coeffs.float()
-    hi = values.to(torch.bfloat16)
-    pad = -(-2 * rank // 8) * 8 - 2 * rank
-    parts = [hi.to(dtype), (values - hi.float()).to(dtype)]
-    if pad:
-        parts.append(values.new_zeros(*coeffs.shape[:-1], pad, dtype=dtype))
-    return torch.cat(parts, dim=-1)
+    width = -(-2 * rank // 8) * 8
+    out = torch.empty(*coeffs.shape[:-1], width, dtype=dtype, device=coeffs.device)
+    hi, lo = out[..., :rank], out[..., rank : 2 * rank]
+    hi.copy_(coeffs if dtype == torch.bfloat16 else coeffs.to(torch.bfloat16))
+    torch.sub(coeffs, hi, out=lo)
+    if width > 2 * rank:
+        out[..., 2 * rank :].zero_()
+    return out
 
 
 def joint_lowrank_share(k: CompressedOperand, v: CompressedOperand, shares: Sequence[float]) -> float:
