@@ -2716,15 +2716,14 @@ def split_setting() -> str:
 
 
 # The bounded maximum is the default from this many keys on. Side by side on the H200 (residual-free rank 8, 8 heads,
-# bf16; benchmarks/bounded_sweep.py; running maximum's time over the bounded maximum's at N = 4096 .. 65536), at
-# e5f554b, with the bound's preparation (key box, packed pair: about 11 small kernels) on every call and retries below
-# a row sum of 2**-60: d = 64 0.50, 0.75, 0.99, 1.08, 1.16; d = 128 0.97, 0.71, 0.92, 1.05, 1.06
-# (benchmarks/results/h200_2026-12-01_e5f554b/bounded/). At 4096 keys the calls are bound by the host, to which the
-# preparation adds about 0.3 ms (benchmarks/host_floor.py); at 16384 the bound was level or slower. At 341cd17, with
-# the preparation cached per K/V tensor (withdrawn: a cache keyed on the tensor object returned stale results under
-# torch.compile) and retries below 2**-90, the bound won from 8192 keys on; that run does not say what the
-# preparation costs when paid on every call.
-BOUNDED_MIN_KEYS = 32768
+# bf16; benchmarks/bounded_sweep.py; running maximum's time over the bounded maximum's at N = 4096 .. 65536, the
+# bound's preparation (key box, packed pair: 4-5 small kernels) paid on every call):
+#   a499ddc, preparation queued before the call's host read: d = 64 0.34, 0.93, 1.12, 1.13, 1.18;
+#           d = 128 0.37, 1.09, 1.03, 1.11, 1.16 (benchmarks/results/h200_2026-12-01_a499ddc/bounded/);
+#   e5f554b, preparation after the host read (the device waited for it): d = 64 0.50, 0.75, 0.99, 1.08, 1.16;
+#           d = 128 0.97, 0.71, 0.92, 1.05, 1.06.
+# Below 16384 keys the calls are bound by the host (benchmarks/host_floor.py), and the preparation's host time shows.
+BOUNDED_MIN_KEYS = 16384
 
 
 def key_box(coeffs: torch.Tensor) -> torch.Tensor:
