@@ -1,0 +1,59 @@
+"""benchmarks/trained_kv.py end to end on the CPU: capture q, k, v from (toy, random) evaluation models on the
+synthetic fixture, then every step of the timing script except the timing, in Triton's interpreter."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trained_kv.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("trained_kv", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_capture_then_time_on_the_fixture(tmp_path):
+    from safetensors import safe_open
+
+    tkv = _module()
+    captured = tmp_path / "kv.safetensors"
+    assert tkv.main(["capture", str(captured), "--tokens", "200", "--fixture", str(tmp_path / "fixture")]) == 0
+    with safe_open(str(captured), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["trained_kv"])
+        shapes = {name: handle.get_tensor(name).shape for name in handle.keys()}
+    assert set(meta) == {"enformer", "alphagenome"}
+    # 200 tokens from consecutive 64-bin toy windows of the test split; one K/V head for the AlphaGenome-style model
+    assert shapes["enformer.q"][2] == 200 and shapes["enformer.k"][1] == shapes["enformer.q"][1]
+    assert shapes["alphagenome.k"][1] == 1 and shapes["alphagenome.q"][1] > 1
+    windows = meta["enformer"]["windows_bp"]
+    assert all(b - a == 64 * 128 for a, b in zip(windows, windows[1:], strict=False))
+
+    out = tmp_path / "rows.csv"
+    assert tkv.main(["time", str(captured), str(out), "--cpu-smoke", "--lengths", "128", "200"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["model"], r["N"], r["provider"]) for r in rows] == [
+        (m, n, p) for n in ("128", "200") for m in ("enformer", "alphagenome")
+        for p in ("kvbound-dense", "kvbound-compressed")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["status"] == "ok" and float(r["err_rel"]) < 1e-5  # float32 in the interpreter
+        if r["provider"] == "kvbound-compressed":
+            assert float(r["kv_max_err_over_tau"]) <= 1.0
+            assert abs(sum(float(x) for x in r["k_shares"].split("/")) - 1) < 1e-6
+
+
+def test_time_refuses_more_tokens_than_captured(tmp_path):
+    tkv = _module()
+    captured = tmp_path / "kv.safetensors"
+    tkv.main(["capture", str(captured), "--tokens", "100", "--fixture", str(tmp_path / "fixture"), "--models",
+              "enformer"])  # fmt: skip
+    with pytest.raises(SystemExit, match="more than the 100 tokens"):
+        tkv.main(["time", str(captured), str(tmp_path / "x.csv"), "--cpu-smoke", "--lengths", "101"])
