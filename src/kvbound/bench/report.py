@@ -175,6 +175,8 @@ def read_results(results: Path) -> list[ResultFile]:
             raw = list(reader)
         if {"mode", "provider", "shape", "status"} <= set(columns):
             out.append(ResultFile(path, "bench", rows=read_rows(path), columns=columns))
+        elif set(TRAINED_KV_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "trained-kv", raw=raw, columns=columns))
         elif set(tables.LEGACY_ENCODER_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "legacy-encoder", raw=raw, columns=columns))
         elif set(tables.LEGACY_PUBLIC_API_COLUMNS) <= set(columns):
@@ -198,6 +200,48 @@ def _legacy_provenance(item: ResultFile, root: Path) -> str:
         "shown as recorded under \"Earlier measurements\")",
         f"  - device: {values('gpu', 'device')}; date: {values('date')}; commit: `{values('commit')}`{versions}",
     ] + [f"  - command: `{c}`" for c in sorted({r['command'] for r in raw if r.get('command')})])
+
+
+# benchmarks/trained_kv.py's CSV (attention on q, k, v of the trained evaluation models)
+TRAINED_KV_COLUMNS = ("model", "N", "provider", "status", "ms_p50", "vs_cudnn", "err_rel", "kv_max_err_over_tau",
+                      "k_shares", "v_shares")  # fmt: skip
+
+
+def _trained_kv_provenance(item: ResultFile, root: Path) -> str:
+    def values(key: str) -> str:
+        return ", ".join(sorted({r[key] for r in item.raw if r.get(key)})) or "-"
+
+    return "\n".join([
+        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/trained_kv.py`)",
+        f"  - device: {values('device')}; date: {values('date')}; commit: `{values('commit')}`; torch "
+        f"{values('torch')}, Triton {values('triton')}",
+    ])  # fmt: skip
+
+
+def _trained_kv_section(files: list[ResultFile]) -> str:
+    """Every row of every trained_kv CSV, newest file last."""
+    headers = ["model", "N", "heads q/kv", "dk / dv", "provider", "config", "status", "p50 ms", "vs cuDNN",
+               "rel err", "err vs original", "K/V max err / tau", "K blocks L/P/Pr/R", "V blocks L/P/Pr/R",
+               "K/V ratio", "commit"]  # fmt: skip
+    body = []
+    for item in files:
+        for r in item.raw:
+            body.append([
+                r["model"], r["N"], f"{r.get('q_heads')}/{r.get('kv_heads')}", f"{r.get('dk')} / {r.get('dv')}",
+                r["provider"], r.get("config") or "", r["status"], _fmt_text(r.get("ms_p50"), ".4g"),
+                (f"{float(r['vs_cudnn']):.2f}x" if r.get("vs_cudnn") else "-"), _fmt_text(r.get("err_rel"), ".2e"),
+                _fmt_text(r.get("err_vs_original_rel"), ".2e"), _fmt_text(r.get("kv_max_err_over_tau"), ".4f"),
+                r.get("k_shares") or "-", r.get("v_shares") or "-", _fmt_text(r.get("kv_ratio"), ".2f"),
+                r.get("commit") or "-",
+            ])  # fmt: skip
+    return tables.to_markdown(headers, body) if body else "_(none)_\n"
+
+
+def _fmt_text(text: str | None, spec: str) -> str:
+    try:
+        return format(float(text), spec)
+    except (TypeError, ValueError):
+        return "-"
 
 
 def _unknown_provenance(item: ResultFile, root: Path) -> str:
@@ -310,6 +354,7 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
     other_files = other_files or []
     sources = [_provenance(p, r, root) for p, r in rows_by_file.items()]
     sources += [_legacy_provenance(f, root) for f in other_files if f.kind.startswith("legacy")]
+    sources += [_trained_kv_provenance(f, root) for f in other_files if f.kind == "trained-kv"]
     sources += [_unknown_provenance(f, root) for f in other_files if f.kind == "unknown"]
     parts = [
         "# kvbound benchmarks\n",
@@ -332,6 +377,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "## Speed against the share of residual-free blocks\n",
         _SHARE_METHOD,
         tables.to_markdown(*tables.share_table(rows)),
+        "## Speed on K/V of the trained evaluation models\n",
+        _TRAINED_KV_METHOD,
+        _trained_kv_section([f for f in other_files if f.kind == "trained-kv"]),
         "## Speed\n",
         _speed_tables(rows),
         "## Ablation: low-rank only, quantisation only, fused\n",
@@ -401,13 +449,27 @@ alone). `vs best alternative` is against the faster of SDPA and FlexAttention. `
 _SHARE_METHOD = """How the speed depends on the data. The default config (rank 8, 4 bits, tau 2^-5) on K/V generated
 with a set share of blocks whose residual stays below tau (`benchmarks/shapes/share.toml`, `kvbound/bench/data.py`);
 the other blocks carry 4-bit codes read by the byte-decode loop. The share column is what the codec found. On the
-trained evaluation models at the default tau no block is residual-free and nearly every block is promoted to 5-8
-bits (EVAL.md), which is slower than any row here. The split launch columns (`kvbound-compressed-split`,
+trained evaluation models at the default tau no block is residual-free and every block is promoted to wider codes
+(next section), which is slower than any row here. The split launch columns (`kvbound-compressed-split`,
 `KVBOUND_SPLIT_LOWRANK=1`) run the low-rank runs in a second kernel compiled without residual code and merge the two
 partial results (`kernels/README.md`); the one launch columns (`kvbound-compressed-one`, `KVBOUND_SPLIT_LOWRANK=0`)
 never split. The kvbound columns are the default, which splits when at least 40 % of the super-blocks are
 proven low-rank only (at 1aa065a: half); in runs at b979f83 and before, the default was one launch. `-` where the
 run predates a variant. `bash benchmarks/h200.sh share`.
+"""
+
+_TRAINED_KV_METHOD = """Plain softmax attention on the queries, keys and values that the trained compact models of
+`kvbound eval` compute in their last attention layer on real human chrX sequence (test split, consecutive model
+windows of 1,536 tokens concatenated along the sequence; the Enformer-style model with 8 K/V heads, the
+AlphaGenome-style model with one K/V head for 8 query heads; dk 64, dv 32), bf16, B = 1: cuDNN SDPA and kvbound's
+dense kernel on the K/V as the model holds them, kvbound's compressed kernel at the default configuration (block 128,
+rank 8, 4 bits, tau 2^-5) with a basis calibrated on train-split windows. `rel err`: relative L2 error against
+float64 on the K/V each provider read (the codec's float32 values for the compressed row), over 256 evenly spaced
+query rows of every head; `err vs original`: the compressed row against float64 on the original K/V; `K/V max err /
+tau`: the largest element error of the codec's values over the bound. Block shares: low rank / packed at the
+configured width / promoted to a wider width / stored exactly. These are the models' K/V, not the models'
+attention: their relative-position term, pair bias and soft-cap are left out so that cuDNN can run the same call.
+`python benchmarks/trained_kv.py` (capture, then time).
 """
 
 _ROOFLINE_NOTE = """Every provider's FLOP count is that of dense attention at its shape (the `flops` column), so a
