@@ -330,3 +330,28 @@ def test_report_reads_only_legacy_files(tmp_path):
     assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
     text = out.read_text()
     assert "| 1x8x65536x64 | triton |" in text and "_(no timed rows)_" in text
+
+
+def test_report_shows_trained_kv_rows(tmp_path):
+    """benchmarks/trained_kv.py's CSV is recognised by its columns and shown row by row with its provenance."""
+    directory = tmp_path / "results" / "run"
+    directory.mkdir(parents=True)
+    header = ",".join(["model", "layer", "N", "q_heads", "kv_heads", "dk", "dv", "provider", "config", "status",
+                       "ms_p20", "ms_p50", "ms_p80", "vs_cudnn", "err_rel", "err_vs_original_rel",
+                       "kv_max_err_over_tau", "k_shares", "v_shares", "kv_ratio", "reason", "device", "torch",
+                       "triton", "commit", "date"])  # fmt: skip
+    rows = [
+        "enformer,3,65536,8,8,64,32,sdpa-cudnn,,ok,17.8,17.9,18.0,,1.69e-3,,,,,,,H200,2.11,3.6.0,abc1234,2026-12-01",
+        "enformer,3,65536,8,8,64,32,kvbound-compressed,r8b4,ok,110,110.8,111,0.1615,1.7e-3,1.86e-3,0.999,"
+        "0.000/0.000/1.000/0.000,0.000/0.000/1.000/0.000,1.688,,H200,2.11,3.6.0,abc1234,2026-12-01",
+    ]
+    (directory / "trained_kv.csv").write_text("\n".join([header, *rows]) + "\n")
+    files = report.read_results(tmp_path / "results")
+    assert [f.kind for f in files] == ["trained-kv"]
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    section = text.split("## Speed on K/V of the trained evaluation models")[1].split("\n## ")[0]
+    assert "| enformer | 65536 | 8/8 | 64 / 32 | kvbound-compressed | r8b4 | ok | 110.8 | 0.16x |" in section
+    assert "0.000/0.000/1.000/0.000" in section and "| 0.9990 |" in section
+    assert "trained_kv.csv` (2 rows of `benchmarks/trained_kv.py`)" in text and "commit: `abc1234`" in text
