@@ -959,7 +959,7 @@ NCU_SECTIONS = (
     "InstructionStats",
 )
 # Kernels profiled inside each measurement's NVTX range: kvbound's (``_attention_...``) and cuDNN's SDPA kernel.
-NCU_KERNELS = "regex:_attention_|cudnn|sdpa|fmha|flash"
+NCU_KERNELS = "regex:^_attention_|cudnn|sdpa|fmha|flash"
 NCU_METRICS = {
     "gpu__time_duration.sum": "duration_ns",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
@@ -1075,18 +1075,25 @@ def stall_reasons(row: dict[str, str], top: int = 5) -> list[tuple[str, float]]:
 
 
 def pipe_utilisation(row: dict[str, str]) -> dict:
-    """Issue-slot and tensor-pipe utilisation from a raw-page row (SchedulerStats, ComputeWorkloadAnalysis):
-    ``issue_active_pct`` = ``smsp__issue_active.avg.pct_of_peak_sustained_active``; ``tensor_pipe_pct`` = the
-    largest ``..pipe_tensor..pct_of_peak_sustained_active`` column (named in ``tensor_pipe_metric``, since the
-    name differs between Nsight Compute versions and between mma and gmma pipes)."""
+    """Issue-slot and tensor-pipe utilisation from a raw-page row (SchedulerStats, ComputeWorkloadAnalysis), averages
+    over the SMs: ``issue_active_pct`` = ``smsp__issue_active.avg.pct_of_peak_sustained_active``;
+    ``tensor_pipe_pct`` = ``sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active`` (every tensor pipe),
+    else the busiest single ``sm__pipe_tensor.._cycles_active.avg..`` column (named in ``tensor_pipe_metric``: the
+    names differ between Nsight Compute versions). The ``.max.`` / ``.min.`` columns (the busiest and idlest SM) and
+    the instruction rates (``sm__inst_executed_pipe_..``) are not read."""
     out: dict = {"issue_active_pct": _number(row.get("smsp__issue_active.avg.pct_of_peak_sustained_active"))}
-    best: tuple[float, str] | None = None
-    for column, text in row.items():
-        if column and "pipe_tensor" in column and column.endswith("pct_of_peak_sustained_active"):
-            value = _number(text)
-            if value is not None and (best is None or value > best[0]):
-                best = (value, column)
-    out["tensor_pipe_pct"], out["tensor_pipe_metric"] = best if best else (None, None)
+    out["tensor_pipe_pct"] = out["tensor_pipe_metric"] = None
+    # every tensor pipe together first; else the largest single pipe's busy cycles (never instruction rates)
+    preferred = ["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"]
+    preferred += sorted(
+        (c for c in row if c and c.startswith("sm__pipe_tensor") and c.endswith("_cycles_active.avg.pct_of_peak_sustained_active")),
+        key=lambda c: -(_number(row.get(c)) or 0.0),
+    )  # fmt: skip
+    for column in preferred:
+        value = _number(row.get(column))
+        if value is not None:
+            out["tensor_pipe_pct"], out["tensor_pipe_metric"] = value, column
+            break
     return out
 
 

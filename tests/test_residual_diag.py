@@ -178,26 +178,31 @@ def test_ncu_raw_export_is_parsed_per_measurement():
         '"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"',
         '"smsp__average_warps_issue_stalled_barrier_not_issued_per_issue_active.ratio"',
         '"smsp__issue_active.avg.pct_of_peak_sustained_active"',
-        '"sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"',
+        '"sm__pipe_tensor_cycles_active.max.pct_of_peak_sustained_active"',
+        '"sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"',
+        '"sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"',
         '"sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"',
     ]
     text = "\n".join(
         [
             "==PROF== Disconnected",
             ",".join(header),
-            '"","","nsecond","register/thread","sector","ratio","ratio","ratio","ratio","%","%","%"',
-            '"0","residual_diag:packed4:64:16384:uniform/","4,060,000","168","1024","2.5","0.5","1.25","9","71.5","22.25","0"',
-            '"1","residual_diag:lowrank:64:16384:dense/","1,420,000","128","0","0.1","0.2","0.3","9","40","3","55.5"',
+            '"","","nsecond","register/thread","sector","ratio","ratio","ratio","ratio","%","%","%","%","%"',
+            '"0","residual_diag:packed4:64:16384:uniform/","4,060,000","168","1024","2.5","0.5","1.25","9","71.5","30",'
+            '"40","22.25","22.25"',
+            '"1","residual_diag:lowrank:64:16384:dense/","1,420,000","128","0","0.1","0.2","0.3","9","40","70","80",'
+            '"","55.5"',
         ]
     )
     parsed = rd.parse_ncu_raw(text)
     assert [p["measurement_id"] for p in parsed] == ["packed4:64:16384:uniform", "lowrank:64:16384:dense"]
     assert parsed[0]["duration_ns"] == 4.06e6 and parsed[0]["registers_per_thread"] == 168
     assert parsed[0]["stalls"] == [("long_scoreboard", 2.5), ("wait", 1.25), ("barrier", 0.5)]
-    # the larger tensor-pipe column wins, and its name is kept
+    # the average over SMs of every tensor pipe, not the busiest SM (.max) nor an instruction rate; when that column
+    # is empty, a single pipe's average; the column's name is kept
     assert parsed[0]["issue_active_pct"] == 71.5 and parsed[0]["tensor_pipe_pct"] == 22.25
-    assert parsed[0]["tensor_pipe_metric"].startswith("sm__pipe_tensor_op_gmma")
-    assert parsed[1]["tensor_pipe_pct"] == 55.5 and "hmma" in parsed[1]["tensor_pipe_metric"]
+    assert parsed[0]["tensor_pipe_metric"] == "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"
+    assert parsed[1]["tensor_pipe_pct"] == 55.5 and "hmma_cycles_active.avg" in parsed[1]["tensor_pipe_metric"]
     child = [
         dict(
             layout="packed4",

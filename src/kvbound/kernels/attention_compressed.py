@@ -2717,9 +2717,9 @@ def split_setting() -> str:
 
 # The bounded maximum is the default from this many keys on. Side by side on the H200 (residual-free rank 8, 8 heads,
 # bf16; benchmarks/bounded_sweep.py; running maximum's time over the bounded maximum's at N = 4096 .. 65536, the
-# bound's preparation (key box, packed pair: 4-5 small kernels) paid on every call):
+# bound's preparation (key box, packed pair: 6 small kernels) paid on every call):
 #   a499ddc, preparation queued before the call's host read: d = 64 0.34, 0.93, 1.12, 1.13, 1.18;
-#           d = 128 0.37, 1.09, 1.03, 1.11, 1.16 (benchmarks/results/h200_2026-12-01_a499ddc/bounded/);
+#           d = 128 0.37, 1.09, 1.02, 1.11, 1.16 (benchmarks/results/h200_2026-12-01_a499ddc/bounded/);
 #   e5f554b, preparation after the host read (the device waited for it): d = 64 0.50, 0.75, 0.99, 1.08, 1.16;
 #           d = 128 0.97, 0.71, 0.92, 1.05, 1.06.
 # Below 16384 keys the calls are bound by the host (benchmarks/host_floor.py), and the preparation's host time shows.
@@ -2728,7 +2728,7 @@ BOUNDED_MIN_KEYS = 16384
 
 def key_box(coeffs: torch.Tensor) -> torch.Tensor:
     """The box of each head's key coefficients ``[B, Hkv, N, r]``: float32 ``[B, Hkv, 2, r]``, the largest then the
-    smallest coefficient of each rank-space axis over the keys (two device kernels)."""
+    smallest coefficient of each rank-space axis over the keys."""
     lowest, highest = torch.aminmax(coeffs, dim=2)
     box = torch.empty(*coeffs.shape[:2], 2, coeffs.shape[3], dtype=torch.float32, device=coeffs.device)
     return torch.stack([highest, lowest], dim=2, out=box)
@@ -2738,8 +2738,8 @@ def packed_value_pair(coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """V coefficients ``[..., r]`` as ``[hi | lo]`` in ``dtype``, ``[..., w]`` with ``w`` = ``2 r`` rounded up to a
     multiple of 8 (16-byte rows in bfloat16, as tensor descriptors need; zeros past ``2 r``): ``hi`` the
     coefficients rounded to bfloat16, ``lo`` what is left of them, rounded to ``dtype``. ``hi + lo`` holds a float16
-    coefficient to about 16 bits in bfloat16, exactly in float32. Written in place into one new tensor (two or three
-    device kernels: ``hi``, ``lo`` (a difference formed in float32, exact, then rounded) and the zero padding)."""
+    coefficient to about 16 bits in bfloat16, exactly in float32. Written in place into one new tensor: ``hi``, then
+    ``lo`` (a difference formed in float32, exact, then rounded once), then the zero padding."""
     rank = coeffs.shape[-1]
     width = -(-2 * rank // 8) * 8
     out = torch.empty(*coeffs.shape[:-1], width, dtype=dtype, device=coeffs.device)
