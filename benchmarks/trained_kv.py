@@ -202,13 +202,14 @@ def time_calls(args: argparse.Namespace) -> int:
     # In the order asked: every model at the first length, then the next length (rows are written as they come).
     lengths = args.lengths or [max(info["tokens"] for info in meta.values())]
     cases = [(kind, info, n) for n in lengths for kind, info in meta.items()]
+    for kind, info, length in cases:
+        if length > info["tokens"]:
+            raise SystemExit(f"--lengths: {length} is more than the {info['tokens']} tokens captured for {kind}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     sink = args.out.open("w", newline="")
     writer = csv.DictWriter(sink, fieldnames=FIELDS)
     writer.writeheader()
     for kind, info, length in cases:
-        if length > info["tokens"]:
-            raise SystemExit(f"--lengths: {length} is more than the {info['tokens']} tokens captured for {kind}")
         q, k, v = (tensors[f"{kind}.{n}"][:, :, :length].to(device=device, dtype=dtype).contiguous()
                    for n in ("q", "k", "v"))  # fmt: skip
         bases = {
@@ -249,7 +250,7 @@ def time_calls(args: argparse.Namespace) -> int:
             row = dict(base, provider=name, config="r8b4" if name == "kvbound-compressed" else "")
             try:
                 out = call()
-                ref = ref_decoded if k_read is k_hat else kvbound.reference_attention(q_rows, k_read, v_read, scale=1.0)
+                ref = ref_decoded if k_read is k_hat else ref_original  # the K/V this provider read
                 row["err_rel"] = _rel(out[:, :, rows_checked], ref)
                 if name == "kvbound-compressed":
                     row.update(err_vs_original_rel=_rel(out[:, :, rows_checked], ref_original),

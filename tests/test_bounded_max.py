@@ -514,23 +514,55 @@ def test_bound_preparation_is_queued_before_the_residual_read(monkeypatch):
     synchronisation), so that their host work overlaps the device work queued before the call; built also when a
     residual then rules the bound out (without a split), and the launch then runs the running maximum."""
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    from kvbound.reference import reference_attention
 
     events = []
     box, pair = kernels.key_box, kernels.packed_value_pair
     monkeypatch.setattr(kernels, "key_box", lambda c: events.append("box") or box(c))
     monkeypatch.setattr(kernels, "packed_value_pair", lambda c, d: events.append("pair") or pair(c, d))
-    cfg = CompressionConfig(block_size=16, rank=4, tau=0.25)
     k = structured(1, 1, 64, 32, torch.float32, 3, spikes=False)
-    ck = compress_kv(k, cfg, calibrate(k, cfg))
-    op = CompressedOperand.from_compressed(ck)
     q = torch.randn(1, 1, 16, 32, generator=torch.Generator().manual_seed(2))
+    scale = 32**-0.5
 
-    def flags():
-        events.append("read")
-        return (False, False)
+    def operand(tau):
+        cfg = CompressionConfig(block_size=16, rank=4, tau=tau)
+        ck = compress_kv(k, cfg, calibrate(k, cfg))
+        return ck, CompressedOperand.from_compressed(ck)
 
-    attention_compressed_fwd(q, op, op, None, 32**-0.5, False, None, flags, bounded_max=True, pack_values=True)
+    def reads(flags):
+        def read():
+            events.append("read")
+            return flags
+
+        return read
+
+    def check(out, ck):
+        expected = reference_attention(q, ck.decompress(), ck.decompress(), scale=scale)
+        assert float((out.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+
+    # every block low rank: the bound runs, with the preparation queued before the read
+    low, low_op = operand(8.0)
+    assert int((low.mode != 0).sum()) == 0
+    out = attention_compressed_fwd(q, low_op, low_op, None, scale, False, None, reads((False, False)), bounded_max=True,
+                                   pack_values=True)[0]  # fmt: skip
     assert events == ["box", "pair", "read"]
+    check(out, low)
     events.clear()
-    attention_compressed_fwd(q, op, op, None, 32**-0.5, False, None, flags, bounded_max=False)
+    attention_compressed_fwd(q, low_op, low_op, None, scale, False, None, reads((False, False)), bounded_max=False)
     assert events == ["read"]
+
+    # blocks with a residual, no split: the preparation was queued for nothing, the running maximum's
+    # residual-capable launch runs, and the output is right
+    coded, coded_op = operand(0.05)
+    assert int((coded.mode != 0).sum()) > 0
+    events.clear()
+    out = attention_compressed_fwd(q, coded_op, coded_op, None, scale, False, None, reads((True, True)),
+                                   bounded_max=True, pack_values=True, split=False)[0]  # fmt: skip
+    assert events == ["box", "pair", "read"]
+    check(out, coded)
+    # float32 without the packed pair (optional there): the same, and the box alone is built
+    events.clear()
+    out = attention_compressed_fwd(q, coded_op, coded_op, None, scale, False, None, reads((True, True)),
+                                   bounded_max=True, pack_values=False, split=False)[0]  # fmt: skip
+    assert events == ["box", "read"]
+    check(out, coded)

@@ -57,3 +57,35 @@ def test_time_refuses_more_tokens_than_captured(tmp_path):
               "enformer"])  # fmt: skip
     with pytest.raises(SystemExit, match="more than the 100 tokens"):
         tkv.main(["time", str(captured), str(tmp_path / "x.csv"), "--cpu-smoke", "--lengths", "101"])
+
+
+def test_captured_queries_carry_each_model_s_softmax_scale(tmp_path):
+    """Plain attention with scale 1 on the captured q must be the models' own logit scale: the Enformer-style
+    model hands its attention function q already multiplied by dk**-0.5, the AlphaGenome-style model scales inside
+    its attention function, so the capture scales that one."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvbound.eval.data import load_data
+    from kvbound.eval.models import ModelConfig, build_model
+    from kvbound.eval.windows import one_hot
+
+    tkv = _module()
+    captured = tmp_path / "kv.safetensors"
+    fixture = tmp_path / "fixture"
+    tkv.main(["capture", str(captured), "--tokens", "64", "--fixture", str(fixture)])
+    tensors = load_file(str(captured))
+    data = load_data(fixture)
+    from safetensors import safe_open
+
+    with safe_open(str(captured), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["trained_kv"])
+    for kind, expected_scale in (("enformer", 1.0), ("alphagenome", None)):
+        model = build_model(ModelConfig.toy(kind, 4), seed=0).eval()  # the capture's toy model
+        start = meta[kind]["windows_bp"][0]
+        window = torch.from_numpy(data.codes[start : start + model.config.window_bp].copy())
+        seen = tkv._record(model, [one_hot(window[None])], meta[kind]["layer"])
+        scale = model.config.key_dim**-0.5 if expected_scale is None else expected_scale
+        n = seen["q"][0].shape[2]
+        stored = tensors[f"{kind}.q"][:, :, :n].float()
+        assert torch.allclose(stored, (seen["q"][0] * scale).bfloat16().float(), rtol=0, atol=0)

@@ -2600,9 +2600,6 @@ def attention_compressed_fwd(
     )
     bound_operands = None
     if bounded:
-        if pack_values is False and not fp32:
-            # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
-            raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
         # Prepared before the host read of the residual flags below, so that this host work overlaps the device
         # work queued before the call (after the read the device would wait for it). Unused, and its few small
         # kernels wasted, when a residual turns out to need the residual-capable kernel without a split.
@@ -2655,6 +2652,9 @@ def attention_compressed_fwd(
         is float32, where ``pack_values=True`` packs them too), with ``RV_PAD`` wide enough for both."""
         box, packed = bound_operands
         if packed is None:
+            if not fp32:
+                # float16 coefficients would pull P down to float16, whose range cannot hold the bound's gap
+                raise ValueError("pack_values: a bounded launch in bfloat16 needs the packed pair, got False")
             return (*args[:25], box, *args[26:]), dict(constexprs, BOUNDED=True)
         at = 26 + 16  # V coefficient strides within sizes (after those of q, bias, out and K coefficients)
         if args[at : at + 4] != tuple(v_coeffs.stride()):
