@@ -29,6 +29,8 @@ on its window, and the calibration windows come from the train split.
 ``capture`` needs the evaluation data (``python -m kvbound.eval.data fetch``) and the trained weights; ``--fixture
 DIR`` uses the synthetic fixture and randomly initialised toy models instead (tests). ``time --cpu-smoke`` runs every
 step except the timing in Triton's interpreter on CPU tensors (float32 operands: its bf16 dot products are wrong).
+``--configs r8b4 r8b8 r16b8``: compressed rows for each configuration (rank and bits; the default block and tau),
+with bases of each rank calibrated at capture (``--ranks``, default 8 and 16).
 CSV columns: model, layer, N, heads (q/kv), dk, dv, provider, config, status, ms_p20/50/80, vs_cudnn, err_rel
 (relative L2 error against float64 on the K/V the provider read, first ``--check-rows`` queries of every head),
 err_vs_original_rel (compressed: against float64 on the original K/V), kv_max_err_over_tau, block shares
@@ -39,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
+import re
 import math
 import sys
 import time
@@ -146,12 +150,14 @@ def capture(args: argparse.Namespace) -> int:
         scale = 1.0 if kind == "enformer" else mc.key_dim**-0.5  # Enformer-style queries arrive scaled
         q, k, v = (torch.cat(seen[name], dim=2)[:, :, : args.tokens] for name in ("q", "k", "v"))
         q = q * scale
-        bases = {name: kvbound.calibrate(torch.cat(calib_seen[name], dim=2), config) for name in ("k", "v")}
         for name, x in (("q", q), ("k", k), ("v", v)):
             tensors[f"{kind}.{name}"] = x.to(torch.bfloat16).cpu().contiguous()
-        for name, basis in bases.items():
-            tensors[f"{kind}.basis_{name}"] = basis.projection.cpu().contiguous()
-            tensors[f"{kind}.energy_{name}"] = basis.captured_energy.cpu().contiguous()
+        for rank in args.ranks:
+            ranked = dataclasses.replace(config, rank=rank)
+            for name in ("k", "v"):
+                basis = kvbound.calibrate(torch.cat(calib_seen[name], dim=2), ranked)
+                tensors[f"{kind}.basis_{name}_r{rank}"] = basis.projection.cpu().contiguous()
+                tensors[f"{kind}.energy_{name}_r{rank}"] = basis.captured_energy.cpu().contiguous()
         meta[kind] = dict(layer=layer, tokens=args.tokens, weights=weights, windows_bp=[s * 128 for s in starts],
                           calibration_bp=[s * 128 for s in calib], chrom=data.chrom, source=data.source)  # fmt: skip
         print(f"{kind}: layer {layer}, q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} from {len(starts)} "
@@ -163,6 +169,25 @@ def capture(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- time
+def _config(label: str):
+    """``rRbB`` -> the default ``CompressionConfig`` with rank R and B bits."""
+    import kvbound
+
+    match = re.fullmatch(r"r(\d+)b(\d+)", label)
+    if match is None:
+        raise SystemExit(f"--configs: expected labels like r8b4 (rank 8, 4 bits), got {label!r}")
+    return dataclasses.replace(kvbound.CompressionConfig(), rank=int(match.group(1)), bits=int(match.group(2)))
+
+
+def _basis(tensors: dict, kind: str, name: str, rank: int, device, basis_type):
+    key = f"{kind}.basis_{name}_r{rank}"
+    if key not in tensors:
+        ranks = sorted(int(k.rsplit("_r", 1)[1]) for k in tensors if k.startswith(f"{kind}.basis_{name}_r"))
+        raise SystemExit(f"--configs: no rank-{rank} basis was captured for {kind} (ranks {ranks}; capture --ranks)")
+    energy = tensors[f"{kind}.energy_{name}_r{rank}"].to(device)
+    return basis_type(tensors[key].to(device), energy, 0.0, 0)
+
+
 def _shares(ck) -> str:
     modes = ck.mode.flatten().tolist()
     total = max(1, len(modes))
@@ -188,7 +213,7 @@ def time_calls(args: argparse.Namespace) -> int:
     with safe_open(str(args.input), framework="pt") as handle:
         meta = json.loads((handle.metadata() or {})["trained_kv"])
     tensors = load_file(str(args.input))
-    config = kvbound.CompressionConfig()
+    configs = {label: _config(label) for label in args.configs}
     env = dict(device=torch.cuda.get_device_name() if not smoke else "cpu (interpreter)", torch=torch.__version__,
                commit=args.commit, date=time.strftime("%Y-%m-%d"))  # fmt: skip
     try:
@@ -212,29 +237,31 @@ def time_calls(args: argparse.Namespace) -> int:
     for kind, info, length in cases:
         q, k, v = (tensors[f"{kind}.{n}"][:, :, :length].to(device=device, dtype=dtype).contiguous()
                    for n in ("q", "k", "v"))  # fmt: skip
-        bases = {
-            n: Basis(tensors[f"{kind}.basis_{n}"].to(device), tensors[f"{kind}.energy_{n}"].to(device), 0.0, 0)
-            for n in ("k", "v")
-        }
         n_tok, hq, hkv, dk, dv = q.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3]
         base = dict(model=kind, layer=info["layer"], N=n_tok, q_heads=hq, kv_heads=hkv, dk=dk, dv=dv, **env)
-        ck, cv = (kvbound.compress_kv(x, config, bases[n]) for x, n in ((k, "k"), (v, "v")))
-        # The values the codec returns (float32): the bound is certified on these, and the kernel reads the
-        # compressed form itself, never a rounding of it to q's dtype.
-        k_hat, v_hat = ck.decompress(), cv.decompress()
-        kv_err = max(float((k_hat - k.float()).abs().max()), float((v_hat - v.float()).abs().max()))
         rows_checked = torch.linspace(0, n_tok - 1, min(args.check_rows, n_tok), device=device).long()
         q_rows = q[:, :, rows_checked]
         ref_original = kvbound.reference_attention(q_rows, k, v, scale=1.0)
-        ref_decoded = kvbound.reference_attention(q_rows, k_hat, v_hat, scale=1.0)
+        compressed = {}
+        for label, config in configs.items():
+            bases = {n: _basis(tensors, kind, n, config.rank, device, Basis) for n in ("k", "v")}
+            ck, cv = (kvbound.compress_kv(x, config, bases[n]) for x, n in ((k, "k"), (v, "v")))
+            # The values the codec returns (float32): the bound is certified on these, and the kernel reads the
+            # compressed form itself, never a rounding of it to q's dtype.
+            k_hat, v_hat = ck.decompress(), cv.decompress()
+            kv_err = max(float((k_hat - k.float()).abs().max()), float((v_hat - v.float()).abs().max()))
+            compressed[label] = dict(config=config, ck=ck, cv=cv, kv_err=kv_err,
+                                     ref=kvbound.reference_attention(q_rows, k_hat, v_hat, scale=1.0))  # fmt: skip
+            del k_hat, v_hat
 
         def expand(x):  # cuDNN gets each K/V head repeated for its query heads (the K/V as the model holds them)
             return x.repeat_interleave(hq // hkv, dim=1) if hkv != hq else x
 
-        providers = {
-            "kvbound-dense": (lambda: kvbound.attention(q, k, v, scale=1.0), k, v),
-            "kvbound-compressed": (lambda: kvbound.attention(q, ck, cv, scale=1.0), k_hat, v_hat),
-        }
+        # name -> (call, compressed label or None)
+        providers = {"kvbound-dense": (lambda: kvbound.attention(q, k, v, scale=1.0), None)}
+        for label, c in compressed.items():
+            providers[f"kvbound-compressed[{label}]"] = (
+                lambda c=c: kvbound.attention(q, c["ck"], c["cv"], scale=1.0), label)
         if not smoke:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -244,20 +271,22 @@ def time_calls(args: argparse.Namespace) -> int:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(q, k_e, v_e, scale=1.0)
 
-            providers = {"sdpa-cudnn": (cudnn, k, v), **providers}
+            providers = {"sdpa-cudnn": (cudnn, None), **providers}
         cudnn_ms = None
-        for name, (call, k_read, v_read) in providers.items():
-            row = dict(base, provider=name, config="r8b4" if name == "kvbound-compressed" else "")
+        for name, (call, label) in providers.items():
+            c = compressed.get(label)
+            row = dict(base, provider=name.split("[")[0], config=label or "")
             try:
                 out = call()
-                ref = ref_decoded if k_read is k_hat else ref_original  # the K/V this provider read
+                ref = ref_original if c is None else c["ref"]  # the K/V this provider read
                 row["err_rel"] = _rel(out[:, :, rows_checked], ref)
-                if name == "kvbound-compressed":
+                if c is not None:
+                    ck, cv, tau = c["ck"], c["cv"], c["config"].tau
                     row.update(err_vs_original_rel=_rel(out[:, :, rows_checked], ref_original),
-                               kv_max_err_over_tau=kv_err / config.tau, k_shares=_shares(ck), v_shares=_shares(cv),
+                               kv_max_err_over_tau=c["kv_err"] / tau, k_shares=_shares(ck), v_shares=_shares(cv),
                                kv_ratio=(k.numel() + v.numel()) * 2 / (ck.nbytes + cv.nbytes))  # fmt: skip
-                    if kv_err > config.tau:
-                        raise AssertionError(f"K/V error {kv_err:.3e} above tau {config.tau:.3e}")
+                    if c["kv_err"] > tau:
+                        raise AssertionError(f"K/V error {c['kv_err']:.3e} above tau {tau:.3e}")
                 if not math.isfinite(row["err_rel"]) or row["err_rel"] > args.max_rel_err:
                     row.update(status="check_failed", reason=f"relative error {row['err_rel']:.2e}")
                 else:
@@ -296,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     c.add_argument("--layer", type=int, default=-1, help="attention layer (negative: from the last)")
     c.add_argument("--calibration-windows", type=int, default=4)
+    c.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="bases calibrated for these ranks")
     c.add_argument("--weights-dir", default=str(REPOSITORY / "eval" / "weights"))
     c.add_argument("--cache", default=None, help="evaluation data cache (default: kvbound.eval's)")
     c.add_argument("--fixture", default=None, help="synthetic fixture directory and toy random models (tests)")
@@ -304,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("input", type=Path)
     t.add_argument("out", type=Path)
     t.add_argument("--lengths", type=int, nargs="*", default=None, help="the first N tokens (default: all)")
+    t.add_argument("--configs", nargs="+", default=["r8b4"],
+                   help="compressed configurations rRbB (rank R, B bits, the default block and tau); r8b4 is the "
+                        "default configuration")  # fmt: skip
     t.add_argument("--check-rows", type=int, default=256)
     t.add_argument("--max-rel-err", type=float, default=2e-2, help="relative L2 error that fails a check")
     t.add_argument("--commit", default="")

@@ -37,11 +37,12 @@ def test_capture_then_time_on_the_fixture(tmp_path):
     assert all(b - a == 64 * 128 for a, b in zip(windows, windows[1:], strict=False))
 
     out = tmp_path / "rows.csv"
-    assert tkv.main(["time", str(captured), str(out), "--cpu-smoke", "--lengths", "128", "200"]) == 0
+    assert tkv.main(["time", str(captured), str(out), "--cpu-smoke", "--lengths", "128", "200", "--configs", "r8b4",
+                     "r16b8"]) == 0  # fmt: skip
     rows = list(csv.DictReader(out.open()))
-    assert [(r["model"], r["N"], r["provider"]) for r in rows] == [
-        (m, n, p) for n in ("128", "200") for m in ("enformer", "alphagenome")
-        for p in ("kvbound-dense", "kvbound-compressed")
+    assert [(r["model"], r["N"], r["provider"], r["config"]) for r in rows] == [
+        (m, n, p, c) for n in ("128", "200") for m in ("enformer", "alphagenome")
+        for p, c in (("kvbound-dense", ""), ("kvbound-compressed", "r8b4"), ("kvbound-compressed", "r16b8"))
     ]  # fmt: skip
     for r in rows:
         assert r["status"] == "ok" and float(r["err_rel"]) < 1e-5  # float32 in the interpreter
@@ -57,6 +58,10 @@ def test_time_refuses_more_tokens_than_captured(tmp_path):
               "enformer"])  # fmt: skip
     with pytest.raises(SystemExit, match="more than the 100 tokens"):
         tkv.main(["time", str(captured), str(tmp_path / "x.csv"), "--cpu-smoke", "--lengths", "101"])
+    with pytest.raises(SystemExit, match="no rank-4 basis"):
+        tkv.main(["time", str(captured), str(tmp_path / "x.csv"), "--cpu-smoke", "--configs", "r4b4"])
+    with pytest.raises(SystemExit, match="expected labels like r8b4"):
+        tkv.main(["time", str(captured), str(tmp_path / "x.csv"), "--cpu-smoke", "--configs", "rank8"])
 
 
 def test_captured_queries_carry_each_model_s_softmax_scale(tmp_path):
