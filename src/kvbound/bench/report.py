@@ -186,12 +186,17 @@ def read_results(results: Path) -> list[ResultFile]:
     return out
 
 
+def _raw_values(raw: list[dict], *keys: str) -> str:
+    """The distinct non-empty values of ``keys`` over string rows, sorted and joined; ``-`` if none."""
+    return ", ".join(sorted({r[k] for k in keys for r in raw if r.get(k)})) or "-"
+
+
 def _legacy_provenance(item: ResultFile, root: Path) -> str:
     script = {"legacy-encoder": "benchmarks/encoder_speed.py", "legacy-public-api": "benchmarks/public_api_timing.py"}
     raw = item.raw
 
     def values(*keys: str) -> str:
-        return ", ".join(sorted({r[k] for k in keys for r in raw if r.get(k)})) or "-"
+        return _raw_values(raw, *keys)
 
     versions = "".join(f"; {label} {values(key)}" for label, key in (("torch", "torch"), ("Triton", "triton"))
                        if values(key) != "-")
@@ -209,7 +214,7 @@ TRAINED_KV_COLUMNS = ("model", "N", "provider", "status", "ms_p50", "vs_cudnn", 
 
 def _trained_kv_provenance(item: ResultFile, root: Path) -> str:
     def values(key: str) -> str:
-        return ", ".join(sorted({r[key] for r in item.raw if r.get(key)})) or "-"
+        return _raw_values(item.raw, key)
 
     return "\n".join([
         f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/trained_kv.py`)",
