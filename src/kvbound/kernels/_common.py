@@ -191,6 +191,18 @@ def softmax_step(
     return p, alpha, new_max, new_sum
 
 
+# How a tile's relative logits are skewed into place (relative_logits_tile), read once per process from
+# KVBOUND_RELATIVE_SKEW: "gather" (tl.gather along the window, lowered to warp shuffles and selects), "shared" (the
+# window product stored row-major to shared memory and read back at each logit's address: one load per logit, its
+# addresses fixed per thread), "shared-banked" (the same with the rows interleaved by eight, so that the stores of a
+# warp hit distinct banks).
+RELATIVE_SKEWS = ("gather", "shared", "shared-banked")
+RELATIVE_SKEW_NAME = os.environ.get("KVBOUND_RELATIVE_SKEW", "gather")
+if RELATIVE_SKEW_NAME not in RELATIVE_SKEWS:
+    raise ValueError(f"KVBOUND_RELATIVE_SKEW: expected one of {', '.join(RELATIVE_SKEWS)}, got {RELATIVE_SKEW_NAME!r}")
+_SKEW_MODE = tl.constexpr(RELATIVE_SKEWS.index(RELATIVE_SKEW_NAME))
+
+
 @triton.jit
 def relative_logits_tile(
     q_position,
@@ -231,6 +243,17 @@ def relative_logits_tile(
     offs_a = tl.arange(0, BLOCK_M)
     offs_c = tl.arange(0, BLOCK_N)
     skew = (BLOCK_M - 1) + offs_c[None, :] - offs_a[:, None]  # in [0, BLOCK_M + BLOCK_N - 2]
+    if _SKEW_MODE == 1:
+        flat = tl.reshape(table, [BLOCK_M * WINDOW])
+        idx = tl.reshape(offs_a[:, None] * WINDOW + skew, [BLOCK_M * BLOCK_N])
+        return tl.reshape(tl.gather(flat, idx, axis=0), [BLOCK_M, BLOCK_N])
+    if _SKEW_MODE == 2 and BLOCK_M >= 8:
+        t4 = tl.permute(tl.reshape(table, [BLOCK_M // 8, 8, WINDOW // 8, 8]), (0, 2, 1, 3))
+        flat = tl.reshape(t4, [BLOCK_M * WINDOW])
+        a2 = offs_a[:, None]
+        pos = (((a2 // 8) * (WINDOW // 8) + skew // 8) * 8 + a2 % 8) * 8 + skew % 8
+        idx = tl.reshape(pos, [BLOCK_M * BLOCK_N])
+        return tl.reshape(tl.gather(flat, idx, axis=0), [BLOCK_M, BLOCK_N])
     return tl.gather(table, skew, axis=1)
 
 

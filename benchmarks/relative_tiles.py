@@ -1,0 +1,116 @@
+"""The dense kernel's relative-position variant (Enformer, Borzoi) at pinned tile shapes, for each way of skewing a
+tile's relative logits into place (``KVBOUND_RELATIVE_SKEW``, see ``kvbound/kernels/_common.py``).
+
+    python benchmarks/relative_tiles.py OUT.csv [--skews gather,shared,shared-banked] [--tiles 64x64x8x3,...]
+
+Each skew runs in its own process (the skew is read when the kernels are imported). Shapes: one Enformer layer
+(N = 1536, batch 1 and 8) and one Borzoi layer (N = 4096, batch 1 and 4), 8 heads, dk 64, dv 192, bf16, with the
+relative keys of ``kvbound bench --suite relative``. Every row records the largest error of batch item 0 against
+float64 (``kvbound.models.reference.relative_position_attention_reference``) next to its time; a tile that does not
+compile (shared memory, registers) is a row with its reason. Rows ``tile=autotuned`` time the public call
+(``relative_position_attention(..., backend="kvbound")``), whose autotuner picks among the variant's tiles."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TILES = "64x64x8x3,64x64x8x2,64x32x8x3,64x64x4x2,64x64x4x1,64x32x4x2,32x64x4x2,128x64x8x2"
+SHAPES = (("enformer-layer", 1536, (1, 8)), ("borzoi-layer", 4096, (1, 4)))
+FIELDS = ["skew", "layer", "N", "B", "tile", "status", "ms_p50", "err_max", "reason"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--skews", default="gather,shared,shared-banked")
+    p.add_argument("--tiles", default=TILES)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as f:
+            csv.DictWriter(f, fieldnames=FIELDS).writeheader()
+        status = 0
+        for skew in args.skews.split(","):
+            env = {**os.environ, "KVBOUND_RELATIVE_SKEW": skew}
+            cmd = [sys.executable, __file__, str(args.out), "--tiles", args.tiles, "--worker", skew]
+            status |= subprocess.run(cmd, env=env).returncode
+        return status
+    return _worker(args)
+
+
+def _worker(args) -> int:
+    import torch
+    import triton.testing
+
+    from kvbound.bench.relative import RelativeSpec, _inputs
+    from kvbound.config import KVConfig
+    from kvbound.kernels import _common
+    from kvbound.kernels.attention_dense import attention_dense_fwd
+    from kvbound.models.reference import relative_position_attention_reference
+    from kvbound.models.relative import relative_position_attention
+
+    assert _common.RELATIVE_SKEW_NAME == args.worker, (_common.RELATIVE_SKEW_NAME, args.worker)
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    with args.out.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+
+        def emit(row):
+            writer.writerow({k: row.get(k, "") for k in FIELDS})
+            f.flush()
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+        for layer, n, batches in SHAPES:
+            spec = RelativeSpec(layer, n, batches)
+            for b in batches:
+                x = _inputs(spec, b, torch.device("cuda"), torch.bfloat16, KVConfig(), seed=0, share=0.5)
+                q, k, v, rk = x["q"], x["k"], x["v"], x["relative_keys"]
+                u, w = x["u"].float().contiguous(), x["w"].float().contiguous()
+                ref = relative_position_attention_reference(q[:1], k[:1], v[:1], rk, x["u"], x["w"], scale=x["scale"])
+                base = {"skew": args.worker, "layer": layer, "N": n, "B": b}
+
+                def err(out, ref=ref):
+                    return f"{(out[:1].double() - ref).abs().max().item():.3e}"
+
+                def public(x=x):
+                    return relative_position_attention(x["q"], x["k"], x["v"], x["relative_keys"],
+                                                       x["u"][None, :, None], x["w"][None, :, None], scale=x["scale"],
+                                                       backend="kvbound")
+
+                try:
+                    e = err(public())
+                    ms = triton.testing.do_bench(public, quantiles=[0.5], rep=100)
+                    emit({**base, "tile": "autotuned", "status": "ok", "ms_p50": f"{ms:.4g}", "err_max": e})
+                except Exception as error:  # noqa: BLE001 - a row with its reason
+                    emit({**base, "tile": "autotuned", "status": "error", "reason": _reason(error)})
+                for m_, n_, w_, s_ in tiles:
+                    config = {"BLOCK_M": m_, "BLOCK_N": n_, "num_warps": w_, "num_stages": s_}
+                    tile = f"{m_}x{n_}x{w_}x{s_}"
+
+                    def call(config=config, q=q, k=k, v=v, rk=rk, u=u, w=w, scale=x["scale"]):
+                        return attention_dense_fwd(q, k, v, None, scale, False, None, config=config,
+                                                   relative=(rk, u, w))[0]
+
+                    try:
+                        e = err(call())
+                        ms = triton.testing.do_bench(call, quantiles=[0.5], rep=100)
+                        emit({**base, "tile": tile, "status": "ok", "ms_p50": f"{ms:.4g}", "err_max": e})
+                    except Exception as error:  # noqa: BLE001 - a row with its reason
+                        emit({**base, "tile": tile, "status": "error", "reason": _reason(error)})
+                del x, q, k, v, ref
+                torch.cuda.empty_cache()
+    return 0
+
+
+def _reason(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return text[:300]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
