@@ -78,9 +78,16 @@ def _worker(args) -> int:
                     return f"{(out[:1].double() - ref).abs().max().item():.3e}"
 
                 def public(x=x):
-                    return relative_position_attention(x["q"], x["k"], x["v"], x["relative_keys"],
-                                                       x["u"][None, :, None], x["w"][None, :, None], scale=x["scale"],
-                                                       backend="kvbound")
+                    return relative_position_attention(
+                        x["q"],
+                        x["k"],
+                        x["v"],
+                        x["relative_keys"],
+                        x["u"][None, :, None],
+                        x["w"][None, :, None],
+                        scale=x["scale"],
+                        backend="kvbound",
+                    )
 
                 try:
                     e = err(public())
@@ -93,8 +100,9 @@ def _worker(args) -> int:
                     tile = f"{m_}x{n_}x{w_}x{s_}"
 
                     def call(config=config, q=q, k=k, v=v, rk=rk, u=u, w=w, scale=x["scale"]):
-                        return attention_dense_fwd(q, k, v, None, scale, False, None, config=config,
-                                                   relative=(rk, u, w))[0]
+                        return attention_dense_fwd(
+                            q, k, v, None, scale, False, None, config=config, relative=(rk, u, w)
+                        )[0]
 
                     try:
                         e = err(call())

@@ -483,4 +483,3 @@ def switch_setting(name: str) -> str:
     if value in ("0", "false", "off", "no"):
         return "off"
     raise ValueError(f"{name}: expected one of 1, true, on, yes, 0, false, off, no, auto, got {value!r}")
-
