@@ -49,7 +49,7 @@ def _worker(args) -> int:
     import triton.testing
 
     from kvbound.bench.relative import RelativeSpec, _inputs
-    from kvbound.config import KVConfig
+    from kvbound.config import CompressionConfig
     from kvbound.kernels import _common
     from kvbound.kernels.attention_dense import attention_dense_fwd
     from kvbound.models.reference import relative_position_attention_reference
@@ -68,7 +68,7 @@ def _worker(args) -> int:
         for layer, n, batches in SHAPES:
             spec = RelativeSpec(layer, n, batches)
             for b in batches:
-                x = _inputs(spec, b, torch.device("cuda"), torch.bfloat16, KVConfig(), seed=0, share=0.5)
+                x = _inputs(spec, b, torch.device("cuda"), torch.bfloat16, CompressionConfig(), seed=0, share=0.5)
                 q, k, v, rk = x["q"], x["k"], x["v"], x["relative_keys"]
                 u, w = x["u"].float().contiguous(), x["w"].float().contiguous()
                 ref = relative_position_attention_reference(q[:1], k[:1], v[:1], rk, x["u"], x["w"], scale=x["scale"])
