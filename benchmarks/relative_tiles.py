@@ -8,7 +8,10 @@ Each skew runs in its own process (the skew is read when the kernels are importe
 relative keys of ``kvbound bench --suite relative``. Every row records the largest error of batch item 0 against
 float64 (``kvbound.models.reference.relative_position_attention_reference``) next to its time; a tile that does not
 compile (shared memory, registers) is a row with its reason. Rows ``tile=autotuned`` time the public call
-(``relative_position_attention(..., backend="kvbound")``), whose autotuner picks among the variant's tiles."""
+(``relative_position_attention(..., backend="kvbound")``), whose autotuner picks among the variant's tiles.
+``variant=keys``: the relative keys (``RELATIVE = 1``, which the skew applies to); ``variant=runs`` (Borzoi only):
+the runs of equal relative keys (``RELATIVE = 2``, no skew), timed through the public call with the autotuner's
+tile list reduced to the pinned tile."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 TILES = "64x64x8x3,64x64x8x2,64x32x8x3,64x64x4x2,64x64x4x1,64x32x4x2,32x64x4x2,128x64x8x2"
 SHAPES = (("enformer-layer", 1536, (1, 8)), ("borzoi-layer", 4096, (1, 4)))
-FIELDS = ["skew", "layer", "N", "B", "tile", "status", "ms_p50", "err_max", "reason"]
+FIELDS = ["skew", "layer", "N", "B", "variant", "tile", "status", "ms_p50", "err_max", "reason"]
 
 
 def main() -> int:
@@ -92,9 +95,35 @@ def _worker(args) -> int:
                 try:
                     e = err(public())
                     ms = triton.testing.do_bench(public, quantiles=[0.5], rep=100)
-                    emit({**base, "tile": "autotuned", "status": "ok", "ms_p50": f"{ms:.4g}", "err_max": e})
+                    emit(
+                        {
+                            **base,
+                            "variant": "keys",
+                            "tile": "autotuned",
+                            "status": "ok",
+                            "ms_p50": f"{ms:.4g}",
+                            "err_max": e,
+                        }
+                    )
                 except Exception as error:  # noqa: BLE001 - a row with its reason
-                    emit({**base, "tile": "autotuned", "status": "error", "reason": _reason(error)})
+                    emit({**base, "variant": "keys", "tile": "autotuned", "status": "error", "reason": _reason(error)})
+                if x["runs"] is not None:
+                    for tile_shape in [None, *tiles]:
+                        tile = "autotuned" if tile_shape is None else "x".join(map(str, tile_shape))
+                        try:
+                            ms, e = _runs_row(x, tile_shape, err)
+                            emit(
+                                {
+                                    **base,
+                                    "variant": "runs",
+                                    "tile": tile,
+                                    "status": "ok",
+                                    "ms_p50": f"{ms:.4g}",
+                                    "err_max": e,
+                                }
+                            )
+                        except Exception as error:  # noqa: BLE001 - a row with its reason
+                            emit({**base, "variant": "runs", "tile": tile, "status": "error", "reason": _reason(error)})
                 for m_, n_, w_, s_ in tiles:
                     config = {"BLOCK_M": m_, "BLOCK_N": n_, "num_warps": w_, "num_stages": s_}
                     tile = f"{m_}x{n_}x{w_}x{s_}"
@@ -107,12 +136,62 @@ def _worker(args) -> int:
                     try:
                         e = err(call())
                         ms = triton.testing.do_bench(call, quantiles=[0.5], rep=100)
-                        emit({**base, "tile": tile, "status": "ok", "ms_p50": f"{ms:.4g}", "err_max": e})
+                        emit(
+                            {
+                                **base,
+                                "variant": "keys",
+                                "tile": tile,
+                                "status": "ok",
+                                "ms_p50": f"{ms:.4g}",
+                                "err_max": e,
+                            }
+                        )
                     except Exception as error:  # noqa: BLE001 - a row with its reason
-                        emit({**base, "tile": tile, "status": "error", "reason": _reason(error)})
+                        emit({**base, "variant": "keys", "tile": tile, "status": "error", "reason": _reason(error)})
                 del x, q, k, v, ref
                 torch.cuda.empty_cache()
     return 0
+
+
+def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
+    """The public call with relative runs, its autotuner given only ``tile_shape`` (or its own list for None)."""
+    import triton
+    import triton.testing
+
+    from kvbound.kernels import attention_dense
+    from kvbound.models.relative import relative_position_attention
+
+    tuner = attention_dense._attention_dense_fwd
+    saved = tuner.configs, attention_dense._RELATIVE_SHAPES
+    if tile_shape is not None:
+        m_, n_, w_, s_ = tile_shape
+        tuner.configs = [triton.Config({"BLOCK_M": m_, "BLOCK_N": n_}, num_warps=w_, num_stages=s_)]
+        attention_dense._RELATIVE_SHAPES = frozenset({tile_shape})
+    attention_dense._TUNED.clear()
+    attention_dense._PLANS.clear()
+    tuner.cache.clear()
+    try:
+
+        def public():
+            return relative_position_attention(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["relative_keys"],
+                x["u"][None, :, None],
+                x["w"][None, :, None],
+                scale=x["scale"],
+                backend="kvbound",
+                relative_runs=x["runs"],
+            )
+
+        e = err(public())
+        return triton.testing.do_bench(public, quantiles=[0.5], rep=100), e
+    finally:
+        tuner.configs, attention_dense._RELATIVE_SHAPES = saved
+        attention_dense._TUNED.clear()
+        attention_dense._PLANS.clear()
+        tuner.cache.clear()
 
 
 def _reason(error: BaseException) -> str:
