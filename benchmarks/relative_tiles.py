@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 TILES = "64x64x8x3,64x64x8x2,64x32x8x3,64x64x4x2,64x64x4x1,64x32x4x2,32x64x4x2,128x64x8x2"
-SHAPES = (("enformer-layer", 1536, (1, 8)), ("borzoi-layer", 4096, (1, 4)))
+SHAPES = (("enformer-layer", 1536, (1, 8), "pad"), ("borzoi-layer", 4096, (1, 4), "strided"))
 FIELDS = ["skew", "layer", "N", "B", "variant", "tile", "status", "ms_p50", "err_max", "reason"]
 
 
@@ -68,8 +68,8 @@ def _worker(args) -> int:
             f.flush()
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
-        for layer, n, batches in SHAPES:
-            spec = RelativeSpec(layer, n, batches)
+        for layer, n, batches, shift in SHAPES:
+            spec = RelativeSpec(layer, n, batches, shift=shift)
             for b in batches:
                 x = _inputs(spec, b, torch.device("cuda"), torch.bfloat16, CompressionConfig(), seed=0, share=0.5)
                 q, k, v, rk = x["q"], x["k"], x["v"], x["relative_keys"]

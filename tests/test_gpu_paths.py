@@ -51,6 +51,52 @@ def test_gpu_relative_positions_bf16(n, compressed):
     check_against_reference(out[:, :, :rows].contiguous(), content, k_ref, v_ref, bias=bias, scale=1.0)
 
 
+def _pinned_relative_tiles(n: int) -> list[str]:
+    """Every tile of the dense kernel's relative variant, pinned, on a ragged length: one line per tile."""
+    from kvbound.kernels import attention_dense
+
+    q, k, v, table, u, w = _relative_case(n, 11 + n)
+    scale = 64**-0.5
+    rows = 64
+    content, bias = _relative_reference_inputs(q, table, u, w, scale, rows)
+    done = []
+    for m, n_, warps, stages in sorted(attention_dense._RELATIVE_SHAPES):
+        config = {"BLOCK_M": m, "BLOCK_N": n_, "num_warps": warps, "num_stages": stages}
+        out, _ = attention_dense.attention_dense_fwd(
+            q, k, v, None, scale, False, None, config=config, relative=(table, u, w)
+        )
+        check_against_reference(out[:, :, :rows].contiguous(), content, k, v, bias=bias, scale=1.0)
+        done.append(f"{m}x{n_}x{warps}x{stages}")
+    return done
+
+
+@pytest.mark.parametrize("skew", ["default", "gather", "shared"])
+def test_gpu_every_relative_tile_and_skew_bf16(skew):
+    """Each relative tile of the dense kernel against float64, with the default skew (shared memory, rows
+    interleaved) in this process and the other two (warp shuffles; shared memory row-major) in a fresh one, since the
+    skew is read when the kernels are imported."""
+    from kvbound.kernels import _common
+
+    if skew == "default":
+        assert _common.RELATIVE_SKEW_NAME == "shared-banked"
+        assert len(_pinned_relative_tiles(1500)) == 3
+        return
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = (
+        f"import sys; sys.path.insert(0, {str(here)!r}); import test_gpu_paths as t; "
+        f"from kvbound.kernels import _common; assert _common.RELATIVE_SKEW_NAME == {skew!r}; "
+        "print(t._pinned_relative_tiles(1500))"
+    )
+    env = {**os.environ, "KVBOUND_RELATIVE_SKEW": skew}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
 def test_gpu_plan_cache_with_other_strides_bf16():
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(1, 8, 4096, 64, device="cuda", generator=g).bfloat16()

@@ -197,7 +197,7 @@ def softmax_step(
 # addresses fixed per thread), "shared-banked" (the same with the rows interleaved by eight, so that the stores of a
 # warp hit distinct banks).
 RELATIVE_SKEWS = ("gather", "shared", "shared-banked")
-RELATIVE_SKEW_NAME = os.environ.get("KVBOUND_RELATIVE_SKEW", "gather")
+RELATIVE_SKEW_NAME = os.environ.get("KVBOUND_RELATIVE_SKEW", "shared-banked")
 if RELATIVE_SKEW_NAME not in RELATIVE_SKEWS:
     raise ValueError(f"KVBOUND_RELATIVE_SKEW: expected one of {', '.join(RELATIVE_SKEWS)}, got {RELATIVE_SKEW_NAME!r}")
 _SKEW_MODE = tl.constexpr(RELATIVE_SKEWS.index(RELATIVE_SKEW_NAME))

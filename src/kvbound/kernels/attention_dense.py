@@ -208,7 +208,7 @@ def _attention_dense_inner(
 
 # ----------------------------------------------------------------------------------------------- autotune
 # Tile shapes of the relative-position variant only, (BLOCK_M, BLOCK_N, warps, stages): see dense_configs.
-_RELATIVE_SHAPES = frozenset({(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3)})
+_RELATIVE_SHAPES = frozenset({(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 8, 3)})
 
 
 # The most distances one tile of the relative variant spans (BLOCK_M + BLOCK_N - 1 over its tile shapes; the
@@ -248,10 +248,13 @@ def dense_configs(interpret: bool) -> list[triton.Config]:
         (128, 128, 8, 3),  # d = 128 (dense_tiles.py, H200, N = 65536: 34.5 ms against 35.7 ms for the next tile)
         (64, 64, 4, 3),
     ]
-    # Relative positions (Enformer, Borzoi) only: the [BLOCK_M, 2 max(BLOCK_M, BLOCK_N)] float32 relative table
-    # next to the [BLOCK_M, 256] accumulator (Dv 192 padded) fits 8 warps at BLOCK_M 64 and spills at every
-    # shape above (sm_90, Triton 3.6, d 64 / dv 192: 64x64 and 64x32 need 244 / 252 registers, no spill; 128x64
-    # spills 1.7 KB at 8 warps; 64x64 at 4 warps 464 B). The prune function keeps each list to its variant.
+    # Relative positions (Enformer, Borzoi) only. With the relative table skewed through shared memory (the
+    # default, _common.RELATIVE_SKEW_NAME) one warpgroup holds a 64-row tile: 64 x 64 on 4 warps and one stage
+    # (255 registers, 96 B of stack, 56 KiB of shared memory: two programs per SM) was the fastest tile at every
+    # Enformer and Borzoi shape measured (H200, benchmarks/relative_tiles.py: 0.51 ms per Enformer layer at batch
+    # 8 against 0.74 for 64 x 64 on 8 warps, whose two warpgroups both compute the logits of the same 64 rows).
+    # With the warp-shuffle skew (KVBOUND_RELATIVE_SKEW=gather) 4 warps spill (696 B) and 64 x 64 x 8 x 3 wins.
+    # The prune function keeps each list to its variant.
     shapes += sorted(_RELATIVE_SHAPES, reverse=True)
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
@@ -274,7 +277,7 @@ def _prune_dense_configs(configs, named_args, **kwargs):
             continue
         block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
         # A float32 accumulator of BLOCK_M x DV_PAD over 4 warps spills from 128 x 128 on (Triton 3.6, sm_90).
-        if block_m * dv_pad >= 128 * 128 and config.num_warps < 8:
+        if block_m * dv_pad >= 128 * 128 and config.num_warps < 8 and not args["RELATIVE"]:
             continue
         # Large V tiles times deep pipelines exceed shared memory.
         if dv_pad >= 256 and block_n >= 128 and config.num_stages > 2:
