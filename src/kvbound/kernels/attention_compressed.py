@@ -1133,12 +1133,8 @@ SPLIT_ROWS = tl.constexpr(128)
 
 # Tile shapes of the relative-position variant, (BLOCK_M, BLOCK_N, warps, stages): its [BLOCK_M, 2 max(BLOCK_M,
 # BLOCK_N)] float32 relative table and the live position query fit 64 rows on two warpgroups without spills
-# (kernels/README.md has the register counts); with the table skewed through shared memory (the default) one
-# warpgroup on one stage, two programs per SM, was the dense kernel's fastest tile, so it is offered here too.
-# Those not in the general list are relative-only.
-_RELATIVE_SHAPES = frozenset(
-    {(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3), (64, 64, 4, 1), (64, 32, 4, 1), (64, 16, 4, 1)}
-)
+# (kernels/README.md has the register counts). Those not in the general list are relative-only.
+_RELATIVE_SHAPES = frozenset({(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3)})
 _GENERAL_SHAPES = (
     (64, 64, 4, 3),
     (128, 64, 4, 3),
