@@ -659,6 +659,38 @@ def test_undo_refuses_to_clobber_a_later_patch(enformer):
     del module.forward
 
 
+def test_enformer_patched_under_autocast_projects_as_the_port(enformer):
+    # Under autocast the patched forward casts x once for the three projections (the port's nn.Linear calls would
+    # each cast it): q, k, v must be the port's own projections bit for bit, in the autocast dtype.
+    import kvbound.models._ports as ports
+
+    model, attention = enformer
+    module = _attention_modules(model, attention)[0]
+    x = torch.randn(1, 40, 96, generator=torch.Generator().manual_seed(5))
+    seen = []
+    original = ports.relative_position_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q, k, v))
+        return original(q, k, v, *args, **kwargs)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = [ports._split_heads(layer(x), module.heads) for layer in (module.to_q, module.to_k, module.to_v)]
+        port_out = module(x)
+        with patch(model, compress=False, backend="eager", query_chunk=16):
+            ports.relative_position_attention = spy
+            try:
+                got = module(x)
+            finally:
+                ports.relative_position_attention = original
+    assert len(seen) == 1
+    for name, a, b in zip("qkv", seen[0], expected):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+    err = (got.float() - port_out.float()).abs().max().item()
+    print(f"enformer attention under bfloat16 autocast: patched vs port {err:.2e} (|out| {port_out.abs().max():.2f})")
+    assert err <= 2e-2 * port_out.abs().max().item()
+
+
 @pytest.mark.parametrize("backend, dtype", [("eager", torch.bfloat16), ("kvbound", torch.float16)])
 def test_alphagenome_patched_under_autocast_multiplies_what_the_port_multiplies(alphagenome, backend, dtype):
     # Under autocast the port's torch.matmul calls multiply half-precision copies of q, k, v and the weights;

@@ -81,7 +81,9 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     _check_inference(module, record.name)
     b, n, _ = x.shape
     h = module.heads
-    q, k, v = (_split_heads(layer(x), h) for layer in (module.to_q, module.to_k, module.to_v))
+    # Under autocast each of the three projections would cast x to the autocast dtype; one cast, the same values.
+    x_operand = x.to(_matmul_dtype(x))
+    q, k, v = (_split_heads(layer(x_operand), h) for layer in (module.to_q, module.to_k, module.to_v))
     features = relative_keys_fn(module, handle, n, x.device)
     positions = module.pos_dropout(features)
     relative_keys = module.to_rel_k(positions).reshape(2 * n - 1, h, -1).transpose(0, 1)
