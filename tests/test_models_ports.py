@@ -684,7 +684,7 @@ def test_enformer_patched_under_autocast_projects_as_the_port(enformer):
             finally:
                 ports.relative_position_attention = original
     assert len(seen) == 1
-    for name, a, b in zip("qkv", seen[0], expected):
+    for name, a, b in zip("qkv", seen[0], expected, strict=True):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
     err = (got.float() - port_out.float()).abs().max().item()
     print(f"enformer attention under bfloat16 autocast: patched vs port {err:.2e} (|out| {port_out.abs().max():.2f})")
