@@ -54,7 +54,7 @@ version = "0.0.0+stub"
 [tool.setuptools]
 packages = ["polars"]
 TOML
-python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl_lite "$stub"
+python3 -m pip wheel -q --no-deps -w .whl_lite "$stub"
 rm -rf "$stub"
 ls -l .whl_lite
 du -sh .whl_lite
