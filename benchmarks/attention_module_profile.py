@@ -2,23 +2,66 @@
 
 Builds the port at its full config (random weights, as ``kvbound bench --suite models`` does), takes its first
 attention module on the GPU, and runs it on ``[B, N, dim]`` inputs under bfloat16 autocast (as the model benchmark
-does): the module's time (CUDA events, median of 20) and, from one ``torch.profiler`` pass, the GPU time of each
-kernel name inside it. One CSV row per (model, batch, variant, kernel), plus a ``total`` row per variant.
+does): the module's time (CUDA events, median of 20), the host time per call (``host_ms``: 50 calls queued back to
+back, wall clock over the calls before the final synchronisation; when it exceeds the GPU time, the module is
+bound by Python and launch overhead), and, from one ``torch.profiler`` pass, the GPU time of each kernel name inside
+it. One CSV row per (model, batch, variant, kernel), plus a ``total`` row per variant. With ``--cprofile DIR`` the
+host side of 50 calls of each variant is also profiled (``cProfile``, the 40 functions with the most own time, as
+text: ``DIR/<model>_b<batch>_<variant>.txt``).
 
-    python benchmarks/attention_module_profile.py OUT.csv [--models enformer borzoi]
+    python benchmarks/attention_module_profile.py OUT.csv [--models enformer borzoi] [--cprofile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
+import io
+import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-FIELDS = ["model", "batch", "tokens", "variant", "kernel", "calls", "gpu_ms", "share", "module_ms_p50", "commit"]
+FIELDS = [
+    "model",
+    "batch",
+    "tokens",
+    "variant",
+    "kernel",
+    "calls",
+    "gpu_ms",
+    "share",
+    "module_ms_p50",
+    "host_ms",
+    "commit",
+]
+
+
+def _host_ms(module, x, calls: int = 50) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        module(x)
+    host = (time.perf_counter() - start) * 1e3 / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def _cprofile(module, x, path: Path, calls: int = 50) -> None:
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        module(x)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    path.write_text(f"{calls} calls\n" + text.getvalue())
 
 
 def _module_ms(module, x, repeats: int = 20) -> float:
@@ -53,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--models", nargs="+", default=["enformer", "borzoi"])
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile text of the host side")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -83,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                             for _ in range(3):
                                 module(x)
                             ms = _module_ms(module, x)
+                            host = _host_ms(module, x)
                             kernels = _kernels(module, x)
+                            if args.cprofile is not None:
+                                args.cprofile.mkdir(parents=True, exist_ok=True)
+                                _cprofile(module, x, args.cprofile / f"{spec.name}_b{batch}_{variant}.txt")
                     finally:
                         if handle is not None:
                             handle.undo()
@@ -94,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens": spec.tokens,
                         "variant": variant,
                         "module_ms_p50": f"{ms:.4f}",
+                        "host_ms": f"{host:.4f}",
                         "commit": args.commit,
                     }
                     writer.writerow(
@@ -105,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                             "share": "1.0",
                         }
                     )
-                    print(f"{spec.name} B={batch} {variant}: module {ms:.3f} ms, kernels {total:.3f} ms", flush=True)
+                    print(
+                        f"{spec.name} B={batch} {variant}: module {ms:.3f} ms, host {host:.3f} ms a call, "
+                        f"kernels {total:.3f} ms",
+                        flush=True,
+                    )
                     for name, calls, t in kernels:
                         writer.writerow(
                             {
