@@ -169,7 +169,13 @@ def test_interrupted_forward_leaves_no_open_block():
 def test_patch_wraps_the_forward_and_undo_restores_it():
     port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
     model = port.Enformer.from_hparams(
-        dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
+        dim=96,
+        depth=1,
+        heads=4,
+        attn_dim_key=16,
+        num_downsamples=3,
+        dim_divisible_by=8,
+        target_length=-1,
         output_heads=dict(human=8),
     ).eval()
     assert "forward" not in vars(model)
@@ -215,6 +221,42 @@ def test_largest_magnitude_flags_nan_and_inf_in_every_dtype_without_copying(dtyp
         largest_magnitude(x)
     peak = max((e.cpu_memory_usage for e in prof.events()), default=0)
     assert peak < x.numel() * x.element_size() // 8, peak
+
+
+def _largest_magnitudes_case(device: str) -> None:
+    dtypes = (torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(33, 70, generator=g, dtype=torch.float64).to(dtype).to(device) for dtype in dtypes]
+    base[0] = base[0].t()  # non-contiguous
+    base[3] = base[3][:, ::3]  # strided
+    base[1][5, 5] = -torch.finfo(torch.float32).max
+    base[3][7, 4] = torch.finfo(torch.bfloat16).max
+    peaks = _checks.largest_magnitudes(base)
+    assert peaks.dtype == torch.float64 and peaks.shape == (len(base),)
+    assert peaks.tolist() == [_checks.largest_magnitude(t).item() for t in base]
+    assert peaks[1].item() == float(torch.finfo(torch.float32).max)
+    assert peaks[3].item() == float(torch.finfo(torch.bfloat16).max)
+    for index in range(len(base)):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            bad = [t.clone() for t in base]
+            bad[index][index + 1, 2 * index] = value
+            got = _checks.largest_magnitudes(bad).tolist()
+            assert not math.isfinite(got[index]), (index, value, got)
+            assert all(math.isfinite(x) for i, x in enumerate(got) if i != index), (index, value, got)
+
+
+def test_largest_magnitudes_of_mixed_dtypes_in_one_call():
+    """One call's tensors in one reduction: each tensor's own largest magnitude exactly (also a dtype's largest
+    finite value), NaN and Inf flagged in the tensor that holds them and nowhere else, in any layout."""
+    _largest_magnitudes_case("cpu")
+    with pytest.raises(ValueError, match="at least one tensor"):
+        _checks.largest_magnitudes([])
+
+
+@pytest.mark.gpu
+def test_largest_magnitudes_of_mixed_dtypes_in_one_call_on_the_gpu():
+    """The same on CUDA, where the multi-tensor reduction is a fused kernel of its own."""
+    _largest_magnitudes_case("cuda")
 
 
 def test_inference_tensors_are_checked_at_every_call():

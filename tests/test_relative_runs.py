@@ -156,6 +156,28 @@ def test_run_span_is_the_most_runs_any_tile_spans():
                                               relative_position_bias=w), rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+def test_run_layout_is_derived_once_per_tensor_and_changes_with_it():
+    """The device layout of a runs tensor is derived once and reused while the tensor is unchanged; writing into
+    the tensor derives it again, and a layout made bad in place is refused by the op, not read from a stale copy."""
+    from kvbound.attention import _run_layout
+
+    n, dk = 40, 16
+    starts = [0, 10, 20, 30, 50]
+    q, k, v, keys, u, w = _case(1, 2, n, n, dk, dk, starts, 9)
+    runs = torch.tensor(starts)
+    first = _run_layout(runs, 2 * n - 1, n, n, 0)
+    assert _run_layout(runs, 2 * n - 1, n, n, 0) is first
+    assert _run_layout(runs.clone(), 2 * n - 1, n, n, 0) is not first
+    args = (q, k, v, None, 1, dk**-0.5, False, None, keys, u.float(), w.float())
+    expected = attention(q, k, v, scale=dk**-0.5, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    torch.testing.assert_close(torch.ops.kvbound.attention_dense(*args, runs)[0], expected, rtol=1e-5, atol=1e-5)
+    runs[1] = 0  # no longer increasing
+    again = _run_layout(runs, 2 * n - 1, n, n, 0)
+    assert again is not first and not torch.equal(again[2], first[2])
+    with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows of runs from 0"):
+        torch.ops.kvbound.attention_dense(*args, runs)
+
+
 def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused():
     """A layout whose every tile holds many runs: 16 runs within the 47 distances of Nq = 32, Nk = 16, so the one
     32 x 16 tile of the interpreter walks all 15 unrolled steps; dropping any run moves the output. The span is

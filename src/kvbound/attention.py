@@ -434,10 +434,10 @@ def _queue_checks(
     nonnegative integer tensor in ``flags`` (modes), the share of its elements that are zero (low-rank blocks; 1.0
     for an empty tensor): below 1 exactly when it has a nonzero element.
 
-    One float64 largest magnitude per tensor (``_checks.largest_magnitude``: NaN or Inf exactly when the tensor
-    holds one; the element-wise check then names the first), plus one count per flag tensor, all stacked into one
-    tensor and read back at once. The launchers read the result after
-    their host-side preparation, so that the preparation overlaps the device work queued before it.
+    One float64 largest magnitude per tensor (``_checks.largest_magnitudes``, one multi-tensor reduction: NaN or
+    Inf exactly when the tensor holds one; the element-wise check then names the first), plus one count per flag
+    tensor, all in one tensor read back at once. The launchers read the result after their host-side preparation,
+    so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias. ``conditions``: ``(message, count)`` pairs, a scalar that must be zero, else
     ``ValueError(message.format(count=...))`` after the finite checks (deferred with them)."""
@@ -450,10 +450,10 @@ def _queue_checks(
         q = next((t for name, t in present if name == "q"), None)
         deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions)
         return _no_flags
-    checks = [_checks.largest_magnitude(t) for _, t in present]
-    checks += [torch.count_nonzero(f).to(torch.float64) for f in flags]
-    checks += [count.reshape(()).to(torch.float64) for _, count in conditions]
-    stacked = torch.stack(checks) if checks else None
+    checks = [_checks.largest_magnitudes([t for _, t in present])] if present else []
+    checks += [torch.count_nonzero(f).to(torch.float64).reshape(1) for f in flags]
+    checks += [count.reshape(1).to(torch.float64) for _, count in conditions]
+    stacked = (torch.cat(checks) if len(checks) > 1 else checks[0]) if checks else None
 
     def read() -> list[float]:
         if stacked is None:
@@ -495,6 +495,59 @@ def _full_bias_shape(bias: torch.Tensor | None, bias_tile: int, q: torch.Tensor,
     return (q.shape[0], q.shape[1], q.shape[2], n_k)
 
 
+# What _run_layout derives from one runs tensor, by (id, version, rows, Nq, Nk, span): the tensors that
+# _relative_runs caches on the device come back in every layer of every forward.
+_RUN_LAYOUTS: dict[tuple, tuple[torch.Tensor, tuple]] = {}
+
+
+def _run_layout(
+    relative_runs: torch.Tensor, rows: int, n_q: int, n_k: int, relative_run_span: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[tuple[str, torch.Tensor], ...]]:
+    """For run starts ``relative_runs`` (int64, on the device) over ``rows`` relative rows: the starts clamped into
+    range, the run of each row, the kernel's int32 buffer (run starts as distances, one past the last distance, the
+    run of each distance) and the layout's conditions (increasing from 0 and below ``rows``; at most
+    ``relative_run_span`` runs per tile when that is nonzero), computed on the device: whatever the op is given,
+    every index stays in range and a bad layout raises with the call's checks. Kept per tensor and version, so
+    that a layout used by every layer is derived once."""
+    key = (id(relative_runs), relative_runs._version, rows, n_q, n_k, relative_run_span, relative_runs.device)
+    found = _RUN_LAYOUTS.get(key)
+    if found is not None and found[0] is relative_runs:
+        return found[1]
+    with torch.inference_mode(False):  # kept across calls: also usable by a later call outside inference mode
+        layout = _derive_run_layout(relative_runs, rows, n_q, n_k, relative_run_span)
+    if len(_RUN_LAYOUTS) >= 64:
+        _RUN_LAYOUTS.clear()
+    _RUN_LAYOUTS[key] = (relative_runs, layout)
+    return layout
+
+
+def _derive_run_layout(
+    relative_runs: torch.Tensor, rows: int, n_q: int, n_k: int, relative_run_span: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[tuple[str, torch.Tensor], ...]]:
+    starts = relative_runs.clamp(0, rows - 1)
+    rows_at = torch.arange(rows, device=relative_runs.device)
+    run_of_row = (torch.searchsorted(starts, rows_at, right=True) - 1).clamp_(0)
+    layout_errors = (relative_runs[0] != 0).to(torch.int64) + (relative_runs[-1] >= rows).to(torch.int64)
+    layout_errors = layout_errors + (relative_runs[1:] <= relative_runs[:-1]).sum()
+    conditions = (
+        ("relative_runs: expected increasing first rows of runs from 0, below " + str(rows) + ", got {count} "
+         "violations", layout_errors.to(torch.float64).reshape(1)),
+    )  # fmt: skip
+    if relative_run_span:
+        from kvbound.kernels.attention_dense import relative_window
+
+        # The most runs one kernel tile spans (relative_run_span's count, here on the device).
+        ends = torch.clamp(rows_at + (relative_window() - 1), max=rows - 1)
+        span = (run_of_row[ends] - run_of_row).max() + 1
+        conditions += (
+            ("relative_run_span: expected at least the most runs one tile spans, got " + str(relative_run_span)
+             + " for runs whose tiles span {count:.0f}",
+             torch.where(span > relative_run_span, span, 0).to(torch.float64).reshape(1)),
+        )  # fmt: skip
+    buffer = torch.cat([starts - (n_q - 1), starts.new_full((1,), n_k), run_of_row]).to(torch.int32)
+    return starts, run_of_row, buffer, conditions
+
+
 def _attention_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -518,35 +571,18 @@ def _attention_dense(
     conditions: tuple[tuple[str, torch.Tensor], ...] = ()
     runs = None
     if relative_runs is not None:
-        heads, rows, _ = relative_keys.shape
         n_q, n_k = q.shape[2], k.shape[2]
-        # Whatever the op is given, every index below stays in range; a bad layout raises with the checks.
-        starts = relative_runs.clamp(0, rows - 1)
-        rows_at = torch.arange(rows, device=q.device)
-        run_of_row = (torch.searchsorted(starts, rows_at, right=True) - 1).clamp_(0)
-        layout_errors = (relative_runs[0] != 0).to(torch.int64) + (relative_runs[-1] >= rows).to(torch.int64)
-        layout_errors = layout_errors + (relative_runs[1:] <= relative_runs[:-1]).sum()
+        starts, run_of_row, buffer, layout_conditions = _run_layout(
+            relative_runs, relative_keys.shape[1], n_q, n_k, relative_run_span
+        )
         first = relative_keys[:, starts]  # [H, R, Dk]
         conditions = (
-            ("relative_runs: expected increasing first rows of runs from 0, below " + str(rows) + ", got {count} "
-             "violations", layout_errors),
+            *layout_conditions,
             ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
              "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
         )  # fmt: skip
-        if relative_run_span:
-            from kvbound.kernels.attention_dense import relative_window
-
-            # The most runs one kernel tile spans (relative_run_span's count, here on the device).
-            ends = torch.clamp(rows_at + (relative_window() - 1), max=rows - 1)
-            span = (run_of_row[ends] - run_of_row).max() + 1
-            conditions += (
-                ("relative_run_span: expected at least the most runs one tile spans, got " + str(relative_run_span)
-                 + " for runs whose tiles span {count:.0f}", torch.where(span > relative_run_span, span, 0)),
-            )  # fmt: skip
         q_position = q.float() * scale + relative_position_bias[None, :, None, :]
         table = torch.einsum("bhnd,hrd->bhnr", q_position, first.float()).contiguous()
-        # run starts as distances (and one past the last distance), then the run of each distance
-        buffer = torch.cat([starts - (n_q - 1), starts.new_full((1,), n_k), run_of_row]).to(torch.int32)
         runs = (table, buffer, relative_content_bias)
     read = _queue_checks(
         (

@@ -465,7 +465,8 @@ run predates a variant. `bash benchmarks/h200.sh share`.
 
 _TRAINED_KV_METHOD = """Plain softmax attention on the queries, keys and values that the trained compact models of
 `kvbound eval` compute in their last attention layer on real human chrX sequence (test split, model windows of
-1,536 tokens laid end to end, skipping any with more than 1 % N, concatenated along the sequence; the Enformer-style model with 8 K/V heads, the
+1,536 tokens laid end to end, skipping any with more than 1 % N, concatenated along the sequence; the
+Enformer-style model with 8 K/V heads, the
 AlphaGenome-style model with one K/V head for 8 query heads; dk 64, dv 32), bf16, B = 1: cuDNN SDPA and kvbound's
 dense kernel on the K/V as the model holds them, kvbound's compressed kernel at the default configuration (block 128,
 rank 8, 4 bits, tau 2^-5) with a basis calibrated on train-split windows. `rel err`: relative L2 error against
