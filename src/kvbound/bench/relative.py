@@ -22,6 +22,10 @@ Enformer's 1536 and Borzoi's 4096 tokens), every preparation a provider needs in
 ``kvbound-relative-runs``       (Borzoi only) the same call with ``relative_runs``: Borzoi's relative keys are
                                 constant over runs of distances (its features are step functions of ``|d|``), so
                                 the kernel reads one value per query and run instead of ``R``;
+``kvbound-relative-deferred``,   the same two calls with their NaN/Inf checks deferred: the check and the timing
+``kvbound-relative-runs-deferred`` loop inside one ``kvbound.deferred_checks()`` block, as a patched model runs
+                                its layers (one host read per forward); the rows above check at each call, which
+                                waits for the device once per call;
 ``kvbound-relative-compressed`` encoding this forward's K and V with the default config (bases calibrated on
                                 another draw), then the same fused call on the compressed form: a compressed
                                 forward's work per layer; ``compress_ms`` is the encoding alone.
@@ -40,6 +44,7 @@ functions of ``|d|``) times a Gaussian projection, as its ``to_rel_k`` makes the
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +63,8 @@ RELATIVE_PROVIDERS = (
     "flex-built-table",
     "kvbound-relative",
     "kvbound-relative-runs",
+    "kvbound-relative-deferred",
+    "kvbound-relative-runs-deferred",
     "kvbound-relative-compressed",
 )
 _TOLERANCE = 3e-2
@@ -320,9 +327,9 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
                             flex = _flex_function(device)
                         fn, flex_config = _flex_that_compiles(flex, x, device)
                         row.update(config=flex_config)
-                    elif provider == "kvbound-relative":
+                    elif provider in ("kvbound-relative", "kvbound-relative-deferred"):
                         fn = _kvbound_relative("k", "v")
-                    elif provider == "kvbound-relative-runs":
+                    elif provider in ("kvbound-relative-runs", "kvbound-relative-runs-deferred"):
                         if x["runs"] is None:
                             raise NotImplementedError("these relative keys differ at every distance (no runs)")
                         fn = _kvbound_relative("k", "v", runs=True)
@@ -346,7 +353,8 @@ def relative_rows(device: torch.device, config, options: RelativeOptions, smoke:
                                    compression_ratio=ratio, compress_ms=encode_ms,
                                    note="time includes encoding K and V (compress ms: encoding alone)")
                         references = {item: _reference(x, ck.decompress(), cv.decompress(), item) for item in items}
-                    row.update(_measured(fn, x, references, device, options, base["flops"]))
+                    with kvbound.deferred_checks() if provider.endswith("-deferred") else contextlib.nullcontext():
+                        row.update(_measured(fn, x, references, device, options, base["flops"]))
                 except Exception as error:  # a provider that cannot run here gets its row, with why
                     row.update(status="unsupported" if isinstance(error, NotImplementedError) else "error",
                                reason=_reason(error))

@@ -547,7 +547,8 @@ def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         by_shape.setdefault(r["shape"], []).append(r)
     table = []
     order = {"port-eager": 0, "sdpa-built-bias": 1, "flex-built-table": 2, "kvbound-relative": 3,
-             "kvbound-relative-runs": 4, "kvbound-relative-compressed": 5}
+             "kvbound-relative-runs": 4, "kvbound-relative-deferred": 5, "kvbound-relative-runs-deferred": 6,
+             "kvbound-relative-compressed": 7}
     for shape, group in by_shape.items():
         ok = {r["provider"]: r["ms_p50"] for r in group if r["status"] == "ok" and r.get("ms_p50")}
         port = ok.get("port-eager")
