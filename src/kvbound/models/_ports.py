@@ -109,10 +109,10 @@ def relative_runs_enabled() -> bool:
     """``KVBOUND_RELATIVE_RUNS``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
     (``false``, ``off``, ``no``); other values raise. On: patched Enformer/Borzoi layers with dense K/V pass the runs
     of equal positional features to ``kvbound.attention`` (``relative_runs``) when there are few of them (Borzoi).
-    On an H200 one Borzoi layer took 2.41 ms with the runs against 3.63 ms with the relative keys at batch 4, and
-    1.00 against 0.98 ms at batch 1; whole patched forwards went from 1.40x to 1.56x (batch 4) and from 1.37x to
-    1.46x (batch 1) of the unpatched port's speed (benchmarks/results/h200_2026-11-30_4710499,
-    h200_2026-12-01_8347338)."""
+    On an H200 one Borzoi layer took 1.30 ms with the runs against 1.77 ms with the relative keys at batch 4, but
+    1.25 against 0.70 ms at batch 1 (one call, checks deferred; benchmarks/results/h200_2026-12-02_5c00c3e); whole
+    patched forwards with the runs: 1.68x (batch 4) and 1.61x (batch 1) of the unpatched port's speed
+    (h200_2026-12-02_5d68a9b)."""
     value = os.environ.get("KVBOUND_RELATIVE_RUNS", "").strip().lower()
     if value in ("", "1", "true", "on", "yes"):
         return True
