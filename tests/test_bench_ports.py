@@ -185,6 +185,15 @@ def test_cli_models_rejects_unknown_names(tmp_path):
     assert not (tmp_path / "m.csv").exists()
 
 
+def test_cli_models_flag_is_the_models_suite(tmp_path):
+    args = cli.build_parser().parse_args(["--models", "--only", "enformer*"])
+    assert args.suite == "models" and args.only == ["enformer*"]
+    assert cli.build_parser().parse_args([]).suite == "attention"
+    # the flag takes the models suite's path: an unknown model name is refused there, as with --suite models
+    assert cli.main(["--models", "--cpu-smoke", "--only", "gpt*", "--out", str(tmp_path / "m.csv")]) == 2
+    assert not (tmp_path / "m.csv").exists()
+
+
 def test_port_model_lists():
     assert [s.name for s in ports.port_models(cpu_smoke=False)] == ["enformer", "borzoi", "alphagenome"]
     full = {s.name: s for s in ports.PORT_MODELS}

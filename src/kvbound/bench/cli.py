@@ -16,7 +16,7 @@ Suites (``--suite``, default ``attention``):
     python -m kvbound.bench --sweep --out ...                            # + the (rank, bits) sweep
     python -m kvbound.bench --ncu --out benchmarks/results/h200-ncu.csv  # DRAM / L2 bytes under Nsight Compute
     python -m kvbound.bench --suite encoder --out benchmarks/results/encoder_h200.csv
-    python -m kvbound.bench --suite models --out benchmarks/results/models_h200.csv
+    python -m kvbound.bench --suite models --out benchmarks/results/models_h200.csv    # or: kvbound bench --models
     python -m kvbound.bench --suite ring --out benchmarks/results/ring_h200x2.csv
     python -m kvbound.bench [--suite S] --cpu-smoke --out /tmp/smoke.csv  # tiny sizes on the CPU
 
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=SUITES, default="attention",
                    help="what to measure (default attention; see above)")
+    p.add_argument("--models", dest="suite", action="store_const", const="models",
+                   help="the same as --suite models")
     p.add_argument("--shapes", nargs="+", type=Path, default=None,
                    help="shape files (default: benchmarks/shapes/seed.toml and models.toml; smoke.toml with "
                         "--cpu-smoke)")
