@@ -169,13 +169,7 @@ def test_interrupted_forward_leaves_no_open_block():
 def test_patch_wraps_the_forward_and_undo_restores_it():
     port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
     model = port.Enformer.from_hparams(
-        dim=96,
-        depth=1,
-        heads=4,
-        attn_dim_key=16,
-        num_downsamples=3,
-        dim_divisible_by=8,
-        target_length=-1,
+        dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
         output_heads=dict(human=8),
     ).eval()
     assert "forward" not in vars(model)
