@@ -249,7 +249,7 @@ def test_largest_magnitudes_of_mixed_dtypes_in_one_call():
 
 @pytest.mark.gpu
 def test_largest_magnitudes_of_mixed_dtypes_in_one_call_on_the_gpu():
-    """The same on CUDA, where the multi-tensor reduction is a fused kernel of its own."""
+    """The same on CUDA, whose multi-tensor norm is its own code path."""
     _largest_magnitudes_case("cuda")
 
 

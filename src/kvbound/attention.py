@@ -434,7 +434,7 @@ def _queue_checks(
     nonnegative integer tensor in ``flags`` (modes), the share of its elements that are zero (low-rank blocks; 1.0
     for an empty tensor): below 1 exactly when it has a nonzero element.
 
-    One float64 largest magnitude per tensor (``_checks.largest_magnitudes``, one multi-tensor reduction: NaN or
+    One float64 largest magnitude per tensor (``_checks.largest_magnitudes``, one multi-tensor call: NaN or
     Inf exactly when the tensor holds one; the element-wise check then names the first), plus one count per flag
     tensor, all in one tensor read back at once. The launchers read the result after their host-side preparation,
     so that the preparation overlaps the device work queued before it.
