@@ -4,7 +4,7 @@ tile's relative logits into place (``KVBOUND_RELATIVE_SKEW``, see ``kvbound/kern
     python benchmarks/relative_tiles.py OUT.csv [--skews gather,shared,shared-banked] [--tiles 64x64x8x3,...]
 
 Each skew runs in its own process (the skew is read when the kernels are imported). Shapes: one Enformer layer
-(N = 1536, batch 1 and 8) and one Borzoi layer (N = 4096, batch 1 and 4), 8 heads, dk 64, dv 192, bf16, with the
+(N = 1536, batch 1 and 8) and one Borzoi layer (N = 4096, batch 1, 2 and 4), 8 heads, dk 64, dv 192, bf16, with the
 relative keys of ``kvbound bench --suite relative``. Every row records the largest error of batch item 0 against
 float64 (``kvbound.models.reference.relative_position_attention_reference``) next to its time; a tile that does not
 compile (shared memory, registers) is a row with its reason. Rows ``tile=autotuned`` time the public call
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 TILES = "64x64x8x3,64x64x8x2,64x32x8x3,64x64x4x2,64x64x4x1,64x32x4x2,32x64x4x2,128x64x8x2"
-SHAPES = (("enformer-layer", 1536, (1, 8), "pad"), ("borzoi-layer", 4096, (1, 4), "strided"))
+SHAPES = (("enformer-layer", 1536, (1, 8), "pad"), ("borzoi-layer", 4096, (1, 2, 4), "strided"))
 FIELDS = ["skew", "layer", "N", "B", "variant", "tile", "status", "ms_p50", "err_max", "reason"]
 
 

@@ -12,18 +12,26 @@ The check per tensor is its largest magnitude (``vector_norm(ord=inf)`` as float
 tensors of one call in one multi-tensor call, ``largest_magnitudes``): NaN and Inf propagate through it and a
 finite tensor always gives a finite value, so it never raises for finite data. Outputs computed from non-finite
 inputs inside the block are garbage; the error arrives at the block's end instead of at the call.
+
+A *speculative* block (opened by a patched model's forward, :class:`DeferredForward`, never by
+:func:`deferred_checks`) lets code inside it go on without a value that only the device knows yet: the Triton
+encoder queues, instead of reading at once, whether its result must be computed again another way (``queue_retry``)
+and the sizes it wrote (``queue_value``). If any retry flag is set when the block ends, the block raises
+:class:`Retry` and :class:`DeferredForward` runs the forward once more in an ordinary block, where every such value
+is read where it is needed. Values queued with ``queue_value`` reach their callbacks only from a block that ended
+without error and without retry.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["deferred_checks", "DeferredChecks", "active"]
+__all__ = ["deferred_checks", "DeferredChecks", "Retry", "active"]
 
 _LOCAL = threading.local()
 
@@ -55,15 +63,34 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(peaks).to(torch.float64)
 
 
-class DeferredChecks:
-    """The checks queued inside one :func:`deferred_checks` block (``len`` = calls queued)."""
+class Retry(Exception):
+    """A speculative block ended with a retry flag set: what ran inside it must run again (``reasons``: what
+    was flagged, one label per flag)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+class DeferredChecks:
+    """The checks queued inside one :func:`deferred_checks` block (``len`` = calls queued).
+
+    ``speculative``: whether code inside may queue retry flags (``queue_retry``) instead of reading them."""
+
+    def __init__(self, *, speculative: bool = False) -> None:
+        self.speculative = speculative
         self._pending: list[tuple[object, list[str], torch.Tensor, list[str]]] = []
+        self._retries: list[tuple[str, torch.Tensor]] = []
+        self._values: list[tuple[torch.Tensor, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def _remember_stream(self, t: torch.Tensor) -> None:
+        if t.is_cuda:  # the block's end may read on another stream: remember which one wrote
+            stream = torch.cuda.current_stream(t.device)
+            self._streams.setdefault((t.device, stream.cuda_stream), stream)
 
     def queue(
         self,
@@ -85,24 +112,43 @@ class DeferredChecks:
         if peaks:
             stacked = torch.cat(peaks) if len(peaks) > 1 else peaks[0]
             self._pending.append((label, names, stacked, messages))
-            if stacked.is_cuda:  # the block's end may read on another stream: remember which one wrote
-                stream = torch.cuda.current_stream(stacked.device)
-                self._streams.setdefault((stacked.device, stream.cuda_stream), stream)
+            self._remember_stream(stacked)
+
+    def queue_retry(self, reason: str, flag: torch.Tensor) -> None:
+        """Queue ``flag`` (a one-element tensor): nonzero at the block's end means the block's results cannot be
+        returned, and the end raises :class:`Retry` (after the NaN/Inf checks, which raise first). Only in a
+        speculative block."""
+        if not self.speculative:
+            raise RuntimeError("queue_retry: this deferred-check block is not speculative")
+        if flag.numel() != 1:
+            raise ValueError(f"flag: expected one element, got shape {list(flag.shape)}")
+        self._retries.append((reason, flag.reshape(1).to(torch.float64)))
+        self._remember_stream(flag)
+
+    def queue_value(self, values: torch.Tensor, callback: Callable[[list[float]], None]) -> None:
+        """Read ``values`` (any shape, exact in float64) with the block's checks and hand them to ``callback`` as
+        a flat list of floats, once the block has ended without error and without retry."""
+        self._values.append((values.reshape(-1).to(torch.float64), callback))
+        self._remember_stream(values)
 
     def read(self) -> None:
-        """One host read of every queued check; raise ``ValueError`` for the first call with NaN or Inf."""
+        """One host read of every queued check, flag and value; raise ``ValueError`` for the first call with NaN
+        or Inf, then :class:`Retry` if a retry flag is set; else hand the values to their callbacks."""
         pending, self._pending = self._pending, []
+        retries, self._retries = self._retries, []
+        queued_values, self._values = self._values, []
         streams, self._streams = self._streams, {}
-        if not pending:
+        if not (pending or retries or queued_values):
             return
         for (device, _), stream in streams.items():
             current = torch.cuda.current_stream(device)
             if current.cuda_stream != stream.cuda_stream:
                 current.wait_stream(stream)
+        parts = [peaks for _, _, peaks, _ in pending] + [flag for _, flag in retries] + [v for v, _ in queued_values]
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for _, _, peaks, _ in pending:
-            by_device.setdefault(peaks.device, []).append(peaks)
-        values = {device: iter(torch.cat(parts).tolist()) for device, parts in by_device.items()}
+        for t in parts:
+            by_device.setdefault(t.device, []).append(t)
+        values = {device: iter(torch.cat(ts).tolist()) for device, ts in by_device.items()}
         for index, (label, names, peaks, messages) in enumerate(pending):
             row = [next(values[peaks.device]) for _ in names]
             counts = [next(values[peaks.device]) for _ in messages]
@@ -115,6 +161,11 @@ class DeferredChecks:
             for message, count in zip(messages, counts, strict=True):
                 if count != 0:
                     raise ValueError(f"{message.format(count=round(count))} ({where})")
+        flagged = [reason for reason, flag in retries if next(values[flag.device]) != 0]
+        if flagged:
+            raise Retry(flagged)
+        for tensor, callback in queued_values:
+            callback([next(values[tensor.device]) for _ in range(tensor.numel())])
 
 
 def _stack() -> list[DeferredChecks]:
@@ -130,8 +181,8 @@ def active() -> DeferredChecks | None:
     return stack[-1] if stack else None
 
 
-def _open() -> DeferredChecks:
-    scope = DeferredChecks()
+def _open(speculative: bool = False) -> DeferredChecks:
+    scope = DeferredChecks(speculative=speculative)
     _stack().append(scope)
     return scope
 
@@ -155,7 +206,13 @@ def deferred_checks() -> Iterator[DeferredChecks]:
 
     ``kvbound.patch`` opens one such block around each forward of the model it patched. When the block is left
     by an exception, the queued checks are dropped and the exception propagates unchanged."""
-    scope = _open()
+    with _block(speculative=False) as scope:
+        yield scope
+
+
+@contextmanager
+def _block(*, speculative: bool) -> Iterator[DeferredChecks]:
+    scope = _open(speculative)
     try:
         yield scope
     except BaseException:
@@ -170,17 +227,36 @@ class DeferredForward:
     The block is a ``with`` around the call, so an exception of any kind raised by the forward (also
     ``KeyboardInterrupt``) closes it and propagates unchanged, and a forward called while the caller handles another
     exception still reads its checks. Under ``torch.compile`` the forward runs as it is (the compiled attention
-    calls check their inputs at the call)."""
+    calls check their inputs at the call).
 
-    __slots__ = ("wrapped", "__weakref__")
+    ``speculate``: called before each forward; when it returns True the block is speculative (see the module
+    docstring), and a :class:`Retry` at its end runs the forward again in an ordinary block, after calling
+    ``on_retry`` with the exception. The forward must then be free of side effects that a second run would repeat
+    (``kvbound.patch`` speculates only when no module of the model is in training mode)."""
 
-    def __init__(self, wrapped) -> None:
+    __slots__ = ("wrapped", "speculate", "on_retry", "__weakref__")
+
+    def __init__(
+        self,
+        wrapped,
+        speculate: Callable[[], bool] | None = None,
+        on_retry: Callable[[Retry], None] | None = None,
+    ) -> None:
         self.wrapped = wrapped
+        self.speculate = speculate
+        self.on_retry = on_retry
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.wrapped(*args, **kwargs)
-        with deferred_checks():
+        if self.speculate is not None and self.speculate():
+            try:
+                with _block(speculative=True):
+                    return self.wrapped(*args, **kwargs)
+            except Retry as retry:
+                if self.on_retry is not None:
+                    self.on_retry(retry)
+        with _block(speculative=False):
             return self.wrapped(*args, **kwargs)
 
     def __repr__(self) -> str:

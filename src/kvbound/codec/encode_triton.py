@@ -21,18 +21,20 @@ the eager one: ``|x - decompress()| <= tau`` on every element.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from kvbound._checks import DeferredChecks
 from kvbound._validate import check_finite_values, check_tensor
 from kvbound.codec.basis import Basis
 from kvbound.codec.eager import _check_basis, encode, promotion_widths
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
 from kvbound.config import CompressionConfig
 
-__all__ = ["certify_triton", "encode_triton"]
+__all__ = ["certify_triton", "encode_triton", "encode_triton_deferred"]
 
 _STEP_MARGIN = 1.0 - 2.0**-10
 _COEFF_FP16_LIMIT = 2.0**15
@@ -386,6 +388,69 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
     inputs, half for 16-bit ones) plus an eighth of ``x`` for exact blocks, until the used parts are copied out;
     that is the transient peak above ``x`` and the output (the eager encoder allocates exact sizes, after a read).
     """
+    _check_inputs(x, config, basis)
+    start = time.perf_counter()
+    ckv = _encode(x, config, basis, torch.float16, verify)
+    if ckv is None:  # coefficients beyond float16: the eager encoder's rule is float32 for the whole tensor
+        ckv = _encode(x, config, basis, torch.float32, verify)
+    if ckv is None:  # the float64 certificate rejected a block
+        return encode(x, config, basis)
+    ckv.encode_seconds = time.perf_counter() - start
+    return ckv
+
+
+def encode_triton_deferred(
+    x: torch.Tensor,
+    config: CompressionConfig,
+    basis: Basis,
+    scope: DeferredChecks,
+    *,
+    residual: bool = True,
+    lowrank_share: float | None = None,
+    name: str = "x",
+    sizes: Callable[[int, int, int], None] | None = None,
+) -> CompressedKV:
+    """``encode_triton`` with no host read, inside a speculative ``kvbound._checks`` block ``scope``.
+
+    The same kernels run (float16 coefficients, the float64 certificate); what ``encode_triton`` reads back is
+    queued on ``scope`` instead:
+
+    - NaN/Inf in ``x``: a condition, raised as ``ValueError`` naming ``name`` when the block ends;
+    - coefficients beyond float16, a block the certificate rejects, and a residual where ``residual`` said there
+      is none: retry flags. Each means the object returned here may not be used (it would break the bound or be
+      read by the wrong kernel variant); the block's end raises ``Retry`` and its forward runs again with the
+      ordinary encoder;
+    - ``sizes(code_words, raw_elements, lowrank_blocks)``: called after a block that ended cleanly.
+
+    The returned object keeps the encoder's workspaces whole (every block at the widest code and room for the whole
+    tensor stored exactly: about 1.5x ``x``'s bytes for 16-bit inputs, 1.25x for 32-bit ones), since their used
+    lengths are on the device; it is meant to be read by ``kvbound.attention`` inside the block and dropped, not
+    kept or saved. It records ``residual`` and ``lowrank_share`` as the kernel-variant facts that
+    ``kvbound.attention`` reads without a check (``residual=True`` is always safe: the residual-capable kernel reads
+    low-rank blocks too). The stored tensors' NaN/Inf check is the queued condition.
+    """
+    if not scope.speculative:
+        raise RuntimeError("encode_triton_deferred: scope is not a speculative deferred-check block")
+    _check_inputs(x, config, basis)
+    start = time.perf_counter()
+    ckv, summary, lowrank = _encode(x, config, basis, torch.float16, True, deferred=True)
+    scope.queue(
+        f"{name} [{', '.join(map(str, x.shape))}] (Triton encoder)", {},
+        [(f"{name}: expected finite values, found NaN or Inf", summary[_NONFINITE])],
+    )
+    flag = summary[_BEYOND_FP16] + summary[_UNCERTIFIED]
+    if not residual:
+        flag = flag + summary[_CODE_WORDS] + summary[_RAW_ELEMENTS]
+    scope.queue_retry(f"{name}: the Triton encoder's result needs the synchronous path", flag)
+    if sizes is not None:
+        scope.queue_value(torch.cat([summary[:_NONFINITE], lowrank.view(1)]),
+                          lambda read: sizes(*(round(value) for value in read)))
+    ckv._record_checked(residual, lowrank_share)
+    ckv.encode_seconds = time.perf_counter() - start
+    return ckv
+
+
+def _check_inputs(x: torch.Tensor, config: CompressionConfig, basis: Basis) -> None:
     if not isinstance(config, CompressionConfig):
         raise TypeError(f"config: expected kvbound.CompressionConfig, got {type(config).__name__}")
     # NaN/Inf are flagged by the first kernel and raised after the one host read (same error as check_tensor).
@@ -397,20 +462,14 @@ def encode_triton(x: torch.Tensor, config: CompressionConfig, basis: Basis, *, v
     _check_basis(basis, heads, d, config.rank)
     if config.rank == 0:
         raise ValueError("config: the Triton encoder needs rank >= 1; use impl='eager' for rank 0")
-    start = time.perf_counter()
-    ckv = _encode(x, config, basis, torch.float16, verify)
-    if ckv is None:  # coefficients beyond float16: the eager encoder's rule is float32 for the whole tensor
-        ckv = _encode(x, config, basis, torch.float32, verify)
-    if ckv is None:  # the float64 certificate rejected a block
-        return encode(x, config, basis)
-    ckv.encode_seconds = time.perf_counter() - start
-    return ckv
 
 
 def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtype: torch.dtype,
-            verify: bool) -> CompressedKV | None:
+            verify: bool, deferred: bool = False):
     """One pass of the four kernels with ``coeff_dtype`` coefficients; None when the result cannot be returned
-    (float16 coefficients out of range, or a block failed the certificate)."""
+    (float16 coefficients out of range, or a block failed the certificate). ``deferred``: no host read; returns
+    ``(ckv, summary, lowrank_blocks)`` with whole workspaces and the device-side summary (``encode_triton_deferred``).
+    """
     batch, heads, n, d = x.shape
     device = x.device
     r, block, tau = config.rank, config.block_size, config.tau
@@ -444,7 +503,9 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     # Workspaces sized from the shapes: every block at the widest code, and an eighth of the tensor exact.
     widest = max(words_per_row(w, d) for w in promotion_widths(config.bits))
     codes = torch.empty(bh * n * widest, dtype=torch.int32, device=device)
-    raw = torch.empty(max(block * d, bh * n * d // _RAW_WORKSPACE_FRACTION), dtype=x.dtype, device=device)
+    # Deferred: room for every block exact, so that no count needs reading before the object can be used.
+    raw_size = bh * n * d if deferred else max(block * d, bh * n * d // _RAW_WORKSPACE_FRACTION)
+    raw = torch.empty(raw_size, dtype=x.dtype, device=device)
     bad = torch.empty(batch, heads, nb, dtype=torch.int8, device=device) if verify else None
 
     def write_and_certify(codes, raw, any_bad):
@@ -456,6 +517,12 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
             _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, config)
 
     write_and_certify(codes, raw, summary[_UNCERTIFIED:])
+    if deferred:
+        ckv = CompressedKV(
+            shape=(batch, heads, n, d), dtype=x.dtype, config=config, coeffs=coeffs, basis=projection, mode=mode,
+            scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
+        )
+        return ckv, summary, (mode == MODE_LOWRANK).sum()
     # The one host read: the summary and the number of low-rank blocks.
     read = torch.cat([summary, (mode == MODE_LOWRANK).sum().view(1)]).tolist()
     code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = read

@@ -60,6 +60,13 @@ class PatchedModule:
     _installed: object = field(default=None, repr=False)
     _captured_k: list[torch.Tensor] = field(default_factory=list, repr=False)
     _captured_v: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # "k" / "v" -> (some block held a residual in some forward so far, low-rank-only share in the last one): what
+    # the speculative encoder tells kvbound.attention in the next forward (PatchHandle._encode_speculative).
+    _forecast: dict[str, tuple[bool, float | None]] = field(default_factory=dict, repr=False)
+
+    def _learn(self, role: str, residual: bool, lowrank_share: float | None) -> None:
+        seen = self._forecast.get(role, (False, None))[0]
+        self._forecast[role] = (seen or residual, lowrank_share)
 
     def _add_encode_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         # fold the pairs already completed (no wait), so that a long inference loop keeps few events alive
@@ -122,6 +129,9 @@ class PatchHandle:
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
         calibration_forward_seconds: time of the sample forward that captured K and V.
+        speculative: encode K/V on the GPU without a host read per layer (default True; see :func:`patch`).
+            Set it to False to read the encoder's results in every layer instead.
+        speculative_retries: forwards that ran a second time because a speculative encoding could not be kept.
     """
 
     def __init__(
@@ -142,11 +152,15 @@ class PatchHandle:
         self.calibration_forward_seconds = 0.0
         self._capturing = False
         self._anchor_index: torch.Tensor | None = None
+        # Speculative encoding (see patch's docstring): on by default; forwards run again after a retry.
+        self.speculative = True
+        self.speculative_retries = 0
         self._attention_ids: set[int] = set()
         # The model's forward wrapped in kvbound.deferred_checks (set by patch when it patched anything).
         self._root: nn.Module | None = None
         self._root_original: object = _MISSING
         self._root_installed: object = None
+        self._root_modules: list[nn.Module] = []
         # Positional features by (port function, length, sizes, dtype, device): see _positional_features.
         self._features: dict[tuple, torch.Tensor] = {}
         self._features_runs: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
@@ -195,8 +209,26 @@ class PatchHandle:
             stream = torch.cuda.current_stream(k.device)  # where the encoder's kernels go
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), stream)
             events[0].record(stream)
-        ck = compress_kv(k, self.config, record.basis_k, impl=_encoder(k, self.config, record.basis_k))
-        cv = compress_kv(v, self.config, record.basis_v, impl=_encoder(v, self.config, record.basis_v))
+        impl_k, impl_v = _encoder(k, self.config, record.basis_k), _encoder(v, self.config, record.basis_v)
+        scope = _checks.active()
+        if (
+            scope is not None
+            and scope.speculative
+            and self._anchor_index is None
+            and impl_k == impl_v == "triton"
+        ):
+            ck = self._encode_speculative(record, "k", k, record.basis_k, scope)
+            cv = self._encode_speculative(record, "v", v, record.basis_v, scope)
+            if events is not None:
+                events[1].record(events[2])
+                record._add_encode_events(events[0], events[1])
+            return ck, cv
+        ck = compress_kv(k, self.config, record.basis_k, impl=impl_k)
+        cv = compress_kv(v, self.config, record.basis_v, impl=impl_v)
+        for role, ckv in (("k", ck), ("v", cv)):
+            residual = ckv._checked_residual()
+            if residual is not None:
+                record._learn(role, residual, ckv._checked_lowrank_share())
         if self._anchor_index is not None:
             from kvbound.codec.anchored import encode_anchored
 
@@ -216,6 +248,49 @@ class PatchHandle:
         else:
             record._encode_total += ck.encode_seconds + cv.encode_seconds
         return ck, cv
+
+    def _encode_speculative(
+        self, record: PatchedModule, role: str, x: torch.Tensor, basis: Basis, scope: _checks.DeferredChecks
+    ) -> CompressedKV:
+        """``x`` through the Triton encoder without a host read (``encode_triton_deferred``), telling
+        ``kvbound.attention`` what this layer's earlier forwards found: a residual somewhere (or nothing known yet,
+        the first forward: the residual-capable kernel, always correct) and the last low-rank-only share. A
+        residual where none was forecast is a retry flag (the forward runs again, synchronously, and the forecast
+        learns it). The compression ratio and the forecast are updated from the sizes read when the forward ends."""
+        from kvbound.codec.encode_triton import encode_triton_deferred
+
+        residual, share = record._forecast.get(role, (True, None))
+
+        def sizes(code_words: int, raw_elements: int, lowrank_blocks: int) -> None:
+            stored = fixed + code_words * word_bytes + raw_elements * raw_bytes
+            setattr(record, f"last_{role}_ratio", dense / stored)
+            record._learn(role, code_words + raw_elements > 0, lowrank_blocks / blocks)
+
+        ckv = encode_triton_deferred(
+            x, self.config, basis, scope, residual=residual, lowrank_share=share,
+            name=f"{record.name} {role.upper()}", sizes=sizes,
+        )  # fmt: skip
+        word_bytes, raw_bytes = ckv.codes.element_size(), ckv.raw.element_size()
+        # Bytes of everything but the two workspaces, whose used lengths arrive with the block's read.
+        fixed = ckv.nbytes - ckv.codes.numel() * word_bytes - ckv.raw.numel() * raw_bytes
+        dense, blocks = ckv.dense_nbytes, max(1, ckv.mode.numel())
+        return ckv
+
+    def _speculate(self) -> bool:
+        """Whether this forward of the model may encode speculatively: compressing, switched on, and no module of
+        the model in training mode (a forward that runs again must not update state or draw dropout twice). The
+        modules are those the model held when it was patched (listing them again costs about 0.25 ms per forward
+        at Enformer's size)."""
+        return (
+            self.compress
+            and self.speculative
+            and self.active
+            and self._root is not None
+            and not any(m.training for m in self._root_modules)
+        )
+
+    def _count_retry(self, retry: _checks.Retry) -> None:
+        self.speculative_retries += 1
 
     # ---------------------------------------------------------------------------------------------- public
     @contextlib.contextmanager
@@ -269,6 +344,7 @@ class PatchHandle:
         problems = []
         # First the model's deferred-check wrapper: it may wrap a patched forward (a patched module as the model).
         root, self._root = self._root, None
+        self._root_modules = []
         if root is not None:
             if root.__dict__.get("forward", _MISSING) is not self._root_installed:
                 problems.append("the model's forward was replaced after kvbound.patch; left as it is")
@@ -392,6 +468,15 @@ def patch(
     Each forward of ``model`` runs inside :func:`kvbound.deferred_checks`: the NaN/Inf checks of its dense attention
     calls are read once, when the forward returns (``model.forward`` is wrapped on the instance; ``undo`` restores
     it).
+
+    Compressed forwards on the GPU (Triton encoder, calibrated basis) are speculative when no module of ``model``
+    is in training mode: each layer's encoder reads nothing back (its NaN/Inf flag, the sizes it wrote and whether
+    its result must be redone are read once, when the forward returns), so the host keeps queueing layers while the
+    device works. Whether the blocks hold a residual (which kernel variant reads them) is forecast from the layer's
+    earlier forwards. If an encoding cannot be kept (coefficients beyond float16, a block the float64 certificate
+    rejects, a residual where none was forecast), the forward's result is dropped and the forward runs once more
+    with the synchronous encoder, which handles those cases; ``handle.speculative_retries`` counts such forwards.
+    Forward hooks of the model run again in such a second run. ``handle.speculative = False`` turns this off.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -469,8 +554,9 @@ def patch(
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
         handle._root = model
+        handle._root_modules = list(model.modules())
         handle._root_original = model.__dict__.get("forward", _MISSING)
-        handle._root_installed = _checks.DeferredForward(model.forward)
+        handle._root_installed = _checks.DeferredForward(model.forward, handle._speculate, handle._count_retry)
         model.__dict__["forward"] = handle._root_installed
     if handle.skipped:
         listed = "; ".join(f"{name}: {reason}" for name, reason in handle.skipped)

@@ -1,0 +1,256 @@
+"""Speculative encoding: the Triton encoder with no host read inside a patched forward, and the retry that runs the
+forward again when an encoding cannot be kept (CPU: Triton interpreter)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import kvbound  # noqa: E402
+from kvbound import _checks  # noqa: E402
+from kvbound.codec.encode_triton import encode_triton_deferred  # noqa: E402
+from kvbound.codec.format import MODE_LOWRANK  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------- the block
+def test_retry_flag_raises_retry_after_the_finite_checks_and_values_wait_for_a_clean_end():
+    got = []
+    with pytest.raises(_checks.Retry, match="second"):
+        with _checks._block(speculative=True) as scope:
+            scope.queue_retry("first", torch.zeros(1))
+            scope.queue_retry("second", torch.tensor([3]))
+            scope.queue_value(torch.tensor([1.0, 2.0]), got.append)
+    assert got == [] and _checks.active() is None
+
+    # NaN/Inf win over a retry: the error is the user's, running again would not help.
+    with pytest.raises(ValueError, match="x: expected finite values"):
+        with _checks._block(speculative=True) as scope:
+            scope.queue("call", {"x": torch.tensor([1.0, math.nan])})
+            scope.queue_retry("flagged", torch.ones(1))
+
+    with _checks._block(speculative=True) as scope:
+        scope.queue_retry("clear", torch.zeros((), dtype=torch.int64))
+        scope.queue_value(torch.tensor([[5, 7]]), got.append)
+        scope.queue_value(torch.tensor(2**40, dtype=torch.int64), got.append)
+    assert got == [[5.0, 7.0], [float(2**40)]]
+
+
+def test_retry_flags_need_a_speculative_block():
+    with kvbound.deferred_checks() as scope:
+        assert not scope.speculative
+        with pytest.raises(RuntimeError, match="not speculative"):
+            scope.queue_retry("x", torch.ones(1))
+    with _checks._block(speculative=True) as scope:
+        with pytest.raises(ValueError, match=r"flag: expected one element, got shape \[2\]"):
+            scope.queue_retry("x", torch.ones(2))
+
+
+def test_deferred_forward_runs_again_after_a_retry():
+    calls, retries = [], []
+
+    class Model(nn.Module):
+        def forward(self, x):
+            scope = _checks.active()
+            calls.append(scope.speculative)
+            if scope.speculative:
+                scope.queue_retry("forced", torch.ones(1))
+                return x * 0  # a result the retry must drop
+            return x + 1
+
+    model = Model()
+    wrapped = _checks.DeferredForward(model.forward, lambda: True, retries.append)
+    out = wrapped(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert calls == [True, False] and len(retries) == 1 and retries[0].reasons == ["forced"]
+    # Without speculation (the predicate says no): one ordinary run.
+    calls.clear()
+    out = _checks.DeferredForward(model.forward, lambda: False)(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0)) and calls == [False]
+
+
+# -------------------------------------------------------------------------------------------- the encoder
+def _data(n, d, gen, outlier=True):
+    x = torch.randn(2, 2, n, 4, generator=gen) @ torch.randn(4, d, generator=gen)
+    x = x + 0.05 * torch.randn(2, 2, n, d, generator=gen)
+    if outlier:
+        x[1, 1, n // 2, d // 3] = 50.0  # an exact block
+    return x.to(torch.float16)
+
+
+@pytest.mark.parametrize("outlier", [True, False])
+def test_deferred_encoder_matches_the_synchronous_one(outlier):
+    gen = torch.Generator().manual_seed(3)
+    x = _data(100, 32, gen, outlier)
+    config = kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=32)
+    basis = kvbound.calibrate(x, config)
+    sync = kvbound.compress_kv(x, config, basis, impl="triton")
+    sizes = []
+    with _checks._block(speculative=True) as scope:
+        spec = encode_triton_deferred(x, config, basis, scope, sizes=lambda *a: sizes.append(a))
+        assert spec._checked_residual() is True and spec._checked_lowrank_share() is None
+        assert sizes == []  # nothing read before the block ends
+        decoded = spec.decompress()
+    assert sizes == [(sync.codes.numel(), sync.raw.numel(), int((sync.mode == MODE_LOWRANK).sum()))]
+    assert (sizes[0][0] + sizes[0][1] > 0) is bool((sync.mode != MODE_LOWRANK).any())
+    for field in ("coeffs", "mode", "scale", "bits", "offset"):
+        assert torch.equal(getattr(spec, field), getattr(sync, field)), field
+    assert torch.equal(spec.codes[: sync.codes.numel()], sync.codes)
+    assert torch.equal(spec.raw[: sync.raw.numel()], sync.raw)
+    assert torch.equal(decoded, sync.decompress())
+    assert bool(((decoded.double() - x.double()).abs() <= config.tau).all())
+
+
+def test_deferred_encoder_flags_a_residual_it_was_told_is_absent_and_raises_nan_at_the_end():
+    gen = torch.Generator().manual_seed(4)
+    x = _data(64, 32, gen, outlier=True)
+    config = kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=32)
+    basis = kvbound.calibrate(x, config)
+    with pytest.raises(_checks.Retry, match="K: the Triton encoder's result needs the synchronous path"):
+        with _checks._block(speculative=True) as scope:
+            ckv = encode_triton_deferred(x, config, basis, scope, residual=False, lowrank_share=1.0, name="K")
+            assert ckv._checked_residual() is False and ckv._checked_lowrank_share() == 1.0
+    # Told there is a residual: nothing to retry, whatever the blocks hold.
+    with _checks._block(speculative=True) as scope:
+        encode_triton_deferred(x, config, basis, scope, residual=True)
+
+    bad = x.clone()
+    bad[0, 0, 5, 1] = math.nan
+    with pytest.raises(ValueError, match=r"V: expected finite values, found NaN or Inf .*V \[2, 2, 64, 32\]"):
+        with _checks._block(speculative=True) as scope:
+            encode_triton_deferred(bad, config, basis, scope, name="V")
+    with kvbound.deferred_checks() as scope:
+        with pytest.raises(RuntimeError, match="not a speculative"):
+            encode_triton_deferred(x, config, basis, scope)
+
+
+# --------------------------------------------------------------------------------- a patched model forward
+@pytest.fixture(scope="module")
+def enformer():
+    port = pytest.importorskip(
+        "enformer_pytorch", reason="enformer_pytorch is not installed (src/kvbound/models/README.md)"
+    )
+    from enformer_pytorch.modeling_enformer import Attention
+
+    torch.manual_seed(0)
+    model = port.Enformer.from_hparams(
+        dim=96, depth=2, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
+        output_heads=dict(human=8),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m) is Attention:
+                for p in m.parameters():  # to_out starts at zero: attention would add nothing
+                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1] if p.dim() > 1 else 4))
+    return model.eval()
+
+
+def _sequence(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 8 * tokens, 4, generator=g).softmax(-1)
+
+
+def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enformer, monkeypatch):
+    """On the CPU the patch picks the eager encoder; here it is told to use the Triton one (interpreted), so the
+    speculative path runs as on a GPU: one host read per forward, the same output as the synchronous encoder, and
+    a forward run again when a layer's residual was forecast absent."""
+    import importlib
+
+    patch_module = importlib.import_module("kvbound.models.patch")  # the module (kvbound.models.patch is the function)
+    monkeypatch.setattr(patch_module, "_encoder", lambda x, config, basis: "triton" if basis is not None else "eager")
+    model = enformer
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=0.05)
+    x = _sequence(40, 2)
+    reads = []
+    original_read = _checks.DeferredChecks.read
+
+    def counting_read(self):
+        reads.append(self.speculative)
+        return original_read(self)
+
+    with torch.no_grad(), patch_module.patch(model, config, backend="kvbound", calibrate_on=_sequence(40, 1)) as h:
+        h.speculative = False
+        sync = model(x)["human"]
+        sync_ratios = [ratio for r in h.modules for ratio in (r.last_k_ratio, r.last_v_ratio)]
+        learnt = [dict(r._forecast) for r in h.modules]
+        # at this tau the first layer's blocks hold residuals and the second's are low rank only
+        assert [(f["k"][0], f["v"][0]) for f in learnt] == [(True, True), (False, False)]
+        for r in h.modules:
+            r._forecast.clear()
+            r.last_k_ratio = r.last_v_ratio = None
+        h.speculative = True
+        monkeypatch.setattr(_checks.DeferredChecks, "read", counting_read)
+        spec = model(x)["human"]
+        assert reads == [True] and h.speculative_retries == 0
+        assert torch.equal(spec, sync)
+        spec_ratios = [ratio for r in h.modules for ratio in (r.last_k_ratio, r.last_v_ratio)]
+        assert spec_ratios == pytest.approx(sync_ratios, rel=1e-12)
+        assert [r._forecast for r in h.modules] == learnt  # the same facts, read at the forward's end
+
+        # Forecasts from that forward: the second layer now runs the low-rank-only kernel, with no retry.
+        reads.clear()
+        assert torch.equal(model(x)["human"], sync)
+        assert reads == [True] and h.speculative_retries == 0
+
+        # A forecast "no residual" that is wrong: the forward runs again, synchronously, and gives the same output.
+        for r in h.modules:
+            r._forecast["k"] = (False, 1.0)
+        reads.clear()
+        again = model(x)["human"]
+        assert reads == [True, False] and h.speculative_retries == 1
+        assert torch.equal(again, sync)
+        assert [r._forecast for r in h.modules] == learnt  # learnt again by the second run
+
+        # Training mode anywhere in the model: no speculation (a second run would draw dropout again).
+        reads.clear()
+        model.transformer[0].train()
+        try:
+            assert not h._speculate()
+        finally:
+            model.transformer[0].eval()
+        assert h._speculate()
+        h.speculative = False
+        assert not h._speculate()
+
+
+@pytest.mark.gpu
+def test_gpu_patched_forward_speculative_matches_synchronous(enformer):
+    """On the GPU the patch picks the Triton encoder itself: a compressed forward reads the device once, and its
+    output is the synchronous encoder's (the first forward, with nothing forecast yet, through the
+    residual-capable kernel everywhere: within bfloat16 rounding; later forwards bit for bit)."""
+    import copy
+
+    model = copy.deepcopy(enformer).cuda().to(torch.bfloat16)
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=0.05)
+    x = _sequence(64, 2).cuda().to(torch.bfloat16)
+    reads = []
+    original_read = _checks.DeferredChecks.read
+
+    def counting_read(self):
+        reads.append(self.speculative)
+        return original_read(self)
+
+    sample = _sequence(64, 1).cuda().to(torch.bfloat16)
+    with torch.no_grad(), kvbound.patch(model, config, calibrate_on=sample) as handle:
+        handle.speculative = False
+        sync = model(x)["human"].float()
+        for r in handle.modules:
+            r._forecast.clear()
+        handle.speculative = True
+        _checks.DeferredChecks.read = counting_read
+        try:
+            first = model(x)["human"].float()
+            second = model(x)["human"].float()
+        finally:
+            _checks.DeferredChecks.read = original_read
+    assert reads == [True, True] and handle.speculative_retries == 0
+    scale = sync.abs().max().item()
+    print(f"first speculative forward vs synchronous: {(first - sync).abs().max().item() / scale:.2e} (relative)")
+    assert (first - sync).abs().max().item() <= 2e-2 * scale
+    assert torch.equal(second, sync)
