@@ -1,4 +1,4 @@
-"""Where the time of one attention module of Enformer / Borzoi goes, unpatched and patched (dense K/V).
+"""Where the time of one attention module of Enformer / Borzoi goes, unpatched and patched (dense and compressed K/V).
 
 Builds the port at its full config (random weights, as ``kvbound bench --suite models`` does), takes its first
 attention module on the GPU, and runs it on ``[B, N, dim]`` inputs under bfloat16 autocast (as the model benchmark
@@ -7,9 +7,10 @@ back, wall clock over the calls before the final synchronisation; when it exceed
 bound by Python and launch overhead), and, from one ``torch.profiler`` pass, the GPU time of each kernel name inside
 it. One CSV row per (model, batch, variant, kernel), plus a ``total`` row per variant. With ``--cprofile DIR`` the
 host side of 50 calls of each variant is also profiled (``cProfile``, the 40 functions with the most own time, as
-text: ``DIR/<model>_b<batch>_<variant>.txt``).
+text: ``DIR/<model>_b<batch>_<variant>.txt``). ``patch-compressed`` calibrates on the timed input (default config,
+Triton encoder); the module is patched as the model, so its forwards encode speculatively (``kvbound.patch``).
 
-    python benchmarks/attention_module_profile.py OUT.csv [--models enformer borzoi] [--cprofile DIR]
+    python benchmarks/attention_module_profile.py OUT.csv [--models enformer borzoi] [--variants ...] [--cprofile DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ FIELDS = [
     "host_ms",
     "commit",
 ]
+
+
+VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
 
 
 def _host_ms(module, x, calls: int = 50) -> float:
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["enformer", "borzoi"])
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile text of the host side")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -120,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
             dim = module.to_q.in_features
             for batch in spec.batches:
                 x = torch.randn(batch, spec.tokens, dim, device="cuda")
-                for variant in ("unpatched", "patch-dense"):
-                    handle = kvbound.patch(module, compress=False) if variant == "patch-dense" else None
+                for variant in args.variants:
+                    handle = None
                     try:
                         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                            if variant == "patch-dense":
+                                handle = kvbound.patch(module, compress=False)
+                            elif variant == "patch-compressed":
+                                handle = kvbound.patch(module, calibrate_on=lambda m, x=x: m(x))
                             for _ in range(3):
                                 module(x)
                             ms = _module_ms(module, x)

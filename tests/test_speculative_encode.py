@@ -215,6 +215,9 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         finally:
             model.transformer[0].eval()
         assert h._speculate()
+        model.stem[2].pool_fn.train()  # einops' Rearrange: no state, no dropout (copies come back training)
+        assert h._speculate()
+        model.stem[2].pool_fn.eval()
         h.speculative = False
         assert not h._speculate()
 

@@ -34,6 +34,16 @@ _MISSING = object()
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
 
 
+def _training_matters(module: nn.Module) -> bool:
+    """Whether ``module``'s own training flag can change what its forward does or leaves behind: it holds
+    parameters or buffers (batch-norm statistics, for one), or it is one of torch's dropout layers."""
+    return (
+        any(p is not None for p in module._parameters.values())
+        or any(b is not None for b in module._buffers.values())
+        or isinstance(module, nn.modules.dropout._DropoutNd)
+    )
+
+
 def _encoder(x: torch.Tensor, config: CompressionConfig, basis: Basis | None) -> str:
     """The Triton encoder on the GPU when it applies (a calibrated basis, rank >= 1), else the eager one."""
     return "triton" if x.is_cuda and basis is not None and config.rank > 0 else "eager"
@@ -278,9 +288,10 @@ class PatchHandle:
 
     def _speculate(self) -> bool:
         """Whether this forward of the model may encode speculatively: compressing, switched on, and no module of
-        the model in training mode (a forward that runs again must not update state or draw dropout twice). The
-        modules are those the model held when it was patched (listing them again costs about 0.25 ms per forward
-        at Enformer's size)."""
+        the model that holds parameters or buffers, or is a dropout, in training mode (a forward that runs again
+        must not update state or draw dropout twice; layers without state, such as einops' ``Rearrange``, whose
+        copies come back in training mode, do not count). The modules are those the model held when it was patched
+        (listing them again costs about 0.25 ms per forward at Enformer's size)."""
         return (
             self.compress
             and self.speculative
@@ -470,13 +481,14 @@ def patch(
     it).
 
     Compressed forwards on the GPU (Triton encoder, calibrated basis) are speculative when no module of ``model``
-    is in training mode: each layer's encoder reads nothing back (its NaN/Inf flag, the sizes it wrote and whether
-    its result must be redone are read once, when the forward returns), so the host keeps queueing layers while the
-    device works. Whether the blocks hold a residual (which kernel variant reads them) is forecast from the layer's
-    earlier forwards. If an encoding cannot be kept (coefficients beyond float16, a block the float64 certificate
-    rejects, a residual where none was forecast), the forward's result is dropped and the forward runs once more
-    with the synchronous encoder, which handles those cases; ``handle.speculative_retries`` counts such forwards.
-    Forward hooks of the model run again in such a second run. ``handle.speculative = False`` turns this off.
+    that holds parameters or buffers, or is a dropout layer, is in training mode: each layer's encoder reads nothing
+    back (its NaN/Inf flag, the sizes it wrote and whether its result must be redone are read once, when the forward
+    returns), so the host keeps queueing layers while the device works. Whether the blocks hold a residual (which
+    kernel variant reads them) is forecast from the layer's earlier forwards. If an encoding cannot be kept
+    (coefficients beyond float16, a block the float64 certificate rejects, a residual where none was forecast), the
+    forward's result is dropped and the forward runs once more with the synchronous encoder, which handles those
+    cases; ``handle.speculative_retries`` counts such forwards. Forward hooks of the model run again in such a
+    second run. ``handle.speculative = False`` turns this off.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -554,7 +566,7 @@ def patch(
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
         handle._root = model
-        handle._root_modules = list(model.modules())
+        handle._root_modules = [m for m in model.modules() if _training_matters(m)]
         handle._root_original = model.__dict__.get("forward", _MISSING)
         handle._root_installed = _checks.DeferredForward(model.forward, handle._speculate, handle._count_retry)
         model.__dict__["forward"] = handle._root_installed
