@@ -221,6 +221,30 @@ def test_inputs_are_not_modified():
         assert torch.equal(before, after)
 
 
+def test_output_follows_the_query_layout_dense_compressed_and_compiled():
+    """A q that is a head-split view of [B, N, H * D] (the ports' layout) gives an output in the same order, so that
+    ``out.transpose(1, 2).reshape(B, N, H * Dv)`` is a view; the fake implementations (torch.compile) agree with the
+    kernels on the strides; a contiguous q gives a contiguous output."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 29, 3 * 32, generator=g).to(torch.float16).view(2, 29, 3, 32).transpose(1, 2)
+    k = structured(2, 3, 29, 32, torch.float16, 31)
+    v = structured(2, 3, 29, 48, torch.float16, 32)
+    ck = compress_kv(k, CompressionConfig(block_size=16, rank=4))
+    cv = compress_kv(v, CompressionConfig(block_size=16, rank=4))
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v), backend="aot_eager", fullgraph=True)
+    for kk, vv, kd, vd in ((k, v, k, v), (ck, cv, ck.decompress(), cv.decompress())):
+        out = attention(q, kk, vv)
+        assert out.stride() == (29 * 3 * 48, 48, 3 * 48, 1)
+        assert out.transpose(1, 2).is_contiguous()
+        check_against_reference(out, q, kd, vd)
+        contiguous = attention(q.contiguous(), kk, vv)
+        assert contiguous.is_contiguous()
+        torch.testing.assert_close(contiguous, out, rtol=0, atol=0)
+        traced = compiled(q, kk, vv)
+        assert traced.stride() == out.stride()
+        torch.testing.assert_close(traced, out, rtol=0, atol=0)
+
+
 def test_torch_compile_traces_both_ops():
     g = torch.Generator().manual_seed(13)
     q = torch.randn(1, 2, 21, 64, generator=g).to(torch.float16)

@@ -141,3 +141,111 @@ def test_triton_encoder_records_its_check_and_attention_reuses_it(outlier, monke
     # k and v are one object here: checked again once (as k), recorded, then reused for v.
     assert seen[1:] == [["k.basis", "k.coeffs", "k.raw", "k.scale"], ["q"]]
     torch.testing.assert_close(second, first, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------- tiling
+# The kernels run one program per tile of rows of a block and gather what a block needs with atomics (a max, an
+# or). Whatever the tiling, every stored tensor must come out bit for bit the same: "block" is one program per
+# block in every kernel (the layout of the kernels before the tiling), "small" the shortest tiles; the columns per
+# step of the coefficients stay the same (the interpreter's float32 dot sums a step through the host's BLAS).
+def _tiling(kind):
+    from kvbound.codec import encode_triton as et
+
+    default = _DEFAULT_TILING.setdefault("tiling", et._tiling)  # the module's own, not a patched one
+
+    def tiling(block, d_pad):
+        cols = default(block, d_pad)["coefficients"][2]
+        if kind == "block":
+            return {"coefficients": (block, 4, cols), "modes": (block, 4), "write": (block, 4), "certify": (block, 4)}
+        if kind == "small":
+            return {"coefficients": (16, 4, cols), "modes": (16, 4), "write": (16, 4), "certify": (4, 4)}
+        return default(block, d_pad)
+
+    return tiling
+
+
+_DEFAULT_TILING = {}
+
+
+def _tiled_data(b, h, n, d, dtype, seed, exact_rows=(), promoted_rows=()):
+    """``x`` and the basis calibrated on it without the outliers (which a rank-4 basis of so few rows would take)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, h, n, 4, generator=gen) @ torch.randn(4, d, generator=gen)
+    x = x + 0.01 * torch.randn(b, h, n, d, generator=gen)
+    x[:, :, : n // 3] += 0.04 * torch.randn(b, h, n // 3, d, generator=gen)  # blocks that need codes
+    clean = x.to(dtype, copy=True)
+    for bi, hi, row in exact_rows:
+        x[bi, hi, row, d // 3] = 60.0  # an outlier that forces an exact block
+    for bi, hi, row in promoted_rows:
+        x[bi, hi, row, 1] += 1.0  # a residual beyond the widest step of `bits`-bit codes
+    return x.to(dtype), clean
+
+
+_TILING_CASES = {
+    # N not a multiple of the block, the block several tiles of every kernel; the outlier of the exact block (1, 1,
+    # block 1) sits in a middle tile of its block (neither the first nor the last), and so does the promoting
+    # residual (0, 1, block 2).
+    "n200_d192_block64": (_tiled_data(2, 2, 200, 192, torch.float16, 1, [(1, 1, 64 + 40)], [(0, 1, 128 + 40)]),
+                          kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=64)),
+    # a short last block inside one tile; block 16 with d = 40 (padded to 64), float32, 3-bit codes
+    "n37_d40_block16": (_tiled_data(2, 2, 37, 40, torch.float32, 2, [(0, 1, 30)], [(1, 0, 13)]),
+                        kvbound.CompressionConfig(rank=4, bits=3, tau=0.02, block_size=16)),
+    "n100_d64_block32_bits2": (_tiled_data(1, 2, 100, 64, torch.float16, 3, [(0, 0, 95)], [(0, 1, 45)]),
+                               kvbound.CompressionConfig(rank=4, bits=2, tau=0.05, block_size=32)),
+}
+
+
+@pytest.mark.parametrize("name", list(_TILING_CASES))
+def test_tilings_store_the_same_bits(name, monkeypatch):
+    from kvbound.codec import encode_triton as et
+
+    (x, clean), config = _TILING_CASES[name]
+    basis = kvbound.calibrate(clean, config)
+    out = {}
+    for kind in ("block", "small", "default"):
+        monkeypatch.setattr(et, "_tiling", _tiling(kind))
+        out[kind] = et.encode_triton(x, config, basis)
+    eager = kvbound.compress_kv(x, config, basis)
+    modes = torch.bincount(eager.mode.flatten().long(), minlength=4).tolist()
+    print(f"{name}: modes {modes}")
+    assert all(modes[m] > 0 for m in (1, 2, 3)), modes  # packed, promoted and exact blocks all occur
+    reference = out["block"]
+    for kind, ckv in out.items():
+        for field, tensor in ckv._tensors().items():
+            expected = reference._tensors()[field]
+            assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, (kind, field)
+            assert torch.equal(tensor.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)), (kind, field)
+        assert torch.equal(ckv.mode, eager.mode) and torch.equal(ckv.bits, eager.bits), kind
+        assert ckv.nbytes == eager.nbytes
+        assert torch.equal(ckv.offset, eager.offset) and torch.equal(ckv.raw, eager.raw)
+        assert bool(((x.double() - ckv.decompress().double()).abs() <= config.tau).all()), kind
+
+
+def test_certificate_flags_tampering_in_the_last_tile_of_a_block(monkeypatch):
+    """A wrong code word, exact value or coefficient in the last row of a block fails its block (and no other),
+    whatever the certificate's tiling."""
+    from kvbound.codec import encode_triton as et
+    from kvbound.codec.eager import uncertified_blocks
+
+    (x, clean), config = _TILING_CASES["n200_d192_block64"]
+    ckv = et.encode_triton(x, config, kvbound.calibrate(clean, config))
+    assert not bool(et.certify_triton(ckv, x).any())
+    block, d = config.block_size, x.shape[-1]
+    last = block - 1
+    # full blocks (not the short last one), so that row `last` exists
+    packed, exact, lowrank = (next(tuple(i) for i in (ckv.mode == mode).nonzero().tolist() if i[2] < ckv.num_blocks - 1)
+                              for mode in (1, 3, 0))
+    per_row = -(-d // (32 // int(ckv.bits[packed])))  # words per row
+    ckv.codes[int(ckv.offset[packed]) + last * per_row] = 0  # every code of the word at its most negative
+    ckv.raw[int(ckv.offset[exact]) + last * d + 5] += 1.0
+    ckv.coeffs[lowrank[0], lowrank[1], lowrank[2] * block + last, 0] += 0.5
+    expected = torch.zeros_like(ckv.mode, dtype=torch.bool)
+    for index in (packed, exact, lowrank):
+        expected[index] = True
+    slow = uncertified_blocks(ckv, x)
+    for kind in ("block", "small", "default"):
+        monkeypatch.setattr(et, "_tiling", _tiling(kind))
+        fast = et.certify_triton(ckv, x)
+        assert fast.dtype == torch.bool and fast.shape == ckv.mode.shape
+        assert torch.equal(fast, expected), kind
+        assert torch.equal(fast, slow | fast & (ckv.mode == 3)), kind  # as the eager check, exact blocks aside

@@ -41,14 +41,56 @@ def test_retry_flag_raises_retry_after_the_finite_checks_and_values_wait_for_a_c
     assert got == [[5.0, 7.0], [float(2**40)]]
 
 
+def test_on_flag_runs_before_the_retry_and_only_for_flags_set():
+    called = []
+    with pytest.raises(_checks.Retry) as caught:
+        with _checks._block(speculative=True) as scope:
+            scope.queue_retry("clear", torch.zeros(1), lambda: called.append("clear"))
+            scope.queue_retry("set", torch.ones(1), lambda: called.append("set"))
+    assert called == ["set"] and caught.value.reasons == ["set"]
+
+
 def test_retry_flags_need_a_speculative_block():
     with kvbound.deferred_checks() as scope:
         assert not scope.speculative
         with pytest.raises(RuntimeError, match="not speculative"):
             scope.queue_retry("x", torch.ones(1))
+
+
+def test_flags_of_any_shape_and_queueing_dispatches_no_op():
+    """A flag is set when any element is nonzero; conditions sum their counts. Queueing keeps the tensors as they
+    are: no op runs (no conversion, no concatenation) until the block's end reads everything at once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    summary = torch.tensor([0, 0, 0, 0, 2, 7], dtype=torch.int64)
+    got = []
+    with pytest.raises(_checks.Retry, match="set"):
+        with _checks._block(speculative=True) as scope:
+            views = summary[0:2], summary[2:3], summary[3:5]
+            with Ops() as ops:
+                scope.queue_retry("clear", views[0])
+                scope.queue("call", {}, [("x: {count} bad", views[1])])
+                scope.queue_retry("set", views[2])
+                scope.queue_value(summary, got.append)
+            assert ops.ops == []
+    assert got == []
+    with pytest.raises(ValueError, match=r"x: 5 bad"):
+        with _checks._block(speculative=True) as scope:
+            scope.queue("call", {}, [("x: {count} bad", torch.tensor([2, 3], dtype=torch.int32))])
     with _checks._block(speculative=True) as scope:
-        with pytest.raises(ValueError, match=r"flag: expected one element, got shape \[2\]"):
-            scope.queue_retry("x", torch.ones(2))
+        scope.queue_retry("clear", torch.zeros(3, dtype=torch.int8))
+        scope.queue_value(summary, got.append)
+        scope.queue_value(torch.tensor([0.5], dtype=torch.float32), got.append)
+    assert got == [[0.0, 0.0, 0.0, 0.0, 2.0, 7.0], [0.5]]
 
 
 def test_deferred_forward_runs_again_after_a_retry():
@@ -111,13 +153,24 @@ def test_deferred_encoder_flags_a_residual_it_was_told_is_absent_and_raises_nan_
     x = _data(64, 32, gen, outlier=True)
     config = kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=32)
     basis = kvbound.calibrate(x, config)
-    with pytest.raises(_checks.Retry, match="K: the Triton encoder's result needs the synchronous path"):
+    with pytest.raises(_checks.Retry, match="K: a residual where none was forecast"):
         with _checks._block(speculative=True) as scope:
             ckv = encode_triton_deferred(x, config, basis, scope, residual=False, lowrank_share=1.0, name="K")
             assert ckv._checked_residual() is False and ckv._checked_lowrank_share() == 1.0
     # Told there is a residual: nothing to retry, whatever the blocks hold.
     with _checks._block(speculative=True) as scope:
         encode_triton_deferred(x, config, basis, scope, residual=True)
+
+    # Coefficients beyond float16: a retry, and `unusable` says that this input would raise it again.
+    huge = x.float() * 1e4
+    called = []
+    with pytest.raises(_checks.Retry, match="coefficients beyond float16"):
+        with _checks._block(speculative=True) as scope:
+            encode_triton_deferred(huge, config, basis, scope, unusable=lambda: called.append(True))
+    assert called == [True]
+    ckv = kvbound.compress_kv(huge, config, basis, impl="triton")  # the synchronous path handles it
+    assert ckv.coeffs.dtype == torch.float32
+    assert bool(((ckv.decompress().double() - huge.double()).abs() <= config.tau).all())
 
     bad = x.clone()
     bad[0, 0, 5, 1] = math.nan
@@ -206,6 +259,15 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         assert reads == [True, False] and h.speculative_retries == 1
         assert torch.equal(again, sync)
         assert [r._forecast for r in h.modules] == learnt  # learnt again by the second run
+
+        # A tensor whose speculative encoding could not be kept is encoded synchronously from then on; the rest
+        # of the forward stays speculative.
+        h.modules[0]._synchronous.add("v")
+        h.modules[0].last_v_ratio = None
+        reads.clear()
+        assert torch.equal(model(x)["human"], sync)
+        assert reads == [True] and h.speculative_retries == 1
+        assert h.modules[0].last_v_ratio == pytest.approx(sync_ratios[1], rel=1e-12)
 
         # Training mode anywhere in the model: no speculation (a second run would draw dropout again).
         reads.clear()

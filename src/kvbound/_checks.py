@@ -75,22 +75,32 @@ class Retry(Exception):
 class DeferredChecks:
     """The checks queued inside one :func:`deferred_checks` block (``len`` = calls queued).
 
-    ``speculative``: whether code inside may queue retry flags (``queue_retry``) instead of reading them."""
+    ``speculative``: whether code inside may queue retry flags (``queue_retry``) instead of reading them.
+
+    Queueing keeps the given tensors as they are (views too): no conversion or concatenation runs per entry. The
+    block's end concatenates them once per (device, dtype), widens each concatenation to float64 and reads
+    everything of a device in one transfer, so the device work of a block's checks does not grow with the number
+    of entries beyond the finite checks' reductions."""
 
     def __init__(self, *, speculative: bool = False) -> None:
         self.speculative = speculative
-        self._pending: list[tuple[object, list[str], torch.Tensor, list[str]]] = []
-        self._retries: list[tuple[str, torch.Tensor]] = []
-        self._values: list[tuple[torch.Tensor, Callable[[list[float]], None]]] = []
+        self._parts: list[torch.Tensor] = []
+        # (label, names, index of the peaks part or -1, messages, indices of the count parts)
+        self._pending: list[tuple[object, list[str], int, list[str], list[int]]] = []
+        self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
+        self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def _remember_stream(self, t: torch.Tensor) -> None:
+    def _keep(self, t: torch.Tensor) -> int:
+        """Keep ``t`` for the block's read; its index among the parts."""
         if t.is_cuda:  # the block's end may read on another stream: remember which one wrote
             stream = torch.cuda.current_stream(t.device)
             self._streams.setdefault((t.device, stream.cuda_stream), stream)
+        self._parts.append(t)
+        return len(self._parts) - 1
 
     def queue(
         self,
@@ -100,36 +110,58 @@ class DeferredChecks:
     ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
         described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
-        count)`` pairs, a float64 scalar that must be zero, else ``ValueError(message.format(count=...))``."""
+        count)`` pairs, a tensor (any shape, any real dtype) whose sum must be zero, else
+        ``ValueError(message.format(count=...))``."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
-        peaks = [largest_magnitudes([t for _, t in present])] if present else []
-        messages = []
+        peaks = self._keep(largest_magnitudes([t for _, t in present])) if present else -1
+        messages, counts = [], []
         for message, count in conditions:
             messages.append(message)
-            peaks.append(count.reshape(1).to(torch.float64))
-        if peaks:
-            stacked = torch.cat(peaks) if len(peaks) > 1 else peaks[0]
-            self._pending.append((label, names, stacked, messages))
-            self._remember_stream(stacked)
+            counts.append(self._keep(count))
+        if names or messages:
+            self._pending.append((label, names, peaks, messages, counts))
 
-    def queue_retry(self, reason: str, flag: torch.Tensor) -> None:
-        """Queue ``flag`` (a one-element tensor): nonzero at the block's end means the block's results cannot be
-        returned, and the end raises :class:`Retry` (after the NaN/Inf checks, which raise first). Only in a
-        speculative block."""
+    def queue_retry(
+        self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
+    ) -> None:
+        """Queue ``flag`` (a tensor, any shape and real dtype): any nonzero element at the block's end means the
+        block's results cannot be returned, and the end raises :class:`Retry` (after the NaN/Inf checks, which raise
+        first), having called ``on_flag`` (for example to stop speculating where the flag would be raised again).
+        Only in a speculative block."""
         if not self.speculative:
             raise RuntimeError("queue_retry: this deferred-check block is not speculative")
-        if flag.numel() != 1:
-            raise ValueError(f"flag: expected one element, got shape {list(flag.shape)}")
-        self._retries.append((reason, flag.reshape(1).to(torch.float64)))
-        self._remember_stream(flag)
+        self._retries.append((reason, self._keep(flag), on_flag))
 
     def queue_value(self, values: torch.Tensor, callback: Callable[[list[float]], None]) -> None:
-        """Read ``values`` (any shape, exact in float64) with the block's checks and hand them to ``callback`` as
-        a flat list of floats, once the block has ended without error and without retry."""
-        self._values.append((values.reshape(-1).to(torch.float64), callback))
-        self._remember_stream(values)
+        """Read ``values`` (any shape; integers up to 2**53 and floats come back exact in float64) with the block's
+        checks and hand them to ``callback`` as a flat list of floats, once the block has ended without error and
+        without retry."""
+        self._values.append((self._keep(values), callback))
+
+    def _read_parts(self) -> list[list[float]]:
+        """Every kept part's values, flat, in order: one concatenation per (device, dtype), one read per device."""
+        parts = self._parts
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, t in enumerate(parts):
+            groups.setdefault((t.device, t.dtype), []).append(index)
+        by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for (device, _), indices in groups.items():
+            flats = [parts[i].reshape(-1) for i in indices]
+            flat = torch.cat(flats) if len(flats) > 1 else flats[0]
+            by_device.setdefault(device, []).append((indices, flat.to(torch.float64)))
+        read: list[list[float]] = [[] for _ in parts]
+        for items in by_device.values():
+            flats = [flat for _, flat in items]
+            values = (torch.cat(flats) if len(flats) > 1 else flats[0]).tolist()
+            at = 0
+            for indices, _ in items:
+                for i in indices:
+                    size = parts[i].numel()
+                    read[i] = values[at : at + size]
+                    at += size
+        return read
 
     def read(self) -> None:
         """One host read of every queued check, flag and value; raise ``ValueError`` for the first call with NaN
@@ -139,33 +171,34 @@ class DeferredChecks:
         queued_values, self._values = self._values, []
         streams, self._streams = self._streams, {}
         if not (pending or retries or queued_values):
+            self._parts = []
             return
         for (device, _), stream in streams.items():
             current = torch.cuda.current_stream(device)
             if current.cuda_stream != stream.cuda_stream:
                 current.wait_stream(stream)
-        parts = [peaks for _, _, peaks, _ in pending] + [flag for _, flag in retries] + [v for v, _ in queued_values]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in parts:
-            by_device.setdefault(t.device, []).append(t)
-        values = {device: iter(torch.cat(ts).tolist()) for device, ts in by_device.items()}
-        for index, (label, names, peaks, messages) in enumerate(pending):
-            row = [next(values[peaks.device]) for _ in names]
-            counts = [next(values[peaks.device]) for _ in messages]
+        values = self._read_parts()
+        self._parts = []
+        for index, (label, names, peaks, messages, counts) in enumerate(pending):
             where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
-            for name, value in zip(names, row, strict=True):
+            for name, value in zip(names, values[peaks] if peaks >= 0 else [], strict=True):
                 if not math.isfinite(value):
                     raise ValueError(
                         f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
                     )
-            for message, count in zip(messages, counts, strict=True):
+            for message, part in zip(messages, counts, strict=True):
+                count = sum(values[part])
                 if count != 0:
-                    raise ValueError(f"{message.format(count=round(count))} ({where})")
-        flagged = [reason for reason, flag in retries if next(values[flag.device]) != 0]
+                    shown = round(count) if math.isfinite(count) else count
+                    raise ValueError(f"{message.format(count=shown)} ({where})")
+        flagged = [(reason, on_flag) for reason, part, on_flag in retries if any(v != 0 for v in values[part])]
         if flagged:
-            raise Retry(flagged)
-        for tensor, callback in queued_values:
-            callback([next(values[tensor.device]) for _ in range(tensor.numel())])
+            for _, on_flag in flagged:
+                if on_flag is not None:
+                    on_flag()
+            raise Retry([reason for reason, _ in flagged])
+        for part, callback in queued_values:
+            callback(values[part])
 
 
 def _stack() -> list[DeferredChecks]:

@@ -82,7 +82,9 @@ def attention(
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
 
     Returns:
-        ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+        ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``. ``out`` is laid out in
+        q's memory order (as ``scaled_dot_product_attention`` does on cuDNN and FlashAttention): for a q that is a
+        head-split view of ``[B, Nq, Hq * D]``, ``out.transpose(1, 2).reshape(B, Nq, Hq * Dv)`` is a view.
 
     Raises:
         TypeError / ValueError naming the offending argument for wrong types, shapes, dtypes, devices and
@@ -621,8 +623,10 @@ _attention_dense_op = torch.library.custom_op("kvbound::attention_dense", mutate
 
 @_attention_dense_op.register_fake
 def _attention_dense_fake(q, k, v, bias, bias_tile, scale, causal, softcap, *relative):
+    from kvbound.kernels._common import empty_output  # the kernel's output layout: q's
+
     b, hq, nq, _ = q.shape
-    return q.new_empty(b, hq, nq, v.shape[3]), q.new_empty(b, hq, nq, dtype=torch.float32)
+    return empty_output(q, v.shape[3]), q.new_empty(b, hq, nq, dtype=torch.float32)
 
 
 def _attention_compressed(
@@ -758,5 +762,7 @@ _attention_compressed_op = torch.library.custom_op("kvbound::attention_compresse
 def _attention_compressed_fake(
     q, k_coeffs, k_basis, k_mode, k_scale, k_bits, k_offset, k_codes, k_raw, v_coeffs, v_basis, *rest
 ):
+    from kvbound.kernels._common import empty_output  # the kernel's output layout: q's
+
     b, hq, nq, _ = q.shape
-    return q.new_empty(b, hq, nq, v_basis.shape[-1]), q.new_empty(b, hq, nq, dtype=torch.float32)
+    return empty_output(q, v_basis.shape[-1]), q.new_empty(b, hq, nq, dtype=torch.float32)

@@ -1,20 +1,28 @@
 """Triton encoder of the compressed K/V format, for a calibrated (shared) basis.
 
-Passes over ``x``, one program per block of ``block_size`` rows of one head:
+Every kernel but the layout has one program per tile of ``ROWS`` rows of one head, with the grid
+``(cdiv(N, ROWS), B * H)``; ``ROWS`` is chosen per kernel and head dim (``_tiling``: 4 to 64 rows, a power of two
+that divides the block, so a tile never straddles two blocks). What a block needs from all of its tiles is gathered
+with atomics into zeroed per-block entries: a max (of non-negative float32 values, or of 0/1 flags) or a bitwise
+or, which come out the same in any order, so the stored result does not depend on the tiling or on the order in
+which the tiles run.
 
-1. ``_coefficients_kernel``: ``C = x @ P^T`` in float32, stored as float16 (float32 when a coefficient exceeds 2**15,
-   as the eager encoder does: the kernel flags it and the host encodes again with float32); also flags NaN/Inf.
-2. ``_modes_kernel``: rebuilds ``L = C @ P`` from the stored coefficients, takes the block's largest residual, and
-   picks the first storage that passes an in-kernel version of the certificate (low-rank only, ``bits``-bit codes,
-   wider codes, exact): mode, code width and step per block. ``_layout_kernel`` (one program) turns widths into
-   offsets and totals (a running cumsum).
+1. ``_coefficients_kernel``: ``C = x @ P^T`` in float32, stored as float16 (float32 when a coefficient exceeds
+   2**15, as the eager encoder does: the kernel flags it and the host encodes again with float32); also flags
+   NaN/Inf. From the stored coefficients it rebuilds ``L = C @ P`` and raises its block's largest residual and
+   whether the low-rank part alone fails an in-kernel version of the certificate.
+2. ``_modes_kernel``: for the tiles of blocks whose low-rank part fails, which code widths (``bits``, then wider
+   codes) fail the in-kernel check with the step that the block's largest residual gives them: one bit per width.
+   ``_layout_kernel`` (one program) picks per block the first storage that passes (low-rank only, ``bits``-bit
+   codes, wider codes, exact): mode, code width and step, then turns widths into offsets and totals (a running
+   cumsum).
 3. ``_write_kernel``: writes the packed words (loading the columns of each word directly, so no code tile is ever
    written out) into a workspace sized from the shapes, copies exact blocks, and zeroes their coefficients.
 
 The in-kernel check uses float32 arithmetic with a generous rounding allowance, so it almost never accepts what the
 exact check rejects; the float64 certificate of ``kvbound.codec.eager.uncertified_blocks`` then runs on the stored
-numbers in a fourth kernel (``_certify_kernel``), and if a block fails it, the tensor is re-encoded by the eager
-encoder. So the returned object carries the same guarantee as
+numbers in a fourth kernel (``_certify_kernel``, one program per tile as well), and if a block fails it, the tensor
+is re-encoded by the eager encoder. So the returned object carries the same guarantee as
 the eager one: ``|x - decompress()| <= tau`` on every element.
 """
 
@@ -50,22 +58,39 @@ def _ulp(y):
 
 
 @triton.jit
-def _load_rows(x_ptr, row0, rows_left, D, stride_n, stride_d, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _any_bits(flags):
+    """Bitwise or of every element of a 2-D int32 tile (one reduction for several flags)."""
+    return tl.reduce(tl.reduce(flags, 1, _or), 0, _or)
+
+
+@triton.jit
+def _load_rows(x_ptr, row0, rows_left, D, stride_n, stride_d, ROWS: tl.constexpr, D_PAD: tl.constexpr, col0=0):
+    """x[row0 : row0 + ROWS, col0 : col0 + D_PAD] as float32, zero outside the rows left and the D columns."""
     rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, D_PAD)
+    cols = col0 + tl.arange(0, D_PAD)
     mask = (rows < rows_left)[:, None] & (cols < D)[None, :]
     ptrs = x_ptr + (row0 + rows)[:, None].to(tl.int64) * stride_n + cols[None, :] * stride_d
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask
 
 
 @triton.jit
-def _lowrank_rows(c_ptr, p_tile, row0, rows_left, R, ROWS: tl.constexpr, R_PAD: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """L = C[rows] @ P and |C| @ |P| for ROWS rows of one head (C row-major [N, R])."""
-    rows = tl.arange(0, ROWS)
+def _load_basis(p_ptr, h, R, D, dtype: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, col0=0):
+    """P[h, :, col0 : col0 + D_PAD] as a [R_PAD, D_PAD] tile in ``dtype`` (the coefficients' dtype), zero-padded."""
     ranks = tl.arange(0, R_PAD)
-    mask = (rows < rows_left)[:, None] & (ranks < R)[None, :]
-    c = tl.load(c_ptr + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], mask=mask, other=0.0)
+    cols = col0 + tl.arange(0, D_PAD)
+    p = tl.load(p_ptr + h * R * D + ranks[:, None] * D + cols[None, :],
+                mask=(ranks < R)[:, None] & (cols < D)[None, :], other=0.0)
+    return p.to(dtype)
+
+
+@triton.jit
+def _lowrank(c, p_tile, IEEE: tl.constexpr):
+    """L = C @ P and |C| @ |P| for a [ROWS, R_PAD] tile of stored coefficients (zero outside the rows and ranks)."""
     if IEEE:
         c = c.to(tl.float32)
         low = tl.dot(c, p_tile.to(tl.float32), input_precision="ieee")
@@ -78,74 +103,99 @@ def _lowrank_rows(c_ptr, p_tile, row0, rows_left, R, ROWS: tl.constexpr, R_PAD: 
 
 
 @triton.jit
+def _lowrank_rows(c_ptr, p_tile, row0, rows_left, R, ROWS: tl.constexpr, R_PAD: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """L = C[rows] @ P and |C| @ |P| for ROWS rows of one head (C row-major [N, R])."""
+    rows = tl.arange(0, ROWS)
+    ranks = tl.arange(0, R_PAD)
+    mask = (rows < rows_left)[:, None] & (ranks < R)[None, :]
+    c = tl.load(c_ptr + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], mask=mask, other=0.0)
+    return _lowrank(c, p_tile, IEEE)
+
+
+@triton.jit
 def _coefficients_kernel(
-    x_ptr, p_ptr, c_ptr, summary_ptr, N, H, D, R,
+    x_ptr, p_ptr, c_ptr, summary_ptr, res_ptr, lowrank_fail_ptr, N, H, D, R, NB, tau_check, gamma,
     stride_xb, stride_xh, stride_xn, stride_xd,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """C = x @ P^T, stored in C's dtype; flags non-finite x (summary[2]) and |C| > 2**15 (summary[3])."""
-    k = tl.program_id(0)
+    """One tile of ROWS rows of one head: C = x @ P^T, stored in C's dtype; flags non-finite x (summary[2]) and
+    |C| > 2**15 (summary[3]). Then L = C @ P from the stored coefficients: the tile's largest residual |x - L| and
+    whether the low-rank part alone fails the check go to its block's ``res`` and ``lowrank_fail`` (atomic max;
+    both start at zero, and a max is the same in any order). Both passes walk x COLS columns at a time.
+
+    The float32 ``tl.dot`` (input_precision="ieee") accumulates each coefficient with one fused multiply-add per
+    column, column after column, from the accumulator it is given: chunks of columns in order, each dot starting
+    from the last one's result, give the same bits as one dot over all columns."""
+    tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
+    row0 = tile * ROWS
+    blk = bh * NB + row0 // BLOCK  # ROWS divides BLOCK: a tile never straddles two blocks
     x_head = x_ptr + b * stride_xb + h * stride_xh
+    rows = tl.arange(0, ROWS)
     ranks = tl.arange(0, R_PAD)
-    cols = tl.arange(0, D_PAD)
-    p = tl.load(p_ptr + h * R * D + ranks[None, :] * D + cols[:, None],
-                mask=(ranks < R)[None, :] & (cols < D)[:, None], other=0.0).to(tl.float32)  # P^T [D_PAD, R_PAD]
-    nonfinite = 0
-    beyond_fp16 = 0
-    for t in range(0, BLOCK, ROWS):
-        row0 = k * BLOCK + t
-        x, x_mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, D_PAD)
-        c = tl.dot(x, p, input_precision="ieee")
-        rows = tl.arange(0, ROWS)
-        mask = ((row0 + rows) < N)[:, None] & (ranks < R)[None, :]
-        tl.store(c_ptr + bh * N * R + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :],
-                 c.to(c_ptr.dtype.element_ty), mask=mask)
+    c = tl.zeros((ROWS, R_PAD), dtype=tl.float32)
+    nonfinite = tl.zeros((ROWS, COLS), dtype=tl.int32)
+    for col0 in range(0, D, COLS):
+        cols = col0 + tl.arange(0, COLS)
+        p_t = tl.load(p_ptr + h * R * D + ranks[None, :] * D + cols[:, None],
+                      mask=(ranks < R)[None, :] & (cols < D)[:, None], other=0.0).to(tl.float32)  # P^T [COLS, R_PAD]
+        x, x_mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, COLS, col0)
+        c = tl.dot(x, p_t, c, input_precision="ieee")
         # NaN fails every comparison, so both flags catch it.
-        nonfinite = nonfinite | tl.max(tl.max((x_mask & ~(tl.abs(x) <= _FLOAT32_MAX)).to(tl.int32), 1), 0)
-        beyond_fp16 = beyond_fp16 | tl.max(tl.max((mask & ~(tl.abs(c) <= _COEFF_FP16_LIMIT_C)).to(tl.int32), 1), 0)
+        nonfinite = nonfinite | (x_mask & ~(tl.abs(x) <= _FLOAT32_MAX)).to(tl.int32)
+    c_mask = ((row0 + rows) < N)[:, None] & (ranks < R)[None, :]
+    stored = c.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + bh * N * R + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], stored, mask=c_mask)
+    nonfinite = tl.max(tl.max(nonfinite, 1), 0)
+    beyond_fp16 = tl.max(tl.max((c_mask & ~(tl.abs(c) <= _COEFF_FP16_LIMIT_C)).to(tl.int32), 1), 0)
     tl.atomic_max(summary_ptr + 2, nonfinite.to(tl.int64), mask=nonfinite > 0)
     tl.atomic_max(summary_ptr + 3, beyond_fp16.to(tl.int64), mask=beyond_fp16 > 0)
+
+    # The low-rank part as the later kernels rebuild it: the stored coefficients (what a masked load of them
+    # returns), times P in the coefficients' dtype. Elementwise max and or over the column steps, then one
+    # reduction each (max and or give the same result in any order).
+    stored = tl.where(c_mask, stored, tl.zeros((ROWS, R_PAD), dtype=c_ptr.dtype.element_ty))
+    residual = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    lowrank_fail = tl.zeros((ROWS, COLS), dtype=tl.int32)
+    for col0 in range(0, D, COLS):
+        p = _load_basis(p_ptr, h, R, D, c_ptr.dtype.element_ty, R_PAD, COLS, col0)
+        x, x_mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, COLS, col0)
+        low, low_abs = _lowrank(stored, p, IEEE)
+        residual = tl.maximum(residual, tl.where(x_mask, tl.abs(x - low), 0.0))
+        err = tl.abs(x - low) + 2.0 * _ulp(low) + gamma * low_abs
+        lowrank_fail = lowrank_fail | (x_mask & ~(err <= tau_check)).to(tl.int32)
+    res_max = tl.max(tl.max(residual, 1), 0)
+    lowrank_fail = tl.max(tl.max(lowrank_fail, 1), 0)
+    tl.atomic_max(res_ptr + blk, res_max, mask=res_max > 0.0)  # non-negative float32: exact
+    tl.atomic_max(lowrank_fail_ptr + blk, lowrank_fail, mask=lowrank_fail > 0)
 
 
 @triton.jit
 def _modes_kernel(
-    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, N, H, D, R, NB, tau_check, max_step, gamma,
+    x_ptr, p_ptr, c_ptr, res_ptr, lowrank_fail_ptr, fail_ptr, N, H, D, R, NB, tau_check, max_step, gamma,
     stride_xb, stride_xh, stride_xn, stride_xd,
     BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    k = tl.program_id(0)
+    """One tile of a block whose low-rank part fails: bit w of its block's ``fail`` is set (atomic or) when code
+    width w, with the step that the block's largest residual gives it, fails the check on some element of the
+    tile. Tiles of low-rank blocks do nothing."""
+    tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    x_head = x_ptr + b * stride_xb + h * stride_xh
-    c_head = c_ptr + bh * N * R
-    ranks = tl.arange(0, R_PAD)
-    cols = tl.arange(0, D_PAD)
-    p = tl.load(p_ptr + h * R * D + ranks[:, None] * D + cols[None, :],
-                mask=(ranks < R)[:, None] & (cols < D)[None, :], other=0.0)  # [R_PAD, D_PAD], stored dtype
-    p = p.to(c_ptr.dtype.element_ty)
-
-    # Largest residual of the block and whether the low-rank part alone certifies it.
-    res_max = 0.0
-    lowrank_fail = 0
-    for t in range(0, BLOCK, ROWS):
-        row0 = k * BLOCK + t
-        x, mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, D_PAD)
-        low, low_abs = _lowrank_rows(c_head, p, row0, N - row0, R, ROWS, R_PAD, IEEE)
-        res_max = tl.maximum(res_max, tl.max(tl.max(tl.where(mask, tl.abs(x - low), 0.0), 1), 0))
-        err = tl.abs(x - low) + 2.0 * _ulp(low) + gamma * low_abs
-        lowrank_fail = lowrank_fail | tl.max(tl.max((mask & ~(err <= tau_check)).to(tl.int32), 1), 0)
-
-    # Which code widths certify the block: bit w of `fail` is set when width w does not.
-    fail = 0
-    for t in range(0, BLOCK, ROWS):
-        row0 = k * BLOCK + t
-        x, mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, D_PAD)
-        low, low_abs = _lowrank_rows(c_head, p, row0, N - row0, R, ROWS, R_PAD, IEEE)
+    row0 = tile * ROWS
+    blk = bh * NB + row0 // BLOCK
+    if tl.load(lowrank_fail_ptr + blk) != 0:
+        b = bh // H
+        h = bh % H
+        res_max = tl.load(res_ptr + blk)
+        p = _load_basis(p_ptr, h, R, D, c_ptr.dtype.element_ty, R_PAD, D_PAD)
+        x, mask = _load_rows(x_ptr + b * stride_xb + h * stride_xh, row0, N - row0, D, stride_xn, stride_xd,
+                             ROWS, D_PAD)
+        low, low_abs = _lowrank_rows(c_ptr + bh * N * R, p, row0, N - row0, R, ROWS, R_PAD, IEEE)
+        fail = tl.zeros((ROWS, D_PAD), dtype=tl.int32)
         for w in tl.static_range(2, 9):
             if (w == BITS) or (w > BITS and w >= 4 and w != 7):
                 qmax = (1 << (w - 1)) - 1
@@ -153,51 +203,59 @@ def _modes_kernel(
                 q = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), -qmax - 1.0), qmax * 1.0)
                 y = low + q * step
                 err = tl.abs(x - y) + 2.0 * _ulp(y) + gamma * (low_abs + tl.abs(q) * step)
-                bad = tl.max(tl.max((mask & ~(err <= tau_check)).to(tl.int32), 1), 0)
-                fail = fail | (bad << w)
-
-    chosen = 0
-    for w in tl.static_range(2, 9):
-        if (w == BITS) or (w > BITS and w >= 4 and w != 7):
-            ok = ((fail >> w) & 1) == 0
-            chosen = tl.where((chosen == 0) & ok, w, chosen)
-    mode = tl.where(lowrank_fail == 0, 0, tl.where(chosen == BITS, 1, tl.where(chosen > 0, 2, 3)))
-    width = tl.where(lowrank_fail == 0, 0, chosen)
-    qmax_chosen = tl.maximum((1 << (tl.maximum(width, 1) - 1)) - 1, 1)
-    step = tl.maximum(tl.minimum(res_max / qmax_chosen, max_step), 1.1754943508222875e-38)
-    step = tl.where(width > 0, step, 0.0)
-    tl.store(mode_ptr + bh * NB + k, mode.to(tl.int8))
-    tl.store(width_ptr + bh * NB + k, width.to(tl.int8))
-    tl.store(step_ptr + bh * NB + k, step)
+                fail = fail | ((mask & ~(err <= tau_check)).to(tl.int32) << w)
+        fail = _any_bits(fail)
+        tl.atomic_or(fail_ptr + blk, fail, mask=fail != 0)
 
 
 @triton.jit
 def _layout_kernel(
-    mode_ptr, width_ptr, offset_ptr, summary_ptr, TOTAL, NB, N, D,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    res_ptr, lowrank_fail_ptr, fail_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, summary_ptr,
+    TOTAL, NB, N, D, max_step,
+    BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Offsets of every block in ``codes``/``raw`` (block order b, h, k) and both totals (summary[0], summary[1]).
+    """Per block (order b, h, k): mode, code width and step from the reductions of the two kernels above (the first
+    width that passes; exact when none does), then the offsets in ``codes``/``raw``, both totals (summary[0],
+    summary[1]) and the number of low-rank blocks (summary[5]).
 
     One program scans all blocks CHUNK at a time: the running totals carry from chunk to chunk."""
     code_total = tl.full((), 0, tl.int64)
     raw_total = tl.full((), 0, tl.int64)
+    lowrank_total = tl.full((), 0, tl.int64)
     for start in range(0, TOTAL, CHUNK):
         index = start + tl.arange(0, CHUNK)
         ok = index < TOTAL
-        mode = tl.load(mode_ptr + index, mask=ok, other=0).to(tl.int32)
-        width = tl.load(width_ptr + index, mask=ok, other=0).to(tl.int32)
+        res_max = tl.load(res_ptr + index, mask=ok, other=0.0)
+        lowrank_fail = tl.load(lowrank_fail_ptr + index, mask=ok, other=0)
+        fail = tl.load(fail_ptr + index, mask=ok, other=0)
+        chosen = tl.zeros((CHUNK,), dtype=tl.int32)
+        for w in tl.static_range(2, 9):
+            if (w == BITS) or (w > BITS and w >= 4 and w != 7):
+                passes = ((fail >> w) & 1) == 0
+                chosen = tl.where((chosen == 0) & passes, w, chosen)
+        mode = tl.where(lowrank_fail == 0, 0, tl.where(chosen == BITS, 1, tl.where(chosen > 0, 2, 3)))
+        width = tl.where(lowrank_fail == 0, 0, chosen)
+        qmax_chosen = tl.maximum((1 << (tl.maximum(width, 1) - 1)) - 1, 1)
+        step = tl.maximum(tl.minimum(res_max / qmax_chosen, max_step), 1.1754943508222875e-38)
+        step = tl.where(width > 0, step, 0.0)
+        tl.store(mode_ptr + index, mode.to(tl.int8), mask=ok)
+        tl.store(width_ptr + index, width.to(tl.int8), mask=ok)
+        tl.store(step_ptr + index, step, mask=ok)
+
         rows = tl.minimum(N - (index % NB) * BLOCK, BLOCK).to(tl.int64)  # the last block may be short
         per_word = 32 // tl.maximum(width, 1)
-        code_words = tl.where(width > 0, rows * ((D + per_word - 1) // per_word), 0)
-        raw_elems = tl.where(mode == 3, rows * D, 0)
+        code_words = tl.where(ok & (width > 0), rows * ((D + per_word - 1) // per_word), 0)
+        raw_elems = tl.where(ok & (mode == 3), rows * D, 0)
         code_end = tl.cumsum(code_words, 0) + code_total
         raw_end = tl.cumsum(raw_elems, 0) + raw_total
         offset = tl.where(mode == 3, raw_end - raw_elems, tl.where(width > 0, code_end - code_words, -1))
         tl.store(offset_ptr + index, offset, mask=ok)
         code_total += tl.sum(code_words, 0)
         raw_total += tl.sum(raw_elems, 0)
+        lowrank_total += tl.sum((ok & (mode == 0)).to(tl.int64), 0)
     tl.store(summary_ptr, code_total)
     tl.store(summary_ptr + 1, raw_total)
+    tl.store(summary_ptr + 5, lowrank_total)
 
 
 @triton.jit
@@ -208,10 +266,15 @@ def _write_kernel(
     BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, WPR_PAD: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    k = tl.program_id(0)
+    """One tile of ROWS rows of one head: its rows of the block's packed words, or (exact block) its rows of x
+    copied to ``raw`` and its coefficients zeroed."""
+    tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
+    row0 = tile * ROWS
+    k = row0 // BLOCK
+    t = row0 - k * BLOCK  # the tile's first row inside its block
     x_head = x_ptr + b * stride_xb + h * stride_xh
     c_head = c_ptr + bh * N * R
     mode = tl.load(mode_ptr + bh * NB + k).to(tl.int32)
@@ -220,61 +283,60 @@ def _write_kernel(
     offset = tl.load(offset_ptr + bh * NB + k)
     rows = tl.arange(0, ROWS)
     ranks = tl.arange(0, R_PAD)
+    row_ok = (row0 + rows) < N
     if width > 0:
         per_word = 32 // width
         wpr = (D + per_word - 1) // per_word
         qmax = (1 << (width - 1)) - 1
         words = tl.arange(0, WPR_PAD)
-        for t in range(0, BLOCK, ROWS):
-            row0 = k * BLOCK + t
-            row_ok = (row0 + rows) < N
-            c = tl.load(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :],
-                        mask=row_ok[:, None] & (ranks < R)[None, :], other=0.0)
-            packed = tl.zeros((ROWS, WPR_PAD), dtype=tl.int32)
-            for i in range(0, per_word):
-                col = words * per_word + i
-                col_ok = (col < D) & (words < wpr)
-                x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + col[None, :] * stride_xd,
-                            mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-                p = tl.load(p_ptr + h * R * D + ranks[:, None] * D + col[None, :],
-                            mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0).to(c_ptr.dtype.element_ty)
-                if IEEE:
-                    low = tl.dot(c.to(tl.float32), p.to(tl.float32), input_precision="ieee")
-                else:
-                    low = tl.dot(c, p)
-                q = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), -qmax - 1.0), qmax * 1.0)
-                u = tl.where(col_ok[None, :], q.to(tl.int32) + (1 << (width - 1)), 0)
-                packed = packed | (u << (i * width))
-            dest = offset + (t + rows)[:, None].to(tl.int64) * wpr + words[None, :]
-            tl.store(codes_ptr + dest, packed, mask=row_ok[:, None] & (words < wpr)[None, :] & (dest < codes_capacity))
+        c = tl.load(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :],
+                    mask=row_ok[:, None] & (ranks < R)[None, :], other=0.0)
+        packed = tl.zeros((ROWS, WPR_PAD), dtype=tl.int32)
+        for i in range(0, per_word):
+            col = words * per_word + i
+            col_ok = (col < D) & (words < wpr)
+            x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + col[None, :] * stride_xd,
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            p = tl.load(p_ptr + h * R * D + ranks[:, None] * D + col[None, :],
+                        mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0).to(c_ptr.dtype.element_ty)
+            if IEEE:
+                low = tl.dot(c.to(tl.float32), p.to(tl.float32), input_precision="ieee")
+            else:
+                low = tl.dot(c, p)
+            q = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), -qmax - 1.0), qmax * 1.0)
+            u = tl.where(col_ok[None, :], q.to(tl.int32) + (1 << (width - 1)), 0)
+            packed = packed | (u << (i * width))
+        dest = offset + (t + rows)[:, None].to(tl.int64) * wpr + words[None, :]
+        tl.store(codes_ptr + dest, packed, mask=row_ok[:, None] & (words < wpr)[None, :] & (dest < codes_capacity))
     if mode == 3:
         cols = tl.arange(0, D_PAD)
-        for t in range(0, BLOCK, ROWS):
-            row0 = k * BLOCK + t
-            row_ok = (row0 + rows) < N
-            mask = row_ok[:, None] & (cols < D)[None, :]
-            x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
-                        mask=mask, other=0.0)
-            dest = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
-            tl.store(raw_ptr + dest, x, mask=mask & (dest < raw_capacity))
-            zero = tl.zeros((ROWS, R_PAD), dtype=c_ptr.dtype.element_ty)
-            tl.store(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], zero,
-                     mask=row_ok[:, None] & (ranks < R)[None, :])
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
+                    mask=mask, other=0.0)
+        dest = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
+        tl.store(raw_ptr + dest, x, mask=mask & (dest < raw_capacity))
+        zero = tl.zeros((ROWS, R_PAD), dtype=c_ptr.dtype.element_ty)
+        tl.store(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], zero,
+                 mask=row_ok[:, None] & (ranks < R)[None, :])
 
 
 @triton.jit
 def _certify_kernel(
     x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, bad_ptr, any_bad_ptr,
-    N, H, D, R, NB, tau, gamma, codes_capacity, raw_capacity,
+    N, H, D, NB, tau, gamma, codes_capacity, raw_capacity,
     stride_xb, stride_xh, stride_xn, stride_xd,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+    R: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, STORE_BAD: tl.constexpr,
 ):
-    """The float64 certificate of ``uncertified_blocks`` for one block, evaluated in-kernel: per block in ``bad``,
-    and any failure raises ``any_bad`` to 1. Reads stay below the capacities (a block beyond them fails)."""
-    k = tl.program_id(0)
+    """The float64 certificate of ``uncertified_blocks`` for one tile of ROWS rows of one block, evaluated in-kernel:
+    a failure raises ``any_bad`` to 1 and, with STORE_BAD, the block's entry of ``bad`` (zeroed by the caller) to 1.
+    Reads stay below the capacities (a block beyond them fails)."""
+    tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
+    row0 = tile * ROWS
+    k = row0 // BLOCK
+    t = row0 - k * BLOCK
     x_head = x_ptr + b * stride_xb + h * stride_xh
     c_head = c_ptr + bh * N * R
     mode = tl.load(mode_ptr + bh * NB + k).to(tl.int32)
@@ -283,56 +345,59 @@ def _certify_kernel(
     offset = tl.load(offset_ptr + bh * NB + k)
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, D_PAD)
-    bad = 0
-    for t in range(0, BLOCK, ROWS):
-        row0 = k * BLOCK + t
-        row_ok = (row0 + rows) < N
-        mask = row_ok[:, None] & (cols < D)[None, :]
-        x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
-                    mask=mask, other=0.0)
-        if mode == 3:
-            source = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
-            inside = source < raw_capacity
-            stored = tl.load(raw_ptr + source, mask=mask & inside, other=0.0)
-            bad = bad | tl.max(tl.max((mask & ((stored != x) | ~inside)).to(tl.int32), 1), 0)
-        else:
-            x64 = x.to(tl.float64)
-            low = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
-            low_abs = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
-            for r in range(0, R):
-                c = tl.load(c_head + (row0 + rows).to(tl.int64) * R + r, mask=row_ok, other=0.0).to(tl.float64)
-                p = tl.load(p_ptr + h * R * D + r * D + cols, mask=cols < D, other=0.0).to(tl.float64)
-                low += c[:, None] * p[None, :]
-                low_abs += tl.abs(c)[:, None] * tl.abs(p)[None, :]
-            y = low
-            if width > 0:
-                per_word = 32 // width
-                wpr = (D + per_word - 1) // per_word
-                source = offset + (t + rows)[:, None].to(tl.int64) * wpr + (cols // per_word)[None, :]
-                inside = source < codes_capacity
-                word = tl.load(codes_ptr + source, mask=mask & inside, other=0)
-                bad = bad | tl.max(tl.max((mask & ~inside).to(tl.int32), 1), 0)
-                u = (word >> ((cols % per_word) * width)[None, :]) & ((1 << width) - 1)
-                qs = (u - (1 << (width - 1))).to(tl.float64) * step
-                y = low + qs
-                low_abs = low_abs + tl.abs(qs)
-            y32 = y.to(tl.float32)
-            err = tl.abs(x64 - y32.to(tl.float64)) + _ulp(y32).to(tl.float64) + gamma * low_abs
-            bad = bad | tl.max(tl.max((mask & ~(err <= tau)).to(tl.int32), 1), 0)
-    tl.store(bad_ptr + bh * NB + k, bad.to(tl.int8))
+    row_ok = (row0 + rows) < N
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + cols[None, :] * stride_xd,
+                mask=mask, other=0.0)
+    if mode == 3:
+        source = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
+        inside = source < raw_capacity
+        stored = tl.load(raw_ptr + source, mask=mask & inside, other=0.0)
+        bad = mask & ((stored != x) | ~inside)
+    else:
+        x64 = x.to(tl.float64)
+        low = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
+        low_abs = tl.zeros((ROWS, D_PAD), dtype=tl.float64)
+        for r in tl.static_range(R):  # r = 0, 1, ..., R - 1 in order, as the float64 sums need; unrolled, so the
+            # loads of the coefficients' columns (cached lines) and of the basis rows are issued together
+            c = tl.load(c_head + (row0 + rows).to(tl.int64) * R + r, mask=row_ok, other=0.0).to(tl.float64)
+            p = tl.load(p_ptr + h * R * D + r * D + cols, mask=cols < D, other=0.0).to(tl.float64)
+            low += c[:, None] * p[None, :]
+            low_abs += tl.abs(c)[:, None] * tl.abs(p)[None, :]
+        y = low
+        bad = tl.zeros((ROWS, D_PAD), dtype=tl.int1)
+        if width > 0:
+            per_word = 32 // width
+            wpr = (D + per_word - 1) // per_word
+            source = offset + (t + rows)[:, None].to(tl.int64) * wpr + (cols // per_word)[None, :]
+            inside = source < codes_capacity
+            word = tl.load(codes_ptr + source, mask=mask & inside, other=0)
+            bad = mask & ~inside
+            u = (word >> ((cols % per_word) * width)[None, :]) & ((1 << width) - 1)
+            qs = (u - (1 << (width - 1))).to(tl.float64) * step
+            y = low + qs
+            low_abs = low_abs + tl.abs(qs)
+        y32 = y.to(tl.float32)
+        err = tl.abs(x64 - y32.to(tl.float64)) + _ulp(y32).to(tl.float64) + gamma * low_abs
+        bad = bad | (mask & ~(err <= tau))
+    bad = tl.max(tl.max(bad.to(tl.int32), 1), 0)
+    if STORE_BAD:
+        tl.atomic_max(bad_ptr + bh * NB + k, bad, mask=bad > 0)
     tl.atomic_max(any_bad_ptr, bad.to(tl.int64), mask=bad > 0)
 
 
 def certify_triton(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
     """Bool [B, H, NB]: blocks of ``ckv`` (shared basis) that fail the float64 certificate against ``x``.
 
-    The same check as ``kvbound.codec.eager.uncertified_blocks``, one program per block, no float64 tensor in memory.
+    The same check as ``kvbound.codec.eager.uncertified_blocks``, one program per tile of rows of a block (a block
+    fails when any of its tiles does), no float64 tensor in memory.
     """
     if not ckv.shared_basis:
         raise ValueError("ckv: certify_triton reads a shared basis; use uncertified_blocks for per-block bases")
     if tuple(x.shape) != ckv.shape:
         raise ValueError(f"x: expected shape {ckv.shape}, got {tuple(x.shape)}")
-    bad = torch.empty(ckv.shape[:2] + (ckv.num_blocks,), dtype=torch.int8, device=ckv.device)
+    # int32: the tiles of a block raise its entry with an atomic max (no 8-bit atomics)
+    bad = torch.zeros(ckv.shape[:2] + (ckv.num_blocks,), dtype=torch.int32, device=ckv.device)
     any_bad = torch.zeros(1, dtype=torch.int64, device=ckv.device)
     # an empty coefficient tensor (rank 0) still needs a valid pointer
     coeffs = ckv.coeffs if ckv.coeffs.numel() else ckv.scale
@@ -342,29 +407,44 @@ def certify_triton(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, config) -> None:
+    """The certificate over every tile; ``bad`` (zeroed int32 [B, H, NB]) gets the verdict per block, or None."""
     batch, heads, n, d = x.shape
     nb, r, block = mode.shape[-1], projection.shape[1], config.block_size
     d_pad = max(16, triton.next_power_of_2(d))
-    _certify_kernel[(nb, batch * heads)](
-        x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, n, heads, d, r, nb,
-        config.tau, (r + 2) * 2.0**-52, codes.numel(), raw.numel(), *x.stride(),
-        BLOCK=block, ROWS=_certify_rows_per_tile(block, d_pad), D_PAD=d_pad,
+    rows, warps = _tiling(block, d_pad)["certify"]
+    _certify_kernel[(triton.cdiv(n, rows), batch * heads)](
+        x, projection, coeffs, mode, width, step, offset, codes, raw, any_bad if bad is None else bad, any_bad,
+        n, heads, d, nb, config.tau, (r + 2) * 2.0**-52, codes.numel(), raw.numel(), *x.stride(),
+        R=r, BLOCK=block, ROWS=rows, D_PAD=d_pad, STORE_BAD=bad is not None,
+        num_warps=warps,
     )
 
 
-def _rows_per_tile(block: int, d_pad: int) -> int:
-    # Keep a [ROWS, D_PAD] float32 tile around 8K elements.
-    return max(16, min(block, 8192 // d_pad))
+def _tiling(block: int, d_pad: int) -> dict[str, tuple[int, ...]]:
+    """Kernel name -> (ROWS, num_warps[, COLS]): the rows of one program (a power of two that divides the block) and,
+    for the coefficients, the columns of x per step.
 
+    Measured on an H200 (Triton 3.6, Enformer and Borzoi K/V, batch 1 to 8): these were the fastest of the tilings
+    tried. The coefficients' float32 dot runs on CUDA cores, where taller tiles read less per coefficient: 64 rows,
+    32 columns a step (16 or 32 rows, or 64 columns, were slower; 128 rows no faster). The certificate's float64
+    tiles are small (4 to 8 elements a thread), so that many programs fit on each multiprocessor.
 
-def _certify_rows_per_tile(block: int, d_pad: int) -> int:
-    # The certificate holds three float64 [ROWS, D_PAD] tiles; 2K elements each compile for sm_90 with no spills
-    # (Triton 3.6: 8K elements spilled 1.5 KB per thread). The verdict per element does not depend on the tiling.
-    return max(16, min(block, 2048 // d_pad))
+    Any tiling gives the same bits: every element's arithmetic is the same (tl.dot's products and sums per element do
+    not depend on the tile's shape: mma.sync and wgmma tiles gave the same float32 values on the H200, and the float32
+    coefficients are summed column after column either way), and what a block gathers from its tiles is a max or an
+    or. The tests compare tilings bit for bit."""
+    small = d_pad <= 64
+    return {
+        "coefficients": (min(block, 64), 4, min(32, d_pad)),
+        "modes": (min(block, 64 if small else 32), 8),
+        "write": (16, 4),
+        "certify": (min(block, 8 if small else max(1, 1024 // d_pad)), 4),
+    }
 
 
 # summary[i]: what the single host read of an encode returns (int64 each).
-_CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED = range(5)
+_CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED, _LOWRANK_BLOCKS = range(6)
+_SUMMARY_SIZE = 6
 # Exact blocks are rare; a workspace for an eighth of the tensor covers them without a second read.
 _RAW_WORKSPACE_FRACTION = 8
 _LAYOUT_CHUNK = 1024
@@ -409,6 +489,7 @@ def encode_triton_deferred(
     lowrank_share: float | None = None,
     name: str = "x",
     sizes: Callable[[int, int, int], None] | None = None,
+    unusable: Callable[[], None] | None = None,
 ) -> CompressedKV:
     """``encode_triton`` with no host read, inside a speculative ``kvbound._checks`` block ``scope``.
 
@@ -419,7 +500,8 @@ def encode_triton_deferred(
     - coefficients beyond float16, a block the certificate rejects, and a residual where ``residual`` said there
       is none: retry flags. Each means the object returned here may not be used (it would break the bound or be
       read by the wrong kernel variant); the block's end raises ``Retry`` and its forward runs again with the
-      ordinary encoder;
+      ordinary encoder. ``unusable()`` is called first when the cause is one of the first two, which the same input
+      raises again every time: the caller can stop speculating for this tensor;
     - ``sizes(code_words, raw_elements, lowrank_blocks)``: called after a block that ended cleanly.
 
     The returned object keeps the encoder's workspaces whole (every block at the widest code and room for the whole
@@ -433,18 +515,20 @@ def encode_triton_deferred(
         raise RuntimeError("encode_triton_deferred: scope is not a speculative deferred-check block")
     _check_inputs(x, config, basis)
     start = time.perf_counter()
-    ckv, summary, lowrank = _encode(x, config, basis, torch.float16, True, deferred=True)
+    ckv, summary = _encode(x, config, basis, torch.float16, True, deferred=True)
+    # Views of the summary only: queueing launches nothing (the block's end reads them all at once).
+    assert (_CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED) == (0, 1, 2, 3, 4)
     scope.queue(
         f"{name} [{', '.join(map(str, x.shape))}] (Triton encoder)", {},
-        [(f"{name}: expected finite values, found NaN or Inf", summary[_NONFINITE])],
+        [(f"{name}: expected finite values, found NaN or Inf", summary[_NONFINITE : _NONFINITE + 1])],
     )
-    flag = summary[_BEYOND_FP16] + summary[_UNCERTIFIED]
+    scope.queue_retry(f"{name}: coefficients beyond float16 or a block the certificate rejects (synchronous path)",
+                      summary[_BEYOND_FP16 : _UNCERTIFIED + 1], unusable)
     if not residual:
-        flag = flag + summary[_CODE_WORDS] + summary[_RAW_ELEMENTS]
-    scope.queue_retry(f"{name}: the Triton encoder's result needs the synchronous path", flag)
+        scope.queue_retry(f"{name}: a residual where none was forecast", summary[_CODE_WORDS : _RAW_ELEMENTS + 1])
     if sizes is not None:
-        scope.queue_value(torch.cat([summary[:_NONFINITE], lowrank.view(1)]),
-                          lambda read: sizes(*(round(value) for value in read)))
+        scope.queue_value(summary, lambda read: sizes(round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]),
+                                                      round(read[_LOWRANK_BLOCKS])))
     ckv._record_checked(residual, lowrank_share)
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
@@ -468,7 +552,7 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
             verify: bool, deferred: bool = False):
     """One pass of the four kernels with ``coeff_dtype`` coefficients; None when the result cannot be returned
     (float16 coefficients out of range, or a block failed the certificate). ``deferred``: no host read; returns
-    ``(ckv, summary, lowrank_blocks)`` with whole workspaces and the device-side summary (``encode_triton_deferred``).
+    ``(ckv, summary)`` with whole workspaces and the device-side summary (``encode_triton_deferred``).
     """
     batch, heads, n, d = x.shape
     device = x.device
@@ -477,28 +561,38 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     bh = batch * heads
     d_pad = max(16, triton.next_power_of_2(d))
     r_pad = max(16, triton.next_power_of_2(r))
-    rows = _rows_per_tile(block, d_pad)
+    tiling = _tiling(block, d_pad)
     projection = basis.projection.to(device).contiguous()
-    grid = (nb, bh)
     strides = x.stride()
     ieee = coeff_dtype != torch.float16
+    # float32 evaluation: a dot of r + 1 terms and two roundings, with a factor 4 to spare.
+    gamma = 4.0 * (r + 3) * 2.0**-24
+    tau_check, max_step = tau * (1.0 - 2.0**-16), 2.0 * tau * _STEP_MARGIN
 
-    summary = torch.zeros(5, dtype=torch.int64, device=device)
+    # One zeroed workspace: the summary (int64) and three per-block reductions the tiles raise with atomics (the
+    # block's largest residual, float32; whether its low-rank part fails; which code widths fail, bit w for w).
+    total = bh * nb
+    zeroed = torch.zeros(2 * _SUMMARY_SIZE + 3 * total, dtype=torch.int32, device=device)
+    summary = zeroed[:2 * _SUMMARY_SIZE].view(torch.int64)
+    res_max, lowrank_fail, fail = zeroed[2 * _SUMMARY_SIZE:].view(3, total).unbind(0)
+    res_max = res_max.view(torch.float32)
+
     coeffs = torch.empty(batch, heads, n, r, dtype=coeff_dtype, device=device)
-    _coefficients_kernel[grid](x, projection, coeffs, summary, n, heads, d, r, *strides,
-                               BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad)
+    rows, warps, cols = tiling["coefficients"]
+    _coefficients_kernel[(triton.cdiv(n, rows), bh)](  # one program per tile of `rows` rows of one head
+        x, projection, coeffs, summary, res_max, lowrank_fail, n, heads, d, r, nb, tau_check, gamma, *strides,
+        BLOCK=block, ROWS=rows, COLS=cols, R_PAD=r_pad, IEEE=ieee, num_warps=warps)
+    rows, warps = tiling["modes"]
+    _modes_kernel[(triton.cdiv(n, rows), bh)](
+        x, projection, coeffs, res_max, lowrank_fail, fail, n, heads, d, r, nb, tau_check, max_step, gamma, *strides,
+        BITS=config.bits, BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad, IEEE=ieee, num_warps=warps)
 
     mode = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
     width = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
     step = torch.empty(batch, heads, nb, dtype=torch.float32, device=device)
-    # float32 evaluation: a dot of r + 1 terms and two roundings, with a factor 4 to spare.
-    gamma = 4.0 * (r + 3) * 2.0**-24
-    _modes_kernel[grid](x, projection, coeffs, mode, width, step, n, heads, d, r, nb,
-                        tau * (1.0 - 2.0**-16), 2.0 * tau * _STEP_MARGIN, gamma, *strides,
-                        BITS=config.bits, BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad, IEEE=ieee)
-
     offset = torch.empty(batch, heads, nb, dtype=torch.int64, device=device)
-    _layout_kernel[(1,)](mode, width, offset, summary, bh * nb, nb, n, d, BLOCK=block, CHUNK=_LAYOUT_CHUNK)
+    _layout_kernel[(1,)](res_max, lowrank_fail, fail, mode, width, step, offset, summary, total, nb, n, d, max_step,
+                         BITS=config.bits, BLOCK=block, CHUNK=_LAYOUT_CHUNK)
 
     # Workspaces sized from the shapes: every block at the widest code, and an eighth of the tensor exact.
     widest = max(words_per_row(w, d) for w in promotion_widths(config.bits))
@@ -506,15 +600,15 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     # Deferred: room for every block exact, so that no count needs reading before the object can be used.
     raw_size = bh * n * d if deferred else max(block * d, bh * n * d // _RAW_WORKSPACE_FRACTION)
     raw = torch.empty(raw_size, dtype=x.dtype, device=device)
-    bad = torch.empty(batch, heads, nb, dtype=torch.int8, device=device) if verify else None
 
     def write_and_certify(codes, raw, any_bad):
-        _write_kernel[grid](x, projection, coeffs, mode, width, step, offset, codes, raw, n, heads, d, r, nb,
-                            codes.numel(), raw.numel(), *strides,
-                            BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad,
-                            WPR_PAD=max(16, triton.next_power_of_2(widest)), IEEE=ieee)
+        rows, warps = tiling["write"]
+        _write_kernel[(triton.cdiv(n, rows), bh)](
+            x, projection, coeffs, mode, width, step, offset, codes, raw, n, heads, d, r, nb, codes.numel(),
+            raw.numel(), *strides, BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad,
+            WPR_PAD=max(16, triton.next_power_of_2(widest)), IEEE=ieee, num_warps=warps)
         if verify:
-            _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, bad, any_bad, config)
+            _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, None, any_bad, config)
 
     write_and_certify(codes, raw, summary[_UNCERTIFIED:])
     if deferred:
@@ -522,10 +616,9 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
             shape=(batch, heads, n, d), dtype=x.dtype, config=config, coeffs=coeffs, basis=projection, mode=mode,
             scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
         )
-        return ckv, summary, (mode == MODE_LOWRANK).sum()
-    # The one host read: the summary and the number of low-rank blocks.
-    read = torch.cat([summary, (mode == MODE_LOWRANK).sum().view(1)]).tolist()
-    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = read
+        return ckv, summary
+    # The one host read: the summary, which ends with the number of low-rank blocks.
+    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = summary.tolist()
     if nonfinite:
         check_finite_values(x, "x")
     if beyond_fp16 and not ieee:

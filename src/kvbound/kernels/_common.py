@@ -388,6 +388,36 @@ def tma_ready(*tensors) -> bool:
     return True
 
 
+def output_order(q: torch.Tensor) -> tuple[int, ...]:
+    """The memory order (outermost first) of an attention output ``[B, H, N, Dv]`` that follows ``q``'s: the order of
+    ``q``'s dimensions by decreasing stride when its last dimension is dense (stride 1) and no stride is 0, else
+    row-major. A query that is a head-split view of ``[B, N, H * D]`` (the ports' ``b n (h d) -> b h n d``) gives an
+    output whose ``transpose(1, 2).reshape(B, N, H * Dv)`` is a view, not a copy (cuDNN and FlashAttention in
+    ``scaled_dot_product_attention`` also follow the query's layout)."""
+    strides = q.stride()
+    if q.dim() != 4 or strides[-1] != 1 or 0 in strides:
+        return (0, 1, 2, 3)
+    # ties (dimensions of size 1) keep their logical order
+    order = tuple(sorted(range(4), key=lambda i: (-strides[i] if q.shape[i] > 1 else 0, i)))
+    return order if order[-1] == 3 else (0, 1, 2, 3)
+
+
+def output_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` laid out in ``order`` (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
+def empty_output(q: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised ``[B, Hq, Nq, head_dim_v]`` output in ``q``'s memory order (``output_order``)."""
+    b, h, n, _ = q.shape
+    return torch.empty_permuted((b, h, n, head_dim_v), output_order(q), dtype=dtype or q.dtype, device=q.device)
+
+
 def broadcast_strides(bias) -> tuple[int, int, int, int]:
     """Strides of a 4-d bias with 0 on its size-1 dimensions (they broadcast), or zeros for no bias."""
     if bias is None:

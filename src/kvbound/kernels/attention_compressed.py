@@ -58,6 +58,7 @@ from kvbound.kernels._common import (
     LN2,
     bounded_by_default,
     broadcast_strides,
+    empty_output,
     fixed_softmax_max,
     float32_dot_precision,
     fold_scale_sign,
@@ -2489,7 +2490,7 @@ def attention_compressed_fwd(
         raise ValueError(
             f"relative: relative positions need one query head per K/V head, got Hq={q_heads}, Hkv={kv_heads}"
         )
-    out = torch.empty(batch, q_heads, n_q, head_dim_v, dtype=q.dtype, device=q.device)
+    out = empty_output(q, head_dim_v)  # in q's memory order
     lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
     # With relative positions the scale is applied to q in the kernel, before the two biases.
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)

@@ -33,6 +33,8 @@ from kvbound.kernels._common import (
     launch_tuned,
     logit_multipliers,
     next_power_of_2,
+    output_order,
+    output_strides,
     relative_logits_tile,
     relative_runs_bounds,
     relative_runs_tile,
@@ -720,7 +722,7 @@ def attention_dense_fwd(
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[plan_key] = plan
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_permuted(plan.out_shape, plan.out_order, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     args = (
         q,
@@ -759,10 +761,10 @@ _MAX_PLANS = 256
 class _Plan:
     """Everything of one launch that depends only on the call signature (``attention_dense_fwd``'s plan key)."""
 
-    __slots__ = ("out_shape", "lse_shape", "scalar_args", "constexprs", "tune_key", "grid", "launch")
+    __slots__ = ("out_shape", "out_order", "lse_shape", "scalar_args", "constexprs", "tune_key", "grid", "launch")
 
-    def __init__(self, out_shape, lse_shape, scalar_args, constexprs, tune_key, grid) -> None:
-        self.out_shape, self.lse_shape, self.scalar_args = out_shape, lse_shape, scalar_args
+    def __init__(self, out_shape, out_order, lse_shape, scalar_args, constexprs, tune_key, grid) -> None:
+        self.out_shape, self.out_order, self.lse_shape, self.scalar_args = out_shape, out_order, lse_shape, scalar_args
         self.constexprs, self.tune_key, self.grid = constexprs, tune_key, grid
         # (grid, constexprs with the winning configuration) for USE_TMA False / True, once the winner is known.
         self.launch: tuple | None = None
@@ -781,7 +783,8 @@ def _plan(
     kv_heads, n_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     out_shape = (batch, q_heads, n_q, head_dim_v)
-    out_strides = (q_heads * n_q * head_dim_v, n_q * head_dim_v, head_dim_v, 1)  # a new contiguous tensor
+    out_order = output_order(q)  # a new tensor in q's memory order
+    out_strides = output_strides(out_shape, out_order)
     # With relative positions the scale is applied to q in the kernel, before the two biases.
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
@@ -835,4 +838,4 @@ def _plan(
         q.dtype,
         bias_dtype,
     )
-    return _Plan(out_shape, (batch, q_heads, n_q), scalar_args, constexprs, tune_key, grid)
+    return _Plan(out_shape, out_order, (batch, q_heads, n_q), scalar_args, constexprs, tune_key, grid)

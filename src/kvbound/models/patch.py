@@ -73,6 +73,8 @@ class PatchedModule:
     # "k" / "v" -> (some block held a residual in some forward so far, low-rank-only share in the last one): what
     # the speculative encoder tells kvbound.attention in the next forward (PatchHandle._encode_speculative).
     _forecast: dict[str, tuple[bool, float | None]] = field(default_factory=dict, repr=False)
+    # "k" / "v" whose speculative encoding could not be kept (float16 range, certificate): encoded synchronously.
+    _synchronous: set[str] = field(default_factory=set, repr=False)
 
     def _learn(self, role: str, residual: bool, lowrank_share: float | None) -> None:
         seen = self._forecast.get(role, (False, None))[0]
@@ -219,26 +221,29 @@ class PatchHandle:
             stream = torch.cuda.current_stream(k.device)  # where the encoder's kernels go
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), stream)
             events[0].record(stream)
-        impl_k, impl_v = _encoder(k, self.config, record.basis_k), _encoder(v, self.config, record.basis_v)
         scope = _checks.active()
-        if (
-            scope is not None
-            and scope.speculative
-            and self._anchor_index is None
-            and impl_k == impl_v == "triton"
-        ):
-            ck = self._encode_speculative(record, "k", k, record.basis_k, scope)
-            cv = self._encode_speculative(record, "v", v, record.basis_v, scope)
-            if events is not None:
-                events[1].record(events[2])
-                record._add_encode_events(events[0], events[1])
-            return ck, cv
-        ck = compress_kv(k, self.config, record.basis_k, impl=impl_k)
-        cv = compress_kv(v, self.config, record.basis_v, impl=impl_v)
-        for role, ckv in (("k", ck), ("v", cv)):
+        speculative = scope is not None and scope.speculative and self._anchor_index is None
+        encoded = []
+        for role, x, basis in (("k", k, record.basis_k), ("v", v, record.basis_v)):
+            impl = _encoder(x, self.config, basis)
+            if speculative and impl == "triton" and role not in record._synchronous:
+                encoded.append(self._encode_speculative(record, role, x, basis, scope))
+                continue
+            ckv = compress_kv(x, self.config, basis, impl=impl)
             residual = ckv._checked_residual()
             if residual is not None:
                 record._learn(role, residual, ckv._checked_lowrank_share())
+            if speculative:
+                setattr(record, f"last_{role}_ratio", ckv.compression_ratio)
+            encoded.append(ckv)
+        ck, cv = encoded
+        if speculative:
+            if events is not None:
+                events[1].record(events[2])
+                record._add_encode_events(events[0], events[1])
+            else:
+                record._encode_total += sum(c.encode_seconds for c in encoded)
+            return ck, cv
         if self._anchor_index is not None:
             from kvbound.codec.anchored import encode_anchored
 
@@ -266,10 +271,16 @@ class PatchHandle:
         ``kvbound.attention`` what this layer's earlier forwards found: a residual somewhere (or nothing known yet,
         the first forward: the residual-capable kernel, always correct) and the last low-rank-only share. A
         residual where none was forecast is a retry flag (the forward runs again, synchronously, and the forecast
-        learns it). The compression ratio and the forecast are updated from the sizes read when the forward ends."""
+        learns it). So are coefficients beyond float16 and a block the float64 certificate rejects; as the same
+        input would raise them again, this layer's tensor is then encoded synchronously in later forwards
+        (``PatchedModule._synchronous``). The compression ratio and the forecast are updated from the sizes read
+        when the forward ends."""
         from kvbound.codec.encode_triton import encode_triton_deferred
 
         residual, share = record._forecast.get(role, (True, None))
+
+        def unusable() -> None:  # the same input would raise it again: this tensor stops speculating
+            record._synchronous.add(role)
 
         def sizes(code_words: int, raw_elements: int, lowrank_blocks: int) -> None:
             stored = fixed + code_words * word_bytes + raw_elements * raw_bytes
@@ -278,7 +289,7 @@ class PatchHandle:
 
         ckv = encode_triton_deferred(
             x, self.config, basis, scope, residual=residual, lowrank_share=share,
-            name=f"{record.name} {role.upper()}", sizes=sizes,
+            name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable,
         )  # fmt: skip
         word_bytes, raw_bytes = ckv.codes.element_size(), ckv.raw.element_size()
         # Bytes of everything but the two workspaces, whose used lengths arrive with the block's read.
