@@ -112,7 +112,9 @@ def relative_runs_enabled() -> bool:
     On an H200 one Borzoi layer took 1.30 ms with the runs against 1.77 ms with the relative keys at batch 4, but
     1.25 against 0.70 ms at batch 1 (one call, checks deferred; benchmarks/results/h200_2026-12-02_5c00c3e); whole
     patched forwards with the runs: 1.68x (batch 4) and 1.61x (batch 1) of the unpatched port's speed
-    (h200_2026-12-02_5d68a9b)."""
+    (h200_2026-12-02_5d68a9b). In whole forwards the runs are faster at every batch measured, batch 1 included:
+    23.6 / 44.8 / 85.2 ms at batch 1 / 2 / 4 against 24.2 / 47.1 / 89.7 ms with the keys (h200_2026-12-02_a8e9727),
+    so there is no batch below which the keys are chosen."""
     value = os.environ.get("KVBOUND_RELATIVE_RUNS", "").strip().lower()
     if value in ("", "1", "true", "on", "yes"):
         return True
