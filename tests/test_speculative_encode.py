@@ -319,3 +319,64 @@ def test_gpu_patched_forward_speculative_matches_synchronous(enformer):
     print(f"first speculative forward vs synchronous: {(first - sync).abs().max().item() / scale:.2e} (relative)")
     assert (first - sync).abs().max().item() <= 2e-2 * scale
     assert torch.equal(second, sync)
+
+
+_MISSING = "{} is not installed (src/kvbound/models/README.md: installing the ports)"
+
+
+def _small_borzoi():
+    port = pytest.importorskip("borzoi_pytorch", reason=_MISSING.format("borzoi_pytorch"))
+    from borzoi_pytorch.config_borzoi import BorzoiConfig
+
+    torch.manual_seed(0)
+    model = port.Borzoi(BorzoiConfig(dim=64, depth=2, heads=2, attn_dim_key=8, attn_dim_value=16, bins_to_return=64))
+    g = torch.Generator().manual_seed(7)
+    return model.eval(), torch.randn(1, 4, 128 * 32, generator=g), torch.randn(1, 4, 128 * 32, generator=g)
+
+
+def _small_alphagenome_tower():
+    pytest.importorskip("alphagenome_pytorch", reason=_MISSING.format("alphagenome_pytorch"))
+    from alphagenome_pytorch.model import TransformerTower
+
+    torch.manual_seed(0)
+    tower = TransformerTower(64)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for m in tower.modules():
+            if hasattr(m, "running_var"):
+                m.running_var.uniform_(0.5, 2.0)
+    return tower.eval(), torch.randn(1, 32, 64, generator=g), torch.randn(1, 32, 64, generator=g)
+
+
+@pytest.mark.parametrize("port", ["borzoi", "alphagenome"])
+def test_other_ports_encode_speculatively_with_the_synchronous_output(port, monkeypatch):
+    """Borzoi (relative positions) and AlphaGenome's tower (one shared K/V head, tile bias, soft-cap): a compressed
+    forward with the Triton encoder (interpreted here) reads the device once and gives the synchronous output."""
+    import importlib
+
+    patch_module = importlib.import_module("kvbound.models.patch")
+    monkeypatch.setattr(patch_module, "_encoder", lambda x, config, basis: "triton" if basis is not None else "eager")
+    model, sample, x = _small_borzoi() if port == "borzoi" else _small_alphagenome_tower()
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=0.05)
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    reads = []
+    original_read = _checks.DeferredChecks.read
+
+    def counting_read(self):
+        reads.append(self.speculative)
+        return original_read(self)
+
+    with torch.no_grad(), patch_module.patch(model, config, backend="kvbound", calibrate_on=sample) as h:
+        h.speculative = False
+        sync = first(model(x))
+        learnt = [dict(r._forecast) for r in h.modules]
+        h.speculative = True
+        monkeypatch.setattr(_checks.DeferredChecks, "read", counting_read)
+        outs = [first(model(x)) for _ in range(2 if port == "borzoi" else 1)]
+    assert reads == [True] * len(outs) and h.speculative_retries == 0
+    assert [r._forecast for r in h.modules] == learnt
+    for out in outs:
+        torch.testing.assert_close(out, sync, rtol=0, atol=0)
