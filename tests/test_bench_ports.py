@@ -177,6 +177,7 @@ def test_tiny_ports_end_to_end(one_thread):
         assert compressed["diff_rel"] < 5e-2 and math.isfinite(compressed["diff_max_abs"])
         assert compressed["compression_ratio"] > 1 and compressed["calibration_ms"] > 0
         assert compressed["compress_ms"] > 0 and dense.get("compression_ratio") is None
+        assert compressed["note"].endswith("synchronous encoding")  # the CPU's eager encoder reads in every layer
     assert by[("alphagenome-tower-tiny", "unpatched")]["kv_heads"] == 1
 
 

@@ -482,7 +482,7 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                         row["compression_ratio"] = compressed_ratio(handle.modules, spec.describe)
                         encoding = (f"speculative encoding, {handle.speculative_retries} forward(s) run again"
                                     if handle.speculative and device.type == "cuda" else "synchronous encoding")
-                        row["note"] = "; ".join(x for x in (encoding, row["note"]) if x)[:500]
+                        row["note"] = "; ".join(x for x in (row["note"], encoding) if x)[:500]
             except Exception as err:  # noqa: BLE001 - one variant's failure is recorded, the next still runs
                 row.update(status="error", reason=_error_reason(err))
             yield row
