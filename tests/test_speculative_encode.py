@@ -269,6 +269,25 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         assert reads == [True] and h.speculative_retries == 1
         assert h.modules[0].last_v_ratio == pytest.approx(sync_ratios[1], rel=1e-12)
 
+        # Under inference mode (tensors without version counters) the speculative objects still carry their
+        # record: attention checks no K/V itself, and the forward reads the device once.
+        attention_module = importlib.import_module("kvbound.attention")
+        checked_kv = []
+        original_checks = attention_module._queue_checks
+
+        def spy(tensors, *args, flags=(), **kwargs):
+            checked_kv.append(bool(flags))
+            return original_checks(tensors, *args, flags=flags, **kwargs)
+
+        monkeypatch.setattr(attention_module, "_queue_checks", spy)
+        h.forget_forecasts()  # (a synchronous tensor would be checked by attention under inference mode)
+        assert all(not r._forecast and not r._synchronous for r in h.modules)
+        reads.clear()
+        with torch.inference_mode():
+            assert torch.equal(model(x)["human"], sync)
+        assert reads == [True] and checked_kv and not any(checked_kv)
+        monkeypatch.setattr(attention_module, "_queue_checks", original_checks)
+
         # Training mode anywhere in the model: no speculation (a second run would draw dropout again).
         reads.clear()
         model.transformer[0].train()

@@ -302,3 +302,25 @@ def test_gpu_split_lowrank_bf16(monkeypatch, d):
                                 v_ref.contiguous(), causal=causal)
         # every row against one launch
         assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-8 * float(one.float().abs().max())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_split_with_a_head_split_query_writes_the_output_in_its_layout(monkeypatch, batch):
+    """The output follows q's memory order (a head-split view of [B, N, H * D] in the ports); the split launch's
+    partial outputs must take the same strides, which the kernel writes through."""
+    cfg = CompressionConfig(block_size=16, rank=8)
+    k = torch.cat([structured(1, 2, 200, 64, torch.float16, 1 + i) for i in range(batch)])
+    v = torch.cat([structured(1, 2, 200, 40, torch.float16, 3 + i) for i in range(batch)])
+    ck = compress_kv(k, cfg, calibrate(structured(1, 2, 200, 64, torch.float16, 1, spikes=False), cfg))
+    cv = compress_kv(v, cfg, calibrate(structured(1, 2, 200, 40, torch.float16, 3, spikes=False), cfg))
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, 37, 4 * 64, generator=g).to(torch.float16).view(batch, 37, 4, 64).transpose(1, 2)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")
+    one = attention(q, ck, cv)
+    passes = _launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    split = attention(q, ck, cv)
+    assert passes == [1, 2]
+    assert split.stride() == one.stride() and split.transpose(1, 2).is_contiguous()
+    check_against_reference(split, q, ck.decompress(), cv.decompress())
+    assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-11 * float(one.float().abs().max())

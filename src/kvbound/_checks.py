@@ -235,7 +235,8 @@ def deferred_checks() -> Iterator[DeferredChecks]:
     Dense calls defer every check. Compressed calls defer the checks of q, the bias and the relative positions; the
     compressed K/V themselves are checked at the first call that reads them (the kernel variant depends on their
     block modes) and the result is kept on the object until a stored tensor changes; K/V fresh from the Triton
-    encoder carry it already, so such calls need no host read at all.
+    encoder carry it already (outside ``torch.inference_mode``, whose tensors have no version counter to keep it by;
+    the speculative encoder's always), so such calls need no host read at all.
 
     ``kvbound.patch`` opens one such block around each forward of the model it patched. When the block is left
     by an exception, the queued checks are dropped and the exception propagates unchanged."""

@@ -529,7 +529,7 @@ def encode_triton_deferred(
     if sizes is not None:
         scope.queue_value(summary, lambda read: sizes(round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]),
                                                       round(read[_LOWRANK_BLOCKS])))
-    ckv._record_checked(residual, lowrank_share)
+    ckv._record_checked(residual, lowrank_share, held=True)  # also under inference mode (no version counters)
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
 

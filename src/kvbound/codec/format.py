@@ -138,13 +138,18 @@ class CompressedKV:
         except (RuntimeError, NotImplementedError):
             return None
 
-    def _record_checked(self, residual: bool, lowrank_share: float | None = None) -> None:
+    def _record_checked(self, residual: bool, lowrank_share: float | None = None, *, held: bool = False) -> None:
         """Record that the stored tensors, as they are now, are finite and that the blocks do (``residual``) or do
         not all use low rank only, and (``lowrank_share``, when known) which share of them does. ``kvbound.attention``
         then skips both checks (the call's host synchronisation) until any stored tensor is replaced or modified in
-        place (its version counter moves)."""
-        stamps = self._stamps()
+        place (its version counter moves). ``held``: the object never leaves the code that made it (the speculative
+        encoder's, read by the same forward's attention call): the record holds without version counters, which
+        inference tensors do not have."""
         share = None if lowrank_share is None else float(lowrank_share)
+        if held:
+            self._checked = ("held", bool(residual), share)
+            return
+        stamps = self._stamps()
         self._checked = None if stamps is None else (stamps, bool(residual), share)
 
     def __getstate__(self) -> dict:
@@ -168,6 +173,8 @@ class CompressedKV:
         if not isinstance(self._checked, tuple) or len(self._checked) != 3:
             return None
         stamps, residual, share = self._checked
+        if stamps == "held":
+            return residual, share
         return (residual, share) if self._stamps() == stamps else None
 
     # ----------------------------------------------------------------------------------------------- bytes

@@ -397,8 +397,8 @@ def output_order(q: torch.Tensor) -> tuple[int, ...]:
     strides = q.stride()
     if q.dim() != 4 or strides[-1] != 1 or 0 in strides:
         return (0, 1, 2, 3)
-    # ties (dimensions of size 1) keep their logical order
-    order = tuple(sorted(range(4), key=lambda i: (-strides[i] if q.shape[i] > 1 else 0, i)))
+    # Dimensions of size 1 have no meaningful stride: they go outermost (batch 1 keeps the order of the others).
+    order = tuple(sorted(range(4), key=lambda i: (q.shape[i] > 1, -strides[i], i)))
     return order if order[-1] == 3 else (0, 1, 2, 3)
 
 

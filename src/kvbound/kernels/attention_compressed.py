@@ -2692,7 +2692,8 @@ def attention_compressed_fwd(
     # Both passes whether or not a low-rank run exists (finding out would read the device from the host; without
     # one, pass 1 only writes empty partials).
     # Low-rank runs in a kernel without residual code (pass 1), the rest in the residual-capable one (pass 2).
-    partial = [(torch.empty(out.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)) for _ in range(2)]
+    # The partial outputs take out's strides: the launches below pass out's strides for them.
+    partial = [(torch.empty_like(out, dtype=torch.float32), torch.empty_like(lse)) for _ in range(2)]
     lowrank = dict(constexprs, K_RESIDUAL=False, V_RESIDUAL=False, FAST_BITS_K=0, FAST_BITS_V=0, K_PLANES=1,
                    V_PLANES=1, PASS=1)  # fmt: skip
     lowrank_args = (*args[:2], *partial[0], *args[4:])

@@ -231,8 +231,9 @@ class PatchHandle:
                 continue
             ckv = compress_kv(x, self.config, basis, impl=impl)
             residual = ckv._checked_residual()
-            if residual is not None:
-                record._learn(role, residual, ckv._checked_lowrank_share())
+            if residual is None:  # no record (inference tensors): both encoders store codes and raw at exact sizes
+                residual = ckv.codes.numel() > 0 or ckv.raw.numel() > 0
+            record._learn(role, residual, ckv._checked_lowrank_share())
             if speculative:
                 setattr(record, f"last_{role}_ratio", ckv.compression_ratio)
             encoded.append(ckv)
@@ -313,6 +314,14 @@ class PatchHandle:
 
     def _count_retry(self, retry: _checks.Retry) -> None:
         self.speculative_retries += 1
+
+    def forget_forecasts(self) -> None:
+        """Forget what earlier forwards taught the speculative encoder: the per-layer residual forecasts, and the
+        tensors that were switched to synchronous encoding after a retry (for example after an input with
+        outliers, once the inputs are ordinary again). The next forward starts as the first one did."""
+        for record in self.modules:
+            record._forecast.clear()
+            record._synchronous.clear()
 
     # ---------------------------------------------------------------------------------------------- public
     @contextlib.contextmanager
@@ -499,7 +508,9 @@ def patch(
     (coefficients beyond float16, a block the float64 certificate rejects, a residual where none was forecast), the
     forward's result is dropped and the forward runs once more with the synchronous encoder, which handles those
     cases; ``handle.speculative_retries`` counts such forwards. Forward hooks of the model run again in such a
-    second run. ``handle.speculative = False`` turns this off.
+    second run. After a retry for float16 range or the certificate, that layer's K or V is encoded synchronously for
+    the rest of the handle's life (``handle.forget_forecasts()`` starts over). The training-mode check looks at the
+    modules the model held when it was patched. ``handle.speculative = False`` turns this off.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
