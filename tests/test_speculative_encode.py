@@ -60,23 +60,14 @@ def test_retry_flags_need_a_speculative_block():
 def test_flags_of_any_shape_and_queueing_dispatches_no_op():
     """A flag is set when any element is nonzero; conditions sum their counts. Queueing keeps the tensors as they
     are: no op runs (no conversion, no concatenation) until the block's end reads everything at once."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from test_host_path import _RecordOps  # tests/ is on sys.path (rootdir conftest)
 
     summary = torch.tensor([0, 0, 0, 0, 2, 7], dtype=torch.int64)
     got = []
     with pytest.raises(_checks.Retry, match="set"):
         with _checks._block(speculative=True) as scope:
             views = summary[0:2], summary[2:3], summary[3:5]
-            with Ops() as ops:
+            with _RecordOps() as ops:
                 scope.queue_retry("clear", views[0])
                 scope.queue("call", {}, [("x: {count} bad", views[1])])
                 scope.queue_retry("set", views[2])
