@@ -266,7 +266,8 @@ class DeferredForward:
     ``speculate``: called before each forward; when it returns True the block is speculative (see the module
     docstring), and a :class:`Retry` at its end runs the forward again in an ordinary block, after calling
     ``on_retry`` with the exception. The forward must then be free of side effects that a second run would repeat
-    (``kvbound.patch`` speculates only when no module of the model is in training mode)."""
+    (``kvbound.patch`` speculates only when no module of the model with parameters, buffers or dropout is in
+    training mode)."""
 
     __slots__ = ("wrapped", "speculate", "on_retry", "__weakref__")
 

@@ -39,6 +39,7 @@ size stores ``N - k * block_size`` rows of codes or raw values.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -73,6 +74,25 @@ def codes_per_word(bits: int) -> int:
 def words_per_row(bits: int, head_dim: int) -> int:
     """int32 words that one row of ``head_dim`` codes of ``bits`` bits occupies."""
     return -(-head_dim // codes_per_word(bits))
+
+
+def _metadata(shape: tuple[int, ...], dtype: torch.dtype, config: CompressionConfig, shared_basis: bool) -> dict:
+    """The scalar metadata ``save`` writes beside the tensors."""
+    return {
+        "format": "kvbound.CompressedKV",
+        "version": str(_FORMAT_VERSION),
+        "shape": json.dumps(list(shape)),
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": json.dumps(config.as_dict()),
+        "shared_basis": "1" if shared_basis else "0",
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def _metadata_bytes(shape: tuple[int, ...], dtype: torch.dtype, config: CompressionConfig, shared_basis: bool) -> int:
+    """Length of the serialised metadata: ``nbytes`` is asked for on every patched layer's encoding, and the JSON
+    serialisation was most of its cost (the config is frozen, so the length depends on these values only)."""
+    return len(json.dumps(_metadata(shape, dtype, config, shared_basis)))
 
 
 @dataclass(eq=False)
@@ -179,14 +199,7 @@ class CompressedKV:
 
     # ----------------------------------------------------------------------------------------------- bytes
     def _metadata(self) -> dict[str, str]:
-        return {
-            "format": "kvbound.CompressedKV",
-            "version": str(_FORMAT_VERSION),
-            "shape": json.dumps(list(self.shape)),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "config": json.dumps(self.config.as_dict()),
-            "shared_basis": "1" if self.shared_basis else "0",
-        }
+        return _metadata(tuple(self.shape), self.dtype, self.config, self.shared_basis)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {
@@ -205,7 +218,7 @@ class CompressedKV:
         """Every byte this object stores: factors, packed residual, scales, offsets, modes, exact blocks, and
         the scalar metadata (shape, dtype, config) as serialised by ``save``."""
         tensor_bytes = sum(t.numel() * t.element_size() for t in self._tensors().values())
-        return tensor_bytes + len(json.dumps(self._metadata()))
+        return tensor_bytes + _metadata_bytes(tuple(self.shape), self.dtype, self.config, self.shared_basis)
 
     @property
     def dense_nbytes(self) -> int:

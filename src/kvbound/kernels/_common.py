@@ -412,10 +412,10 @@ def output_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int,
     return tuple(strides)
 
 
-def empty_output(q: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised ``[B, Hq, Nq, head_dim_v]`` output in ``q``'s memory order (``output_order``)."""
+def empty_output(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
+    """An uninitialised ``[B, Hq, Nq, head_dim_v]`` output in ``q``'s dtype and memory order (``output_order``)."""
     b, h, n, _ = q.shape
-    return torch.empty_permuted((b, h, n, head_dim_v), output_order(q), dtype=dtype or q.dtype, device=q.device)
+    return torch.empty_permuted((b, h, n, head_dim_v), output_order(q), dtype=q.dtype, device=q.device)
 
 
 def broadcast_strides(bias) -> tuple[int, int, int, int]:

@@ -234,17 +234,10 @@ class PatchHandle:
             if residual is None:  # no record (inference tensors): both encoders store codes and raw at exact sizes
                 residual = ckv.codes.numel() > 0 or ckv.raw.numel() > 0
             record._learn(role, residual, ckv._checked_lowrank_share())
-            if speculative:
+            if self._anchor_index is None:  # (speculative encodings set theirs when the forward's read arrives)
                 setattr(record, f"last_{role}_ratio", ckv.compression_ratio)
             encoded.append(ckv)
         ck, cv = encoded
-        if speculative:
-            if events is not None:
-                events[1].record(events[2])
-                record._add_encode_events(events[0], events[1])
-            else:
-                record._encode_total += sum(c.encode_seconds for c in encoded)
-            return ck, cv
         if self._anchor_index is not None:
             from kvbound.codec.anchored import encode_anchored
 
@@ -256,8 +249,8 @@ class PatchHandle:
             index = self._anchor_index.to(k.device)
             ck = encode_anchored(k, ck, ck, index, source=k, check_fresh=False)  # both just encoded above
             cv = encode_anchored(v, cv, cv, index, source=v, check_fresh=False)
-        record.last_k_ratio = ck.compression_ratio
-        record.last_v_ratio = cv.compression_ratio
+            record.last_k_ratio = ck.compression_ratio
+            record.last_v_ratio = cv.compression_ratio
         if events is not None:
             events[1].record(events[2])
             record._add_encode_events(events[0], events[1])
