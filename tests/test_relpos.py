@@ -192,3 +192,42 @@ def test_relative_core_makes_one_fused_call_for_dense_and_compressed_kv(monkeypa
     print(f"relative core, compressed K/V: calls {calls}, max err {err:.2e}")
     assert calls == [dict(n_q=40, relative=True, bias=None)]
     assert err < 2e-5
+
+
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "causal", "dtype"),
+    [
+        (37, 37, False, torch.float16),
+        (45, 70, False, torch.float32),
+        (70, 45, False, torch.float32),
+        (21, 45, True, torch.float32),
+    ],
+)
+def test_square_tiles_carry_half_of_the_window_product(n_q, n_k, causal, dtype):
+    """With BLOCK_M == BLOCK_N the dense kernel's key loop multiplies only the upper half of each tile's relative
+    window and carries it as the next tile's lower half (``_common.relative_window_half``; ragged tails, windows
+    reaching past either end of the relative keys, cross lengths, the causal mask). Pinned square tiles against the
+    float64 formula and against a non-square tile, which computes every window whole."""
+    from kvbound.kernels.attention_dense import attention_dense_fwd
+
+    dk, dv = 40, 24
+    q, k, v, rk, u, w = _inputs(1, 2, n_q, dk, dv, dtype, seed=n_q + n_k, n_k=n_k)
+    scale = dk**-0.5
+    qs = q.double() * scale
+    logits = (qs + u.double()) @ k.double().transpose(-1, -2) + relative_logits(qs + w.double(), rk, n_q)
+    if causal:
+        logits = logits.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None], float("-inf"))
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    relative = (rk, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
+    outs = {}
+    for block_m, block_n in ((16, 16), (32, 32), (32, 16)):
+        config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+        out, _ = attention_dense_fwd(q, k, v, None, scale, causal, None, config=config, relative=relative)
+        outs[block_m, block_n] = out
+    tolerance = 2e-5 if dtype == torch.float32 else 4e-3
+    for tile, out in outs.items():
+        err = (out.double() - expected).abs().max().item()
+        print(f"relative, tile {tile}, Nq={n_q} Nk={n_k} causal={causal} {dtype}: max err {err:.2e}")
+        assert err < tolerance, tile
+    square = (outs[16, 16].double() - outs[32, 16].double()).abs().max().item()
+    assert square < tolerance

@@ -201,6 +201,13 @@ RELATIVE_SKEW_NAME = os.environ.get("KVBOUND_RELATIVE_SKEW", "shared-banked")
 if RELATIVE_SKEW_NAME not in RELATIVE_SKEWS:
     raise ValueError(f"KVBOUND_RELATIVE_SKEW: expected one of {', '.join(RELATIVE_SKEWS)}, got {RELATIVE_SKEW_NAME!r}")
 _SKEW_MODE = tl.constexpr(RELATIVE_SKEWS.index(RELATIVE_SKEW_NAME))
+# KVBOUND_RELATIVE_HALVES: "1" (default) lets the dense kernel's key loop compute each tile's window product one half
+# at a time, the other half carried from the tile before (relative_window_half, relative_skew_halves); "0" makes
+# every tile compute its whole window (relative_logits_tile), as the compressed kernel always does.
+RELATIVE_HALVES_NAME = os.environ.get("KVBOUND_RELATIVE_HALVES", "1")
+if RELATIVE_HALVES_NAME not in ("0", "1"):
+    raise ValueError(f"KVBOUND_RELATIVE_HALVES: expected 0 or 1, got {RELATIVE_HALVES_NAME!r}")
+RELATIVE_HALVES = tl.constexpr(RELATIVE_HALVES_NAME == "1")
 
 
 @triton.jit
@@ -255,6 +262,49 @@ def relative_logits_tile(
         idx = tl.reshape(pos, [BLOCK_M * BLOCK_N])
         return tl.reshape(tl.gather(flat, idx, axis=0), [BLOCK_M, BLOCK_N])
     return tl.gather(table, skew, axis=1)
+
+
+@triton.jit
+def relative_window_half(
+    q_position,
+    relative_head,
+    stride_rel_row,
+    stride_rel_d,
+    first_row,
+    N_REL,
+    HEAD_DIM_K: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``q_position @ relative_keys[first_row + w]^T`` for ``w`` in ``[0, WIDTH)``: ``[BLOCK_M, WIDTH]`` float32, rows
+    outside ``[0, N_REL)`` read as zeros (only padding queries or keys read them). One half of a tile's window
+    product (``relative_logits_tile``): with ``BLOCK_M == BLOCK_N == WIDTH`` the window of the key tile at
+    ``start_n`` starts at ``first_row = N_Q - 1 + start_n - start_m - (BLOCK_M - 1)``, and its upper half is the lower
+    half of the next key tile's window, so a key loop computes one half per tile and carries the other."""
+    offs_w = tl.arange(0, WIDTH)
+    offs_d = tl.arange(0, DK_PAD)
+    rel_row = first_row + offs_w
+    row_ok = (rel_row >= 0) & (rel_row < N_REL)
+    ptrs = relative_head + (rel_row.to(tl.int64) * stride_rel_row)[None, :] + (offs_d * stride_rel_d)[:, None]
+    window = tl.load(ptrs, mask=row_ok[None, :] & (offs_d < HEAD_DIM_K)[:, None], other=0.0)
+    return tl.dot(q_position, window, input_precision=PRECISION)
+
+
+@triton.jit
+def relative_skew_halves(lower, upper):
+    """The relative logits ``[BLOCK_M, BLOCK_N]`` of a tile from its window product in two halves ``[BLOCK_M,
+    BLOCK_N]`` (``BLOCK_M == BLOCK_N``; ``relative_window_half``): with ``table = [lower | upper]``, ``out[a, c] =
+    table[a, BLOCK_M - 1 + c - a]``. The halves are joined (``[BLOCK_M, BLOCK_N, 2]``, column ``h * BLOCK_N + j`` at
+    ``(a, j, h)``), flattened, and gathered along their one axis, which Triton lowers to one store to shared memory
+    and one load per logit (as the ``shared`` skew of ``relative_logits_tile``)."""
+    BLOCK_M: tl.constexpr = lower.shape[0]
+    BLOCK_N: tl.constexpr = lower.shape[1]
+    flat = tl.reshape(tl.join(lower, upper), [BLOCK_M * BLOCK_N * 2])
+    offs_a = tl.arange(0, BLOCK_M)[:, None]
+    skew = (BLOCK_M - 1) + tl.arange(0, BLOCK_N)[None, :] - offs_a  # in [0, 2 BLOCK_N - 2]
+    idx = tl.reshape((offs_a * BLOCK_N + skew % BLOCK_N) * 2 + skew // BLOCK_N, [BLOCK_M * BLOCK_N])
+    return tl.reshape(tl.gather(flat, idx, axis=0), [BLOCK_M, BLOCK_N])
 
 
 @triton.jit

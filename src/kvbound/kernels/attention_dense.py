@@ -23,6 +23,7 @@ import triton.language as tl
 from kvbound.kernels._common import (
     BOUND_RETRY_SUM,
     LN2,
+    RELATIVE_HALVES,
     bounded_by_default,
     broadcast_strides,
     fixed_softmax_max,
@@ -38,6 +39,8 @@ from kvbound.kernels._common import (
     relative_logits_tile,
     relative_runs_bounds,
     relative_runs_tile,
+    relative_skew_halves,
+    relative_window_half,
     softmax_step,
     tma_ready,
 )
@@ -105,6 +108,22 @@ def _attention_dense_inner(
     last_run = 0
     if RELATIVE == 2:
         first_run, last_run = relative_runs_bounds(relative_runs, row_start, lo, N_Q, N_K, N_REL, q.shape[0], BLOCK_N)
+    # Relative keys with square tiles: each tile computes the upper half of its window product and carries it as
+    # the next tile's lower half (relative_window_half), so the loop multiplies half of the window per tile.
+    HALVES: tl.constexpr = RELATIVE == 1 and RELATIVE_HALVES and q.shape[0] == BLOCK_N
+    if HALVES:
+        carried = relative_window_half(
+            q_position,
+            relative_head,
+            stride_rel_row,
+            stride_rel_d,
+            (N_Q - 1) + lo - row_start - (BLOCK_N - 1),
+            N_REL,
+            HEAD_DIM_K,
+            DK_PAD,
+            BLOCK_N,
+            PRECISION,
+        )
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     dk_ok = offs_dk < HEAD_DIM_K
@@ -152,6 +171,22 @@ def _attention_dense_inner(
                 RUN_SPAN,
             )
             first_run, last_run = next_first, next_last
+            x = tl.dot(q, k, relative, input_precision=PRECISION)
+        elif HALVES:
+            upper = relative_window_half(
+                q_position,
+                relative_head,
+                stride_rel_row,
+                stride_rel_d,
+                (N_Q - 1) + start_n + 1 - row_start,
+                N_REL,
+                HEAD_DIM_K,
+                DK_PAD,
+                BLOCK_N,
+                PRECISION,
+            )
+            relative = relative_skew_halves(carried, upper)
+            carried = upper
             x = tl.dot(q, k, relative, input_precision=PRECISION)
         elif RELATIVE:
             relative = relative_logits_tile(
