@@ -9,7 +9,9 @@ relative keys of ``kvbound bench --suite relative``. Every row records the large
 float64 (``kvbound.models.reference.relative_position_attention_reference``) next to its time; a tile that does not
 compile (shared memory, registers) is a row with its reason. Rows ``tile=autotuned`` time the public call
 (``relative_position_attention(..., backend="kvbound")``), whose autotuner picks among the variant's tiles.
-``variant=keys``: the relative keys (``RELATIVE = 1``, which the skew applies to); ``variant=runs`` (Borzoi only):
+``variant=keys``: the relative keys (``RELATIVE = 1``, which the skew applies to); ``variant=keys-halves`` (square
+tiles): the same with half of each tile's window product carried to the next tile (``relative_halves=True``,
+``RELATIVE = 3``); ``variant=runs`` (Borzoi only):
 the runs of equal relative keys (``RELATIVE = 2``, no skew), timed through the public call with the autotuner's
 tile list reduced to the pinned tile."""
 
@@ -124,14 +126,16 @@ def _worker(args) -> int:
                             )
                         except Exception as error:  # noqa: BLE001 - a row with its reason
                             emit({**base, "variant": "runs", "tile": tile, "status": "error", "reason": _reason(error)})
-                for m_, n_, w_, s_ in tiles:
+                for (m_, n_, w_, s_), halves in [(t, h) for t in tiles for h in (False, True) if not h or t[0] == t[1]]:
                     config = {"BLOCK_M": m_, "BLOCK_N": n_, "num_warps": w_, "num_stages": s_}
                     tile = f"{m_}x{n_}x{w_}x{s_}"
+                    variant = "keys-halves" if halves else "keys"
 
-                    def call(config=config, q=q, k=k, v=v, rk=rk, u=u, w=w, scale=x["scale"]):
+                    def call(config=config, q=q, k=k, v=v, rk=rk, u=u, w=w, scale=x["scale"], halves=halves):
                         return attention_dense_fwd(
-                            q, k, v, None, scale, False, None, config=config, relative=(rk, u, w)
-                        )[0]
+                            q, k, v, None, scale, False, None, config=config, relative=(rk, u, w),
+                            relative_halves=halves,
+                        )[0]  # fmt: skip
 
                     try:
                         e = err(call())
@@ -139,7 +143,7 @@ def _worker(args) -> int:
                         emit(
                             {
                                 **base,
-                                "variant": "keys",
+                                "variant": variant,
                                 "tile": tile,
                                 "status": "ok",
                                 "ms_p50": f"{ms:.4g}",
@@ -147,7 +151,7 @@ def _worker(args) -> int:
                             }
                         )
                     except Exception as error:  # noqa: BLE001 - a row with its reason
-                        emit({**base, "variant": "keys", "tile": tile, "status": "error", "reason": _reason(error)})
+                        emit({**base, "variant": variant, "tile": tile, "status": "error", "reason": _reason(error)})
                 del x, q, k, v, ref
                 torch.cuda.empty_cache()
     return 0

@@ -51,8 +51,9 @@ def test_gpu_relative_positions_bf16(n, compressed):
     check_against_reference(out[:, :, :rows].contiguous(), content, k_ref, v_ref, bias=bias, scale=1.0)
 
 
-def _pinned_relative_tiles(n: int) -> list[str]:
-    """Every tile of the dense kernel's relative variant, pinned, on a ragged length: one line per tile."""
+def _pinned_relative_tiles(n: int, halves: bool = False) -> list[str]:
+    """Every tile of the dense kernel's relative variant, pinned, on a ragged length: one line per tile.
+    ``halves``: square tiles carry half of each window product (``relative_halves=True``)."""
     from kvbound.kernels import attention_dense
 
     q, k, v, table, u, w = _relative_case(n, 11 + n)
@@ -63,11 +64,16 @@ def _pinned_relative_tiles(n: int) -> list[str]:
     for m, n_, warps, stages in sorted(attention_dense._RELATIVE_SHAPES):
         config = {"BLOCK_M": m, "BLOCK_N": n_, "num_warps": warps, "num_stages": stages}
         out, _ = attention_dense.attention_dense_fwd(
-            q, k, v, None, scale, False, None, config=config, relative=(table, u, w)
+            q, k, v, None, scale, False, None, config=config, relative=(table, u, w), relative_halves=halves
         )
         check_against_reference(out[:, :, :rows].contiguous(), content, k, v, bias=bias, scale=1.0)
         done.append(f"{m}x{n_}x{warps}x{stages}")
     return done
+
+
+def test_gpu_every_relative_tile_with_carried_halves_bf16():
+    """The square relative tiles with half of each window product carried to the next tile, against float64."""
+    assert len(_pinned_relative_tiles(1500, halves=True)) == 3
 
 
 @pytest.mark.parametrize("skew", ["default", "gather", "shared"])

@@ -220,14 +220,28 @@ def test_square_tiles_carry_half_of_the_window_product(n_q, n_k, causal, dtype):
     expected = torch.softmax(logits, dim=-1) @ v.double()
     relative = (rk, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
     outs = {}
-    for block_m, block_n in ((16, 16), (32, 32), (32, 16)):
+    for block_m, block_n, halves in ((16, 16, True), (32, 32, True), (16, 16, False), (32, 16, True)):
         config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
-        out, _ = attention_dense_fwd(q, k, v, None, scale, causal, None, config=config, relative=relative)
-        outs[block_m, block_n] = out
+        out, _ = attention_dense_fwd(
+            q, k, v, None, scale, causal, None, config=config, relative=relative, relative_halves=halves
+        )
+        outs[block_m, block_n, halves] = out
     tolerance = 2e-5 if dtype == torch.float32 else 4e-3
     for tile, out in outs.items():
         err = (out.double() - expected).abs().max().item()
-        print(f"relative, tile {tile}, Nq={n_q} Nk={n_k} causal={causal} {dtype}: max err {err:.2e}")
+        print(f"relative, tile and halves {tile}, Nq={n_q} Nk={n_k} causal={causal} {dtype}: max err {err:.2e}")
         assert err < tolerance, tile
-    square = (outs[16, 16].double() - outs[32, 16].double()).abs().max().item()
-    assert square < tolerance
+    for other in ((16, 16, False), (32, 16, True)):
+        assert (outs[16, 16, True].double() - outs[other].double()).abs().max().item() < tolerance
+
+
+def test_relative_halves_setting(monkeypatch):
+    from kvbound.kernels._common import relative_halves_default
+
+    monkeypatch.delenv("KVBOUND_RELATIVE_HALVES", raising=False)
+    assert relative_halves_default() is False
+    monkeypatch.setenv("KVBOUND_RELATIVE_HALVES", "1")
+    assert relative_halves_default() is True
+    monkeypatch.setenv("KVBOUND_RELATIVE_HALVES", "yes")
+    with pytest.raises(ValueError, match="KVBOUND_RELATIVE_HALVES: expected 0 or 1, got 'yes'"):
+        relative_halves_default()

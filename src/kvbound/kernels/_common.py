@@ -201,13 +201,17 @@ RELATIVE_SKEW_NAME = os.environ.get("KVBOUND_RELATIVE_SKEW", "shared-banked")
 if RELATIVE_SKEW_NAME not in RELATIVE_SKEWS:
     raise ValueError(f"KVBOUND_RELATIVE_SKEW: expected one of {', '.join(RELATIVE_SKEWS)}, got {RELATIVE_SKEW_NAME!r}")
 _SKEW_MODE = tl.constexpr(RELATIVE_SKEWS.index(RELATIVE_SKEW_NAME))
-# KVBOUND_RELATIVE_HALVES: "1" (default) lets the dense kernel's key loop compute each tile's window product one half
-# at a time, the other half carried from the tile before (relative_window_half, relative_skew_halves); "0" makes
-# every tile compute its whole window (relative_logits_tile), as the compressed kernel always does.
-RELATIVE_HALVES_NAME = os.environ.get("KVBOUND_RELATIVE_HALVES", "1")
-if RELATIVE_HALVES_NAME not in ("0", "1"):
-    raise ValueError(f"KVBOUND_RELATIVE_HALVES: expected 0 or 1, got {RELATIVE_HALVES_NAME!r}")
-RELATIVE_HALVES = tl.constexpr(RELATIVE_HALVES_NAME == "1")
+
+
+def relative_halves_default() -> bool:
+    """``KVBOUND_RELATIVE_HALVES``: ``1`` lets the dense kernel's key loop compute each square tile's relative window
+    product one half at a time, the other half carried from the tile before (``relative_window_half``,
+    ``relative_skew_halves``); ``0`` or unset: every tile computes its whole window (``relative_logits_tile``), as the
+    compressed kernel always does. Off by default until it has been timed on a GPU. Read at each launch."""
+    value = os.environ.get("KVBOUND_RELATIVE_HALVES", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVBOUND_RELATIVE_HALVES: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @triton.jit

@@ -23,7 +23,6 @@ import triton.language as tl
 from kvbound.kernels._common import (
     BOUND_RETRY_SUM,
     LN2,
-    RELATIVE_HALVES,
     bounded_by_default,
     broadcast_strides,
     fixed_softmax_max,
@@ -36,6 +35,7 @@ from kvbound.kernels._common import (
     next_power_of_2,
     output_order,
     output_strides,
+    relative_halves_default,
     relative_logits_tile,
     relative_runs_bounds,
     relative_runs_tile,
@@ -102,7 +102,9 @@ def _attention_dense_inner(
     each tile's raw logits start from its relative-position term: 1, from the relative keys
     (``_common.relative_logits_tile``); 2, from a table per query and run of distances
     (``_common.relative_runs_tile``; ``N_REL`` is then the number of runs, ``RUN_SPAN`` the most runs a tile
-    spans or 0)."""
+    spans or 0); 3, as 1, but with square tiles (``BLOCK_M == BLOCK_N``) each tile multiplies only the upper half of
+    its window and carries it to the next tile as that tile's lower half (``attention_dense_fwd``'s
+    ``relative_halves``)."""
     offs_n = tl.arange(0, BLOCK_N)
     first_run = 0
     last_run = 0
@@ -110,7 +112,7 @@ def _attention_dense_inner(
         first_run, last_run = relative_runs_bounds(relative_runs, row_start, lo, N_Q, N_K, N_REL, q.shape[0], BLOCK_N)
     # Relative keys with square tiles: each tile computes the upper half of its window product and carries it as
     # the next tile's lower half (relative_window_half), so the loop multiplies half of the window per tile.
-    HALVES: tl.constexpr = RELATIVE == 1 and RELATIVE_HALVES and q.shape[0] == BLOCK_N
+    HALVES: tl.constexpr = RELATIVE == 3 and q.shape[0] == BLOCK_N
     if HALVES:
         carried = relative_window_half(
             q_position,
@@ -659,6 +661,7 @@ def attention_dense_fwd(
     relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     run_span: int = 0,
     bounded_max: bool | None = None,
+    relative_halves: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -683,7 +686,10 @@ def attention_dense_fwd(
     maximum is tracked and nothing rescaled; P enters the value product in V's dtype, whose range holds the gap; a
     program in which a row's sum ends below ``BOUND_RETRY_SUM`` redoes its keys with the running maximum. True /
     False: where it applies / never. None: ``KVBOUND_BOUNDED_MAX`` (``bounded_setting``): ``on`` / ``off`` as True /
-    False; ``auto`` (the default) from ``BOUNDED_MIN_KEYS`` keys on."""
+    False; ``auto`` (the default) from ``BOUNDED_MIN_KEYS`` keys on.
+    ``relative_halves``: with ``relative`` and square tiles, compute half of each tile's window product and carry the
+    other half from the tile before (``RELATIVE = 3``; the same values, column by column); None:
+    ``KVBOUND_RELATIVE_HALVES`` (``_common.relative_halves_default``, off unless set to 1)."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     wanted = bounded_max if bounded_max is not None else bounded_by_default(k_shape[-2], BOUNDED_MIN_KEYS)
@@ -704,6 +710,7 @@ def attention_dense_fwd(
             f"config: with run_span a tile spans at most {_RELATIVE_WINDOW} distances (BLOCK_M + BLOCK_N - 1), got "
             f"{config['BLOCK_M']} x {config['BLOCK_N']}"
         )
+    halves = False
     if relative_runs is not None:
         if relative is not None:
             raise ValueError("relative, relative_runs: expected at most one of them")
@@ -713,7 +720,8 @@ def attention_dense_fwd(
         relative_layout = ("runs", table.shape, table.dtype, run_span)
     elif relative is not None:
         relative_keys, content_bias, position_bias = relative
-        relative_layout = (relative_keys.stride(), relative_keys.dtype)
+        halves = relative_halves_default() if relative_halves is None else bool(relative_halves)
+        relative_layout = (relative_keys.stride(), relative_keys.dtype, halves)
     else:
         # None arguments become constexpr: without relative positions the kernel's signature and code are the
         # same as a kernel that never had them.
@@ -752,6 +760,7 @@ def attention_dense_fwd(
             relative,
             run_span if relative_runs is not None else None,
             bounded,
+            halves,
         )
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -811,7 +820,7 @@ class _Plan:
 
 def _plan(
     q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None,
-    bounded: bool = False,
+    bounded: bool = False, halves: bool = False,
 ) -> _Plan:  # fmt: skip
     runs = run_span is not None
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -861,7 +870,7 @@ def _plan(
         FIXED_MAX=max_value is not None,
         BOUNDED=bounded,
         CAUSAL=causal,
-        RELATIVE=2 if runs else int(relative is not None),
+        RELATIVE=2 if runs else (3 if halves else 1) if relative is not None else 0,
         RUN_SPAN=run_span if runs else 0,
         PRECISION=float32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
