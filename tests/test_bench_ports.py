@@ -203,3 +203,63 @@ def test_port_model_lists():
     assert full["alphagenome"].input_len // 128 == full["alphagenome"].tokens == 8192
     assert all(len(s.batches) == 2 and s.batches[0] == 1 for s in ports.PORT_MODELS)
     assert dataclasses.is_dataclass(ports.SMOKE_PORT_MODELS[0])
+
+
+@pytest.mark.parametrize(
+    ("largest_that_fits", "limit", "expected"),
+    [
+        (37, 256, (37, 38)),  # doubling to 64 fails, then bisection between 32 and 64
+        (64, 256, (64, 65)),
+        (1, 256, (1, 2)),
+        (0, 256, (0, 1)),  # not even one fits
+        (300, 256, (256, None)),  # the limit is reached
+        (300, 100, (100, None)),  # a limit that is not a power of two is tried itself
+        (99, 100, (99, 100)),
+    ],
+)
+def test_largest_fitting_doubles_then_bisects(largest_that_fits, limit, expected):
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= largest_that_fits
+
+    largest, failing, calls = ports.largest_fitting(fits, limit)
+    assert (largest, failing) == expected
+    assert calls == len(tried) == len(set(tried))  # no size is tried twice
+    assert all(1 <= n <= limit for n in tried)
+    assert calls <= 2 * max(1, limit).bit_length() + 1
+
+
+def test_largest_fitting_rejects_a_limit_below_one():
+    with pytest.raises(ValueError, match="limit: expected >= 1, got 0"):
+        ports.largest_fitting(lambda n: True, 0)
+
+
+def test_largest_batch_rows_stop_where_the_forward_runs_out_of_memory(monkeypatch):
+    """Each variant's own search; an out-of-memory forward is a size that does not fit, any other error ends that
+    variant with an error row."""
+    forward = ports._forward
+
+    def limited(spec, model, inputs, device):
+        batch = inputs.args[0].shape[0]
+        if batch > 5:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(spec, model, inputs, device)
+
+    monkeypatch.setattr(ports, "_forward", limited)
+    lines = []
+    rows = list(ports.largest_batch_rows((_toy_spec(),), torch.device("cpu"), SMOKE, limit=64, progress=lines.append))
+    assert [r["variant"] for r in rows] == list(ports.VARIANTS)
+    for r in rows:
+        assert r["status"] == "ok" and (r["largest_batch"], r["first_out_of_memory"]) == (5, 6), r
+        assert r["probes"] == 6 and r["peak_gib"] is None  # 1 2 4 8, then 6 and 5; peak memory on CUDA only
+    assert "toy unpatched batch 8: out of memory" in lines and "toy patch-dense batch 5: fits" in lines
+
+    def broken(spec, model, inputs, device):
+        raise RuntimeError("a shape error")
+
+    monkeypatch.setattr(ports, "_forward", broken)
+    rows = list(ports.largest_batch_rows((_toy_spec(),), torch.device("cpu"), SMOKE, limit=8,
+                                         variants=("unpatched",)))  # fmt: skip
+    assert rows[0]["status"] == "error" and "RuntimeError: a shape error" in rows[0]["reason"]

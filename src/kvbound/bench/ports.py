@@ -57,7 +57,7 @@ from kvbound.bench.encoder import config_label
 from kvbound.bench.runner import quantiles, time_calls
 
 __all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "ModelOptions", "AttentionTimer",
-           "model_rows", "port_models", "compressed_ratio"]
+           "model_rows", "port_models", "compressed_ratio", "largest_fitting", "largest_batch_rows"]
 
 VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
 
@@ -488,3 +488,87 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
             yield row
             _release(device)
         del inputs, reference
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, int | None, int]:
+    """The largest ``n`` in ``1 .. limit`` with ``fits(n)``, for a ``fits`` that holds up to some size and fails
+    above it: ``n`` doubled from 1 until ``fits`` fails (or passes ``limit``, which is then tried itself), then
+    bisected between the last size that fit and the first that did not. Returns ``(largest or 0, smallest size
+    seen failing or None, calls of fits)``."""
+    if limit < 1:
+        raise ValueError(f"limit: expected >= 1, got {limit}")
+    largest, failing, calls, n = 0, None, 0, 1
+    while n <= limit:
+        calls += 1
+        if not fits(n):
+            failing = n
+            break
+        largest, n = n, n * 2
+    if failing is None and largest < limit:
+        calls += 1
+        if fits(limit):
+            largest = limit
+        else:
+            failing = limit
+    while failing is not None and failing - largest > 1:
+        middle = (largest + failing) // 2
+        calls += 1
+        if fits(middle):
+            largest = middle
+        else:
+            failing = middle
+    return largest, failing, calls
+
+
+def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, config, *, limit: int,
+                       variants: tuple[str, ...] = VARIANTS, backend: str = "auto", seed: int = 0,
+                       progress: Callable[[str], None] | None = None) -> Iterator[dict]:
+    """For each model and variant, the largest batch whose forward (bf16 autocast, ``no_grad``, inputs of the models
+    suite) runs without running out of device memory (``largest_fitting`` up to ``limit``), and the peak memory of
+    that forward. A forward that fails otherwise ends that variant's search with an error row."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for spec in specs:
+        torch.manual_seed(seed)
+        model = spec.build().to(device)
+        calibration_input = spec.make_input(1, seed + 2, device)
+
+        def calibrate(m: nn.Module, calibration_input=calibration_input, spec=spec) -> None:
+            _forward(spec, m, calibration_input, device)
+
+        for variant in variants:
+            peaks: dict[int, int] = {}
+            row = {"model": spec.name, "variant": variant, "input_len": spec.input_len, "limit": limit}
+            started = time.perf_counter()
+
+            def fits(batch: int, spec=spec, model=model, peaks=peaks, variant=variant) -> bool:
+                inputs = out = None
+                try:
+                    _release(device)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    inputs = spec.make_input(batch, seed + 1, device)
+                    out = _forward(spec, model, inputs, device)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                        peaks[batch] = torch.cuda.max_memory_allocated(device)
+                    ok = True
+                except torch.cuda.OutOfMemoryError:
+                    ok = False
+                finally:
+                    del inputs, out
+                    _release(device)
+                if progress is not None:
+                    progress(f"{spec.name} {variant} batch {batch}: {'fits' if ok else 'out of memory'}")
+                return ok
+
+            try:
+                with _variant(variant, model, config, calibrate, backend):
+                    largest, failing, calls = largest_fitting(fits, limit)
+                row.update(status="ok", largest_batch=largest, first_out_of_memory=failing, probes=calls,
+                           peak_gib=peaks[largest] / 2**30 if largest in peaks else None)
+            except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
+                row.update(status="error", reason=_error_reason(err))
+            row["seconds"] = time.perf_counter() - started
+            yield row
+        del model
+        _release(device)
