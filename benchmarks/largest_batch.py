@@ -8,8 +8,10 @@ autocast, ``no_grad``, one-hot random DNA; the compressed variant calibrated onc
 probed batch: the batch doubles from 1 until a forward runs out of memory (or passes ``--limit``), then is bisected
 between the last batch that ran and the first that did not (``kvbound.bench.ports.largest_fitting``). Rows: model,
 variant, ``largest_batch``, ``first_out_of_memory`` (empty when the limit was reached), ``peak_gib``
-(``torch.cuda.max_memory_allocated`` of the forward at the largest batch), ``probes``, ``seconds``. The models suite
-can then time each model at that batch (``--batches 1 N``).
+(``torch.cuda.max_memory_allocated`` of the forward at the largest batch), ``probes``, ``seconds``; a forward that
+fails for another reason than memory stops that variant's search (``status=error``, ``failed_batch``, ``reason``,
+and the largest batch that ran before it). The models suite can then time each model at that batch (``--batches 1
+N``).
 
 ``--cpu-smoke``: the ports' small configs on the CPU up to ``--limit`` (default 4 there): a dry run of the search
 (nothing runs out of memory on the CPU).
@@ -24,7 +26,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 FIELDS = ["model", "variant", "status", "largest_batch", "first_out_of_memory", "peak_gib", "probes", "limit",
-          "input_len", "seconds", "reason", "device", "torch", "commit"]  # fmt: skip
+          "failed_batch", "input_len", "seconds", "reason", "device", "torch", "commit"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"largest_batch.py: nothing to run (models {args.models}, variants {list(variants)}; variants: "
               f"{list(VARIANTS)})", file=sys.stderr)  # fmt: skip
         return 2
-    limit = args.limit or (4 if args.cpu_smoke else 256)
+    limit = args.limit if args.limit is not None else (4 if args.cpu_smoke else 256)
+    if limit < 1:
+        print(f"largest_batch.py: --limit: expected >= 1, got {limit}", file=sys.stderr)
+        return 2
     # The models suite's configs: default, or its CPU smoke config (the tiny Borzoi's keys are 8-dimensional).
     config = CompressionConfig(block_size=16, rank=4, tau=DEFAULT_TAU) if args.cpu_smoke else CompressionConfig()
     stamp = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

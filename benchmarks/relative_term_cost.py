@@ -11,7 +11,8 @@ window product rounded to float16 before the skew through shared memory, widened
 ``plain-autotuned`` compute other functions: their ``err_max`` against the relative-position reference is large by
 construction; only their times mean something. Shapes: one Enformer layer (N 1536, batch 8 and 1) and one Borzoi
 layer with its relative keys (N 4096, batch 4), 8 heads, dk 64, dv 192, bf16, inputs of ``kvbound bench --suite
-relative``; ``triton.testing.do_bench`` medians of ``attention_dense_fwd`` with a pinned tile (no host checks).
+relative``; ``triton.testing.do_bench`` medians of ``attention_dense_fwd`` with a pinned tile (no host checks), whole
+windows (``relative_halves=False``).
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def _shape_rows(variant: str, layer: str, n: int, batch: int, shift: str) -> lis
             config = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), tile, strict=True))
 
             def call(config=config):
-                return attention_dense_fwd(q, k, v, None, scale, False, None, config=config, relative=(rk, u, w))[0]
+                return attention_dense_fwd(
+                    q, k, v, None, scale, False, None, config=config, relative=(rk, u, w), relative_halves=False
+                )[0]
 
             label = "x".join(map(str, tile))
         try:

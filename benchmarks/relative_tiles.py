@@ -9,9 +9,11 @@ relative keys of ``kvbound bench --suite relative``. Every row records the large
 float64 (``kvbound.models.reference.relative_position_attention_reference``) next to its time; a tile that does not
 compile (shared memory, registers) is a row with its reason. Rows ``tile=autotuned`` time the public call
 (``relative_position_attention(..., backend="kvbound")``), whose autotuner picks among the variant's tiles.
-``variant=keys``: the relative keys (``RELATIVE = 1``, which the skew applies to); ``variant=keys-halves`` (square
-tiles): the same with half of each tile's window product carried to the next tile (``relative_halves=True``,
-``RELATIVE = 3``); ``variant=runs`` (Borzoi only):
+``variant=keys``: the relative keys (``RELATIVE = 1``, which the skew applies to; whole windows, also in the
+autotuned rows: the workers run with ``KVBOUND_RELATIVE_HALVES=0``); ``variant=keys-halves`` (square tiles, written by
+the first skew's worker only, since the halves are skewed by one flat gather whatever the setting): half of each
+tile's window product carried to the next tile (``relative_halves=True``, ``RELATIVE = 3``); ``variant=runs``
+(Borzoi only):
 the runs of equal relative keys (``RELATIVE = 2``, no skew), timed through the public call with the autotuner's
 tile list reduced to the pinned tile."""
 
@@ -35,6 +37,7 @@ def main() -> int:
     p.add_argument("--skews", default="gather,shared,shared-banked")
     p.add_argument("--tiles", default=TILES)
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--halves", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -42,8 +45,12 @@ def main() -> int:
             csv.DictWriter(f, fieldnames=FIELDS).writeheader()
         status = 0
         for skew in args.skews.split(","):
-            env = {**os.environ, "KVBOUND_RELATIVE_SKEW": skew}
+            # Whole windows in the public call's rows; the keys-halves rows (the first worker's only: the halves
+            # are skewed in one way whatever the skew setting) ask for half windows themselves.
+            env = {**os.environ, "KVBOUND_RELATIVE_SKEW": skew, "KVBOUND_RELATIVE_HALVES": "0"}
             cmd = [sys.executable, __file__, str(args.out), "--tiles", args.tiles, "--worker", skew]
+            if skew == args.skews.split(",")[0]:
+                cmd.append("--halves")
             status |= subprocess.run(cmd, env=env).returncode
         return status
     return _worker(args)
@@ -126,7 +133,8 @@ def _worker(args) -> int:
                             )
                         except Exception as error:  # noqa: BLE001 - a row with its reason
                             emit({**base, "variant": "runs", "tile": tile, "status": "error", "reason": _reason(error)})
-                for (m_, n_, w_, s_), halves in [(t, h) for t in tiles for h in (False, True) if not h or t[0] == t[1]]:
+                pinned = [(t, h) for t in tiles for h in (False, True) if not h or (args.halves and t[0] == t[1])]
+                for (m_, n_, w_, s_), halves in pinned:
                     config = {"BLOCK_M": m_, "BLOCK_N": n_, "num_warps": w_, "num_stages": s_}
                     tile = f"{m_}x{n_}x{w_}x{s_}"
                     variant = "keys-halves" if halves else "keys"

@@ -256,10 +256,24 @@ def test_largest_batch_rows_stop_where_the_forward_runs_out_of_memory(monkeypatc
         assert r["probes"] == 6 and r["peak_gib"] is None  # 1 2 4 8, then 6 and 5; peak memory on CUDA only
     assert "toy unpatched batch 8: out of memory" in lines and "toy patch-dense batch 5: fits" in lines
 
-    def broken(spec, model, inputs, device):
-        raise RuntimeError("a shape error")
+    def cublas(spec, model, inputs, device):  # a library's allocation failure counts as out of memory
+        if inputs.args[0].shape[0] > 2:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return forward(spec, model, inputs, device)
 
-    monkeypatch.setattr(ports, "_forward", broken)
+    monkeypatch.setattr(ports, "_forward", cublas)
     rows = list(ports.largest_batch_rows((_toy_spec(),), torch.device("cpu"), SMOKE, limit=8,
                                          variants=("unpatched",)))  # fmt: skip
-    assert rows[0]["status"] == "error" and "RuntimeError: a shape error" in rows[0]["reason"]
+    assert (rows[0]["status"], rows[0]["largest_batch"], rows[0]["first_out_of_memory"]) == ("ok", 2, 3)
+
+    def broken(spec, model, inputs, device):  # any other error stops the search, keeping what it found
+        if inputs.args[0].shape[0] > 4:
+            raise RuntimeError("a shape error")
+        return forward(spec, model, inputs, device)
+
+    monkeypatch.setattr(ports, "_forward", broken)
+    rows = list(ports.largest_batch_rows((_toy_spec(),), torch.device("cpu"), SMOKE, limit=64,
+                                         variants=("unpatched", "patch-dense")))  # fmt: skip
+    for row in rows:
+        assert row["status"] == "error" and "RuntimeError: a shape error" in row["reason"]
+        assert (row["largest_batch"], row["failed_batch"]) == (4, 8) and "first_out_of_memory" not in row

@@ -245,3 +245,41 @@ def test_relative_halves_setting(monkeypatch):
     monkeypatch.setenv("KVBOUND_RELATIVE_HALVES", "yes")
     with pytest.raises(ValueError, match="KVBOUND_RELATIVE_HALVES: expected 0 or 1, got 'yes'"):
         relative_halves_default()
+
+
+def test_relative_halves_gets_its_own_plan_and_kernel_path(monkeypatch):
+    """Through the autotuned launch (plan cache, no pinned config): ``relative_halves`` False and True give two plans
+    (``RELATIVE`` 1 and 3), and each runs only its own path: the whole-window path never calls
+    ``relative_window_half``, the halves path never calls ``relative_logits_tile`` (the interpreter resolves the
+    kernels' helper functions at run time, so a replaced helper would raise)."""
+    import triton
+
+    from kvbound.kernels import attention_dense
+
+    tuner = attention_dense._attention_dense_fwd
+    monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(attention_dense, "_RELATIVE_SHAPES", frozenset({(16, 16, 4, 1)}))
+    caches = (attention_dense._TUNED, attention_dense._PLANS, tuner.cache)
+    for cache in caches:
+        cache.clear()
+    n, dk, dv = 45, 40, 24
+    q, k, v, rk, u, w = _inputs(1, 2, n, dk, dv, torch.float32, seed=6)
+    scale = dk**-0.5
+    expected = relative_position_attention_reference(q, k, v, rk, u, w, scale=scale)
+    relative = (rk, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("this relative path must not run")
+
+    try:
+        for halves, other_path in ((False, "relative_window_half"), (True, "relative_logits_tile")):
+            with monkeypatch.context() as m:
+                m.setattr(attention_dense, other_path, refuse)
+                out, _ = attention_dense.attention_dense_fwd(
+                    q, k, v, None, scale, False, None, relative=relative, relative_halves=halves
+                )
+            assert (out.double() - expected).abs().max().item() < 2e-5, halves
+        assert sorted(plan.constexprs["RELATIVE"] for plan in attention_dense._PLANS.values()) == [1, 3]
+    finally:
+        for cache in caches:
+            cache.clear()

@@ -520,12 +520,26 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, int |
     return largest, failing, calls
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` says that device memory ran out (the allocator's error, or a library's allocation failure
+    reported as a ``RuntimeError``)."""
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+
+
+class _SearchFailed(Exception):
+    """A probe failed for another reason than memory: the search stops there."""
+
+
 def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, config, *, limit: int,
                        variants: tuple[str, ...] = VARIANTS, backend: str = "auto", seed: int = 0,
                        progress: Callable[[str], None] | None = None) -> Iterator[dict]:
     """For each model and variant, the largest batch whose forward (bf16 autocast, ``no_grad``, inputs of the models
     suite) runs without running out of device memory (``largest_fitting`` up to ``limit``), and the peak memory of
-    that forward. A forward that fails otherwise ends that variant's search with an error row."""
+    that forward. A forward that fails otherwise ends that variant's search: an error row with the largest batch
+    found so far, the batch that failed (``failed_batch``) and why."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for spec in specs:
         torch.manual_seed(seed)
@@ -540,7 +554,7 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
             row = {"model": spec.name, "variant": variant, "input_len": spec.input_len, "limit": limit}
             started = time.perf_counter()
 
-            def fits(batch: int, spec=spec, model=model, peaks=peaks, variant=variant) -> bool:
+            def fits(batch: int, spec=spec, model=model, peaks=peaks, variant=variant, row=row) -> bool:
                 inputs = out = None
                 try:
                     _release(device)
@@ -552,7 +566,11 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
                         torch.cuda.synchronize(device)
                         peaks[batch] = torch.cuda.max_memory_allocated(device)
                     ok = True
-                except torch.cuda.OutOfMemoryError:
+                    row["largest_batch"] = max(row.get("largest_batch", 0), batch)
+                except Exception as err:  # noqa: BLE001 - memory: does not fit; anything else: stop, recorded
+                    if not _out_of_memory(err):
+                        row.update(failed_batch=batch, reason=_error_reason(err))
+                        raise _SearchFailed from err
                     ok = False
                 finally:
                     del inputs, out
@@ -564,10 +582,13 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
             try:
                 with _variant(variant, model, config, calibrate, backend):
                     largest, failing, calls = largest_fitting(fits, limit)
-                row.update(status="ok", largest_batch=largest, first_out_of_memory=failing, probes=calls,
-                           peak_gib=peaks[largest] / 2**30 if largest in peaks else None)
-            except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
+                row.update(status="ok", largest_batch=largest, first_out_of_memory=failing, probes=calls)
+            except _SearchFailed:
+                row["status"] = "error"
+            except Exception as err:  # noqa: BLE001 - patching or calibration failed; the other variants still run
                 row.update(status="error", reason=_error_reason(err))
+            largest = row.get("largest_batch")
+            row["peak_gib"] = peaks[largest] / 2**30 if largest in peaks else None
             row["seconds"] = time.perf_counter() - started
             yield row
         del model

@@ -207,8 +207,9 @@ def relative_halves_default() -> bool:
     """``KVBOUND_RELATIVE_HALVES``: ``1`` lets the dense kernel's key loop compute each square tile's relative window
     product one half at a time, the other half carried from the tile before (``relative_window_half``,
     ``relative_skew_halves``); ``0`` or unset: every tile computes its whole window (``relative_logits_tile``), as the
-    compressed kernel always does. Off by default until it has been timed on a GPU. Read at each launch."""
-    value = os.environ.get("KVBOUND_RELATIVE_HALVES", "0")
+    compressed kernel always does. Off by default until it has been timed on a GPU. Read at each launch; empty is
+    unset."""
+    value = os.environ.get("KVBOUND_RELATIVE_HALVES", "").strip() or "0"
     if value not in ("0", "1"):
         raise ValueError(f"KVBOUND_RELATIVE_HALVES: expected 0 or 1, got {value!r}")
     return value == "1"
@@ -301,7 +302,8 @@ def relative_skew_halves(lower, upper):
     BLOCK_N]`` (``BLOCK_M == BLOCK_N``; ``relative_window_half``): with ``table = [lower | upper]``, ``out[a, c] =
     table[a, BLOCK_M - 1 + c - a]``. The halves are joined (``[BLOCK_M, BLOCK_N, 2]``, column ``h * BLOCK_N + j`` at
     ``(a, j, h)``), flattened, and gathered along their one axis, which Triton lowers to one store to shared memory
-    and one load per logit (as the ``shared`` skew of ``relative_logits_tile``)."""
+    and one load per logit (the way of the ``shared`` skew of ``relative_logits_tile``, without the row
+    interleaving of the default ``shared-banked``; not yet timed)."""
     BLOCK_M: tl.constexpr = lower.shape[0]
     BLOCK_N: tl.constexpr = lower.shape[1]
     flat = tl.reshape(tl.join(lower, upper), [BLOCK_M * BLOCK_N * 2])

@@ -114,18 +114,21 @@ def _attention_dense_inner(
     # the next tile's lower half (relative_window_half), so the loop multiplies half of the window per tile.
     HALVES: tl.constexpr = RELATIVE == 3 and q.shape[0] == BLOCK_N
     if HALVES:
-        carried = relative_window_half(
-            q_position,
-            relative_head,
-            stride_rel_row,
-            stride_rel_d,
-            (N_Q - 1) + lo - row_start - (BLOCK_N - 1),
-            N_REL,
-            HEAD_DIM_K,
-            DK_PAD,
-            BLOCK_N,
-            PRECISION,
-        )
+        # (the masked call's range is often empty: no key tile, no product)
+        carried = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
+        if lo < hi:
+            carried = relative_window_half(
+                q_position,
+                relative_head,
+                stride_rel_row,
+                stride_rel_d,
+                (N_Q - 1) + lo - row_start - (BLOCK_N - 1),
+                N_REL,
+                HEAD_DIM_K,
+                DK_PAD,
+                BLOCK_N,
+                PRECISION,
+            )
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     dk_ok = offs_dk < HEAD_DIM_K
