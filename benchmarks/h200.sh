@@ -65,13 +65,19 @@
 #                         with each (0.5 each)
 #   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
 #                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
+#   halves      ~7 min    the dense relative kernel with half windows carried between tiles (relative_halves, off
+#                         by default): its GPU tests and the other relative tiles' tests, benchmarks/relative_tiles.py
+#                         (rows keys and keys-halves, default skew), then Enformer forwards at batch 1 and 8 with
+#                         KVBOUND_RELATIVE_HALVES=1 (compare with the models part's rows)
+#   largest     ~9 min    benchmarks/largest_batch.py: the largest batch of each port's forward that fits in device
+#                         memory, unpatched / patch-dense / patch-compressed, with its peak memory
 #
 # models, models2 and alphagenome install the ports' wheels from .whl/ (benchmarks/wheels.sh; carry `.whl`).
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome ring"
+PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome halves largest ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -303,6 +309,25 @@ asm)
 relative)
     bench "$RES/relative.csv" --suite relative
     step relative 500 "$RES/relative.csv" "${CMD[@]}"
+    ;;
+halves)
+    install_wheels
+    step halves-tests 300 /dev/null "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests/test_gpu_paths.py \
+        -k "carried_halves or every_relative_tile_and_skew"
+    if [[ "$SMOKE" == "1" ]]; then
+        echo "== relative-tiles: GPU only, not run in the smoke"
+    else
+        step relative-tiles 200 "$RES/relative_tiles.csv" "$PY" benchmarks/relative_tiles.py "$RES/relative_tiles.csv" \
+            --skews shared-banked --tiles 64x64x4x1,64x64x4x2,64x64x8x3
+    fi
+    bench "$RES/models_enformer_halves.csv" --suite models --only 'enformer*' --batches 1 8
+    step ports-enformer-halves 150 "$RES/models_enformer_halves.csv" env KVBOUND_RELATIVE_HALVES=1 "${CMD[@]}"
+    ;;
+largest)
+    install_wheels
+    largest=("$PY" benchmarks/largest_batch.py "$RES/largest_batch.csv" --commit "$COMMIT")
+    [[ "$SMOKE" == "1" ]] && largest+=(--cpu-smoke)
+    step largest-batch 540 "$RES/largest_batch.csv" "${largest[@]}"
     ;;
 models)
     install_wheels

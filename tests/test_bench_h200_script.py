@@ -22,6 +22,8 @@ PARTS = (
     "models",
     "models2",
     "alphagenome",
+    "halves",
+    "largest",
     "ring",
 )
 
@@ -157,3 +159,36 @@ def test_bounded_part_runs_the_sweep(tmp_path, smoke):
     assert calls[0].split()[1].endswith("/bounded/bounded.csv")
     assert ("--cpu-smoke" in calls[0]) == smoke and ("--plot" in calls[0]) == (not smoke)
     assert "bounded 0" in (out / "status.txt").read_text()
+
+
+def _calls(tmp_path) -> list[str]:
+    """The fake interpreter's calls but the version probe and the wheels' installation (which happens only where
+    the repository has a .whl/ folder: both parts install the ports' wheels, and without them exit 1 after running
+    every step)."""
+    lines = (tmp_path / "args.log").read_text().splitlines()
+    return [line for line in lines if not line.startswith("-c ") and not line.startswith("-m pip ")]
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_halves_part_runs_its_tests_tiles_and_forwards(tmp_path, smoke):
+    proc, out, bench_calls = _run("halves", tmp_path, smoke=smoke)
+    calls = _calls(tmp_path)
+    assert calls[0].startswith("-m pytest -m gpu") and "carried_halves or every_relative_tile_and_skew" in calls[0]
+    tiles = [c for c in calls if c.startswith("benchmarks/relative_tiles.py ")]
+    assert len(tiles) == (0 if smoke else 1) and len(calls) == (2 if smoke else 3)
+    assert len(bench_calls) == 1 and "--suite models --only enformer*" in bench_calls[0]
+    assert ("--cpu-smoke" in bench_calls[0]) == smoke and ("--batches" in bench_calls[0]) == (not smoke)
+    status = (out / "status.txt").read_text()
+    assert "halves-tests 0" in status and "ports-enformer-halves 0" in status
+    assert ("relative-tiles 0" in status) == (not smoke)
+    assert "env KVBOUND_RELATIVE_HALVES=1" in proc.stdout  # the forwards' step, echoed with its command line
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_largest_part_runs_the_search(tmp_path, smoke):
+    _, out, _ = _run("largest", tmp_path, smoke=smoke)
+    calls = _calls(tmp_path)
+    assert len(calls) == 1 and calls[0].startswith("benchmarks/largest_batch.py ")
+    assert calls[0].split()[1].endswith("/largest/largest_batch.csv") and "--commit abc1234" in calls[0]
+    assert ("--cpu-smoke" in calls[0]) == smoke
+    assert "largest-batch 0" in (out / "status.txt").read_text()
