@@ -240,6 +240,8 @@ def test_relative_halves_setting(monkeypatch):
 
     monkeypatch.delenv("KVBOUND_RELATIVE_HALVES", raising=False)
     assert relative_halves_default() is False
+    monkeypatch.setenv("KVBOUND_RELATIVE_HALVES", " ")  # empty counts as unset
+    assert relative_halves_default() is False
     monkeypatch.setenv("KVBOUND_RELATIVE_HALVES", "1")
     assert relative_halves_default() is True
     monkeypatch.setenv("KVBOUND_RELATIVE_HALVES", "yes")
