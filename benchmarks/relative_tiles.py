@@ -15,7 +15,8 @@ the first skew's worker only, since the halves are skewed by one flat gather wha
 tile's window product carried to the next tile (``relative_halves=True``, ``RELATIVE = 3``); ``variant=runs``
 (Borzoi only):
 the runs of equal relative keys (``RELATIVE = 2``, no skew), timed through the public call with the autotuner's
-tile list reduced to the pinned tile."""
+tile list reduced to the pinned tile; a tile wider than the library's window (``BLOCK_M + BLOCK_N - 1 > 127``, e.g.
+``128x64x8x2``) gets its runs counted over its own window, unrolled up to 32 per tile."""
 
 from __future__ import annotations
 
@@ -173,15 +174,21 @@ def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
     from kvbound.kernels import attention_dense
     from kvbound.models.relative import relative_position_attention
 
+    api = sys.modules["kvbound.attention"]
     tuner = attention_dense._attention_dense_fwd
-    saved = tuner.configs, attention_dense._RELATIVE_SHAPES
+    saved = (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RELATIVE_WINDOW,
+             attention_dense.MAX_RUN_SPAN)  # fmt: skip
+    caches = (attention_dense._TUNED, attention_dense._PLANS, tuner.cache, api._RUNS_ON_DEVICE, api._RUN_LAYOUTS)
     if tile_shape is not None:
         m_, n_, w_, s_ = tile_shape
         tuner.configs = [triton.Config({"BLOCK_M": m_, "BLOCK_N": n_}, num_warps=w_, num_stages=s_)]
         attention_dense._RELATIVE_SHAPES = frozenset({tile_shape})
-    attention_dense._TUNED.clear()
-    attention_dense._PLANS.clear()
-    tuner.cache.clear()
+        if m_ + n_ - 1 > attention_dense._RELATIVE_WINDOW:
+            # A tile wider than the library's window: its runs are counted over its own window, unrolled up to 32.
+            attention_dense._RELATIVE_WINDOW = m_ + n_ - 1
+            attention_dense.MAX_RUN_SPAN = 32
+    for cache in caches:
+        cache.clear()
     try:
 
         def public():
@@ -200,10 +207,10 @@ def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
         e = err(public())
         return triton.testing.do_bench(public, quantiles=[0.5], rep=100), e
     finally:
-        tuner.configs, attention_dense._RELATIVE_SHAPES = saved
-        attention_dense._TUNED.clear()
-        attention_dense._PLANS.clear()
-        tuner.cache.clear()
+        (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RELATIVE_WINDOW,
+         attention_dense.MAX_RUN_SPAN) = saved  # fmt: skip
+        for cache in caches:
+            cache.clear()
 
 
 def _reason(error: BaseException) -> str:

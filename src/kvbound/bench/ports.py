@@ -557,7 +557,6 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
             def fits(batch: int, spec=spec, model=model, peaks=peaks, variant=variant, row=row) -> bool:
                 inputs = out = None
                 try:
-                    _release(device)
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
                     inputs = spec.make_input(batch, seed + 1, device)
@@ -581,6 +580,7 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
 
             try:
                 with _variant(variant, model, config, calibrate, backend):
+                    _release(device)  # (after calibration; each probe releases what it used)
                     largest, failing, calls = largest_fitting(fits, limit)
                 row.update(status="ok", largest_batch=largest, first_out_of_memory=failing, probes=calls)
             except _SearchFailed:
