@@ -69,15 +69,18 @@
 #                         by default): its GPU tests and the other relative tiles' tests, benchmarks/relative_tiles.py
 #                         (rows keys and keys-halves, default skew), then Enformer forwards at batch 1 and 8 with
 #                         KVBOUND_RELATIVE_HALVES=1 (compare with the models part's rows)
-#   largest     ~9 min    benchmarks/largest_batch.py: the largest batch of each port's forward that fits in device
-#                         memory, unpatched / patch-dense / patch-compressed, with its peak memory
+#   largest     ~7 min    benchmarks/largest_batch.py: the largest batch of Enformer's and Borzoi's forwards that fits
+#                         in device memory, unpatched / patch-dense / patch-compressed, with its peak memory; one
+#                         process per search, a probe without an answer after 90 s ends it (status=timeout: Borzoi
+#                         at batch 32, 2026-12-02). Enformer took 50 s at b07ccf7
+#   largest-alphagenome   the same for AlphaGenome (1 Mb input)
 #
 # models, models2 and alphagenome install the ports' wheels from .whl/ (benchmarks/wheels.sh; carry `.whl`).
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome halves largest ring"
+PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome halves largest largest-alphagenome ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -323,9 +326,12 @@ halves)
     bench "$RES/models_enformer_halves.csv" --suite models --only 'enformer*' --batches 1 8
     step ports-enformer-halves 150 "$RES/models_enformer_halves.csv" env KVBOUND_RELATIVE_HALVES=1 "${CMD[@]}"
     ;;
-largest)
+largest | largest-alphagenome)
     install_wheels
-    largest=("$PY" benchmarks/largest_batch.py "$RES/largest_batch.csv" --commit "$COMMIT")
+    models=("enformer*" "borzoi*")
+    [[ "$PART" == "largest-alphagenome" ]] && models=("alphagenome*")
+    largest=("$PY" benchmarks/largest_batch.py "$RES/largest_batch.csv" --commit "$COMMIT" --probe-timeout-s 90
+             --models "${models[@]}")
     [[ "$SMOKE" == "1" ]] && largest+=(--cpu-smoke)
     step largest-batch 540 "$RES/largest_batch.csv" "${largest[@]}"
     ;;

@@ -24,6 +24,7 @@ PARTS = (
     "alphagenome",
     "halves",
     "largest",
+    "largest-alphagenome",
     "ring",
 )
 
@@ -191,4 +192,14 @@ def test_largest_part_runs_the_search(tmp_path, smoke):
     assert len(calls) == 1 and calls[0].startswith("benchmarks/largest_batch.py ")
     assert calls[0].split()[1].endswith("/largest/largest_batch.csv") and "--commit abc1234" in calls[0]
     assert ("--cpu-smoke" in calls[0]) == smoke
+    assert "--probe-timeout-s 90 --models enformer* borzoi*" in calls[0]
+    assert "largest-batch 0" in (out / "status.txt").read_text()
+
+
+def test_largest_alphagenome_part_searches_alphagenome_only(tmp_path):
+    _, out, _ = _run("largest-alphagenome", tmp_path, smoke=False)
+    calls = _calls(tmp_path)
+    assert len(calls) == 1 and calls[0].startswith("benchmarks/largest_batch.py ")
+    assert calls[0].split()[1].endswith("/largest-alphagenome/largest_batch.csv")
+    assert calls[0].endswith("--models alphagenome*")
     assert "largest-batch 0" in (out / "status.txt").read_text()

@@ -277,3 +277,52 @@ def test_largest_batch_rows_stop_where_the_forward_runs_out_of_memory(monkeypatc
     for row in rows:
         assert row["status"] == "error" and "RuntimeError: a shape error" in row["reason"]
         assert (row["largest_batch"], row["failed_batch"]) == (4, 8) and "first_out_of_memory" not in row
+
+
+def _child(*lines: str, sleep_before: float = 0.0, sleep_after: float = 0.0, row: dict | None = None,
+           code: int = 0) -> list[str]:
+    """A stand-in search process: prints ``lines`` (sleeping before the first and after the last), then ``row``."""
+    import json
+    import sys
+
+    body = [f"import sys, time; time.sleep({sleep_before})"]
+    body += [f"print({line!r}, flush=True)" for line in lines]
+    body.append(f"time.sleep({sleep_after})")
+    if row is not None:
+        body.append(f"print({ports.ROW_PREFIX + json.dumps(row)!r}, flush=True)")
+    body.append(f"sys.exit({code})")
+    return [sys.executable, "-c", "\n".join(body)]
+
+
+def test_watched_search_returns_the_row_and_passes_answers_on():
+    shown = []
+    row = {"status": "ok", "largest_batch": 2, "probes": 2}
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", "m v batch 2: out of memory",
+                 "a note", row=row)
+    assert ports.watched_search(cmd, 30.0, progress=shown.append) == row
+    assert shown == ["m v batch 1: fits", "m v batch 2: out of memory", "a note"]  # probe starts are not shown
+
+
+def test_watched_search_ends_a_probe_that_does_not_answer():
+    """A forward that never returns: the process is killed after the probe's limit, the row keeps what fitted."""
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", sleep_after=60,
+                 row={"status": "ok"})
+    started = time.perf_counter()
+    row = ports.watched_search(cmd, 1.0)
+    assert time.perf_counter() - started < 20
+    assert (row["status"], row["largest_batch"], row["failed_batch"]) == ("timeout", 1, 2)
+    assert "batch 2: no answer within 1 s" in row["reason"]
+
+
+def test_watched_search_times_only_probes():
+    """Building the model or calibrating (no probe in flight) is not cut by the probe limit."""
+    row = {"status": "ok", "largest_batch": 1}
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits", sleep_before=2.0, row=row)
+    assert ports.watched_search(cmd, 0.5) == row
+
+
+def test_watched_search_reports_a_process_that_dies_without_a_row():
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", "Traceback: boom", code=3)
+    row = ports.watched_search(cmd, 30.0)
+    assert (row["status"], row["largest_batch"], row["failed_batch"]) == ("error", 1, 2)
+    assert "status 3" in row["reason"] and "Traceback: boom" in row["reason"]

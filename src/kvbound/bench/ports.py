@@ -45,6 +45,7 @@ import gc
 import importlib
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -57,7 +58,8 @@ from kvbound.bench.encoder import config_label
 from kvbound.bench.runner import quantiles, time_calls
 
 __all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "ModelOptions", "AttentionTimer",
-           "model_rows", "port_models", "compressed_ratio", "largest_fitting", "largest_batch_rows"]
+           "model_rows", "port_models", "compressed_ratio", "largest_fitting", "largest_batch_rows",
+           "watched_search"]
 
 VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
 
@@ -520,6 +522,72 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, int |
     return largest, failing, calls
 
 
+PROBING = "probing"
+_PROBE_LINE = re.compile(
+    r"^(?P<model>\S+) (?P<variant>\S+) batch (?P<batch>\d+): (?P<what>probing|fits|out of memory)$"
+)
+ROW_PREFIX = "largest-batch-row "
+
+
+def watched_search(cmd: list[str], probe_timeout_s: float | None,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Run one search (``cmd``: a process that prints ``largest_batch_rows``'s progress lines, then its row as
+    ``ROW_PREFIX`` + JSON) and return that row. A probe that gives no answer within ``probe_timeout_s`` seconds (a
+    forward that runs far longer than its neighbours: out-of-memory is an answer, a kernel that does not return is
+    not) ends the search: the process group is killed and the row says ``status=timeout``, with the largest batch that
+    fitted before and ``failed_batch`` the one in flight. A process that exits without a row gives ``status=error``
+    with the end of what it printed."""
+    import json
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    largest, in_flight, tail, row = 0, None, [], None
+    while True:
+        try:
+            line = lines.get(timeout=probe_timeout_s if in_flight is not None else None)
+        except queue.Empty:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"status": "timeout", "largest_batch": largest, "failed_batch": in_flight,
+                    "reason": f"batch {in_flight}: no answer within {probe_timeout_s:g} s (process killed)"}
+        if line is None:
+            break
+        if line.startswith(ROW_PREFIX):
+            row = json.loads(line[len(ROW_PREFIX):])
+            continue
+        tail = (tail + [line])[-5:]
+        probe = _PROBE_LINE.match(line)
+        if probe is not None:
+            batch = int(probe["batch"])
+            if probe["what"] == PROBING:
+                in_flight = batch
+            else:
+                in_flight = None
+                if probe["what"] == "fits":
+                    largest = max(largest, batch)
+        if progress is not None and (probe is None or probe["what"] != PROBING):
+            progress(line)
+    code = proc.wait()
+    if row is None:
+        return {"status": "error", "largest_batch": largest, "failed_batch": in_flight,
+                "reason": f"search process exited with status {code} and no row: " + " | ".join(tail)[-300:]}
+    return row
+
+
 def _out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` says that device memory ran out (the allocator's error, or a library's allocation failure
     reported as a ``RuntimeError``)."""
@@ -556,6 +624,8 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
 
             def fits(batch: int, spec=spec, model=model, peaks=peaks, variant=variant, row=row) -> bool:
                 inputs = out = None
+                if progress is not None:
+                    progress(f"{spec.name} {variant} batch {batch}: {PROBING}")
                 try:
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
