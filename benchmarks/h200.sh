@@ -65,8 +65,8 @@
 #                         with each (0.5 each)
 #   alphagenome ~9 min    AlphaGenome alone (1 Mb input, batch 1), unpatched / patch-dense / patch-compressed, with
 #                         the whole part's time for the compressed variant's first compiles (one step, 540 s)
-#   halves      ~7 min    the dense relative kernel with half windows carried between tiles (relative_halves, off
-#                         by default): its GPU tests and the other relative tiles' tests, benchmarks/relative_tiles.py
+#   halves      ~3 min    the dense relative kernel with half windows carried between tiles (relative_halves, off:
+#                         slower at b07ccf7): its GPU tests and the other relative tiles' tests, benchmarks/relative_tiles.py
 #                         (rows keys and keys-halves, default skew), then Enformer forwards at batch 1 and 8 with
 #                         KVBOUND_RELATIVE_HALVES=1 (compare with the models part's rows)
 #   largest     ~7 min    benchmarks/largest_batch.py: the largest batch of Enformer's and Borzoi's forwards that fits

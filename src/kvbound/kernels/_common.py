@@ -207,8 +207,8 @@ def relative_halves_default() -> bool:
     """``KVBOUND_RELATIVE_HALVES``: ``1`` lets the dense kernel's key loop compute each square tile's relative window
     product one half at a time, the other half carried from the tile before (``relative_window_half``,
     ``relative_skew_halves``); ``0`` or unset: every tile computes its whole window (``relative_logits_tile``), as the
-    compressed kernel always does. Off by default until it has been timed on a GPU. Read at each launch; empty is
-    unset."""
+    compressed kernel always does. Off by default: on the H200 it was 14-19 % slower at the autotuner's tile
+    (kernels/README.md, "What the relative term costs"). Read at each launch; empty is unset."""
     value = os.environ.get("KVBOUND_RELATIVE_HALVES", "").strip() or "0"
     if value not in ("0", "1"):
         raise ValueError(f"KVBOUND_RELATIVE_HALVES: expected 0 or 1, got {value!r}")
