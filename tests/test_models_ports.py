@@ -294,7 +294,8 @@ def test_enformer_positional_features_computed_once_per_handle_and_length(enform
 @pytest.mark.parametrize(("port_name", "setting"), [("enformer", None), ("borzoi", None), ("borzoi", "0")])
 def test_relative_runs_pass_borzoi_runs_only(port_name, setting, request, monkeypatch):
     """By default (KVBOUND_RELATIVE_RUNS unset) and with dense K/V, Borzoi's layers pass the runs of equal
-    positional features to kvbound.attention (found once per handle); Enformer's smooth features give none;
+    positional features to kvbound.attention (found once per handle), with one relative key per run; Enformer's
+    smooth features give none;
     KVBOUND_RELATIVE_RUNS=0 turns it off. Outputs as unpatched. Other values raise."""
     from kvbound.attention import attention as fused
     from kvbound.models import _backend
@@ -307,7 +308,10 @@ def test_relative_runs_pass_borzoi_runs_only(port_name, setting, request, monkey
 
     def spy(q, k, v, **kwargs):
         seen.append(kwargs.get("relative_runs"))
+        rows.append(kwargs["relative_keys"].shape[1])
         return fused(q, k, v, **kwargs)
+
+    rows = []
 
     monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
     if setting is None:
@@ -322,10 +326,11 @@ def test_relative_runs_pass_borzoi_runs_only(port_name, setting, request, monkey
     for got in (first, second):
         assert (got - port).abs().max().item() <= 1e-5 * port.abs().max().item()
     if port_name == "enformer" or setting == "0":
-        assert seen == [None, None]
+        assert seen == [None, None] and rows == [2 * n - 1] * 2
     else:
         assert seen[0] == seen[1] and seen[0][0] == 0 and 2 < len(seen[0]) <= 33
-    assert handle._features_runs == {}
+        assert rows == [len(seen[0])] * 2  # one relative key per run, computed from the run's first features
+    assert handle._features_runs == {} and handle._features_run_rows == {}
     monkeypatch.setenv("KVBOUND_RELATIVE_RUNS", "sometimes")
     with pytest.raises(ValueError, match=r"^KVBOUND_RELATIVE_RUNS: expected one of"):
         with torch.no_grad(), patch(model, compress=False, backend="kvbound"):

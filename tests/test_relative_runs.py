@@ -242,6 +242,9 @@ def test_gpu_runs_bf16_borzoi_shape():
     print(f"Borzoi shape bf16, first 256 queries vs float64: runs {err_runs:.3e}, relative keys {err_window:.3e}")
     assert torch.isfinite(runs).all()
     assert err_runs <= 2 * err_window + 1e-6
+    per_run = keys[:, starts].contiguous()  # one key per run: the same output, bit for bit
+    torch.testing.assert_close(attention(q, k, v, relative_runs=starts, **{**common, "relative_keys": per_run}), runs,
+                               rtol=0, atol=0)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -279,3 +282,59 @@ def test_gpu_runs_bf16_ragged_causal_and_inner_loop(layout, causal):
     print(f"{layout}, causal={causal}, N={n} bf16 vs float64: runs {err_runs:.3e}, relative keys {err_window:.3e}")
     assert torch.isfinite(runs).all()
     assert err_runs <= 2 * err_window + 1e-6
+
+
+def test_keys_one_row_per_run_give_the_full_keys_result():
+    """``relative_keys`` given one row per run (``[H, len(relative_runs), Dk]``) gives exactly the output of the
+    full keys those rows stand for, on dense and compressed K/V, through ``relative_position_attention``'s fused
+    and chunked paths; ``expand_run_keys`` rebuilds the full keys; the per-run keys are not written."""
+    import kvbound
+    from kvbound.attention import expand_run_keys
+    from kvbound.models.relative import relative_position_attention
+
+    n, dk, dv, h = 80, 16, 24, 2
+    starts = [0, 30, 60, 75, 79, 80, 84, 100, 130]
+    q, k, v, keys, u, w = _case(1, h, n, n, dk, dv, starts, 21)
+    per_run = keys[:, starts].clone()
+    assert torch.equal(expand_run_keys(per_run, starts, 2 * n - 1), keys)
+    assert torch.equal(expand_run_keys(per_run, torch.tensor(starts), 2 * n - 1), keys)
+    before = per_run.clone()
+    common = dict(scale=dk**-0.5, relative_content_bias=u, relative_position_bias=w, relative_runs=starts)
+    full = attention(q, k, v, relative_keys=keys, **common)
+    torch.testing.assert_close(attention(q, k, v, relative_keys=per_run, **common), full, rtol=0, atol=0)
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+    ck, cv = kvbound.compress_kv(k, config), kvbound.compress_kv(v, config)
+    torch.testing.assert_close(
+        attention(q, ck, cv, relative_keys=per_run, **common), attention(q, ck, cv, relative_keys=keys, **common),
+        rtol=0, atol=0,
+    )  # fmt: skip
+    uu, ww = u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk)
+    for backend in ("kvbound", "eager"):
+        got = relative_position_attention(q, k, v, per_run, uu, ww, scale=dk**-0.5, backend=backend,
+                                          relative_runs=starts)  # fmt: skip
+        expected = relative_position_attention(q, k, v, keys, uu, ww, scale=dk**-0.5, backend=backend)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(per_run, before)
+
+
+def test_keys_one_row_per_run_are_checked():
+    n, dk = 24, 16
+    starts = [0, 12, 23, 30]
+    q, k, v, keys, u, w = _case(1, 2, n, n, dk, dk, starts, 22)
+    per_run = keys[:, starts].clone()
+    common = dict(relative_content_bias=u, relative_position_bias=w)
+    with pytest.raises(ValueError, match=r"^relative_keys: expected shape .* or, one row per run, .* = \[2, 4, 16\]"):
+        attention(q, k, v, relative_keys=per_run[:, :3], relative_runs=starts, **common)
+    full_only = r"^relative_keys: expected shape \[Hq, Nq \+ Nk - 1, Dk\] = \[2, 47, 16\], got"
+    with pytest.raises(ValueError, match=full_only):
+        attention(q, k, v, relative_keys=per_run, **common)  # without runs only the full keys
+    nan = per_run.clone()
+    nan[1, 2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"^relative_keys: expected finite values"):
+        attention(q, k, v, relative_keys=nan, relative_runs=starts, **common)
+    # the op itself, given keys of neither length: an error, never an out-of-range read
+    u32, w32 = u.float(), w.float()
+    neither = r"^relative_keys: expected Nq \+ Nk - 1 = 47 rows or one per run \(4\), got 3"
+    with pytest.raises(ValueError, match=neither):
+        torch.ops.kvbound.attention_dense(q, k, v, None, 1, dk**-0.5, False, None, per_run[:, :3], u32, w32,
+                                          torch.tensor(starts))  # fmt: skip

@@ -78,7 +78,9 @@ def attention(
             The kernel then reads one float32 value per query and run, ``(scale q_i + w) . R[run start]``, instead
             of the relative keys: the same logits without the per-tile product and skew. Checked in the call's
             host read (a row that differs from its run's first row raises ``ValueError``). Compressed K/V read
-            ``R`` as without it.
+            ``R`` as without it. ``relative_keys`` may then also hold one row per run, ``[Hq, len(relative_runs),
+            Dk]``: row ``r`` is the key of every distance of run ``r`` (nothing to check, and none of the full
+            rows to compute; compressed K/V get it expanded to ``[Hq, Nq + Nk - 1, Dk]``).
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
 
     Returns:
@@ -145,8 +147,13 @@ def attention(
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
-    relative = _relative_operands(relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads)
     runs, run_span = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)  # dense K/V only read it
+    relative = _relative_operands(
+        relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads,
+        run_count=None if runs is None else runs.numel(),
+    )  # fmt: skip
+    if compressed and runs is not None and relative[0].shape[1] != n_q + n_k - 1:
+        relative = (expand_run_keys(relative[0], runs, n_q + n_k - 1), *relative[1:])  # one row per run
 
     softcap = None if softcap is None else float(softcap)
     if not compressed and _plain_eager((q, k, v, bias4, *relative)):
@@ -328,9 +335,11 @@ def _relative_operands(
     q: torch.Tensor,
     n_k: int,
     kv_heads: int,
+    run_count: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Validated ``(relative_keys, content_bias [Hq, Dk] float32, position_bias [Hq, Dk] float32)``, or three
-    Nones without relative positions."""
+    Nones without relative positions. ``run_count``: the number of runs when ``relative_runs`` is given, whose
+    keys may then come one row per run."""
     if relative_keys is None:
         for name, t in (("relative_content_bias", content_bias), ("relative_position_bias", position_bias)):
             if t is not None:
@@ -344,9 +353,12 @@ def _relative_operands(
     check_tensor(relative_keys, "relative_keys", ndim=3, dtypes=(q.dtype,), check_finite=False)
     _check_device(relative_keys.device, q, "relative_keys")
     expected = (heads, n_q + n_k - 1, head_dim)
-    if tuple(relative_keys.shape) != expected:
+    per_run = None if run_count is None else (heads, run_count, head_dim)
+    if tuple(relative_keys.shape) not in (expected, per_run):
+        also = "" if per_run is None else f" or, one row per run, [Hq, len(relative_runs), Dk] = {list(per_run)}"
         raise ValueError(
-            f"relative_keys: expected shape [Hq, Nq + Nk - 1, Dk] = {list(expected)}, got {list(relative_keys.shape)}"
+            f"relative_keys: expected shape [Hq, Nq + Nk - 1, Dk] = {list(expected)}{also}, "
+            f"got {list(relative_keys.shape)}"
         )
     if content_bias is None:
         u = _zero_bias(heads, head_dim, q.device)
@@ -402,6 +414,14 @@ def _relative_runs(
         starts = torch.tensor(values, dtype=torch.int64, device=q.device)
         found = _RUNS_ON_DEVICE[key] = (starts, relative_run_span(values, rows))
     return found
+
+
+def expand_run_keys(keys: torch.Tensor, starts: torch.Tensor | Sequence[int], rows: int) -> torch.Tensor:
+    """Relative keys given one row per run (``[H, R, Dk]``, runs starting at the rows ``starts``, increasing from
+    0 and below ``rows``) as the full ``[H, rows, Dk]``: each run's row repeated over its rows."""
+    starts = torch.as_tensor(starts, dtype=torch.int64, device=keys.device)
+    ends = torch.cat([starts[1:], starts.new_full((1,), rows)])
+    return torch.repeat_interleave(keys, ends - starts, dim=1, output_size=rows)
 
 
 def _bias_4d(bias: object, shape: tuple[int, int, int, int], bias_tile: int, q: torch.Tensor) -> torch.Tensor:
@@ -574,15 +594,23 @@ def _attention_dense(
     runs = None
     if relative_runs is not None:
         n_q, n_k = q.shape[2], k.shape[2]
+        if relative_keys.shape[1] not in (n_q + n_k - 1, relative_runs.numel()):
+            raise ValueError(
+                f"relative_keys: expected Nq + Nk - 1 = {n_q + n_k - 1} rows or one per run "
+                f"({relative_runs.numel()}), got {relative_keys.shape[1]}"
+            )
         starts, run_of_row, buffer, layout_conditions = _run_layout(
-            relative_runs, relative_keys.shape[1], n_q, n_k, relative_run_span
+            relative_runs, n_q + n_k - 1, n_q, n_k, relative_run_span
         )
-        first = relative_keys[:, starts]  # [H, R, Dk]
-        conditions = (
-            *layout_conditions,
-            ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
-             "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
-        )  # fmt: skip
+        if relative_keys.shape[1] == relative_runs.numel():  # one row per run (or every row its own run)
+            first, conditions = relative_keys, layout_conditions
+        else:
+            first = relative_keys[:, starts]  # [H, R, Dk]
+            conditions = (
+                *layout_conditions,
+                ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
+                 "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
+            )  # fmt: skip
         q_position = q.float() * scale + relative_position_bias[None, :, None, :]
         table = torch.einsum("bhnd,hrd->bhnr", q_position, first.float()).contiguous()
         runs = (table, buffer, relative_content_bias)

@@ -140,7 +140,8 @@ def attend_relative(
     Args:
         q: ``[B, H, N, Dk]`` before scaling; k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (dense in q's dtype, or
             both ``CompressedKV``: then the logits use the decoded keys, read in place by the compressed kernel).
-        relative_keys: ``[H, 2N - 1, Dk]`` (cast to q's dtype, the kernel's operand type).
+        relative_keys: ``[H, 2N - 1, Dk]``, or one row per run with ``relative_runs`` (cast to q's dtype, the
+            kernel's operand type).
         content_bias, position_bias: ``u``, ``v`` broadcastable to ``[1, H, 1, Dk]``.
 
     Returns:

@@ -85,10 +85,14 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     x_operand = x.to(_matmul_dtype(x))
     q, k, v = (_split_heads(layer(x_operand), h) for layer in (module.to_q, module.to_k, module.to_v))
     features = relative_keys_fn(module, handle, n, x.device)
-    positions = module.pos_dropout(features)
-    relative_keys = module.to_rel_k(positions).reshape(2 * n - 1, h, -1).transpose(0, 1)
     k, v = handle._prepare_kv(record, k, v)
     runs = handle._relative_runs(features) if relative_runs_enabled() and isinstance(k, torch.Tensor) else None
+    if runs is not None:
+        # One relative key per run of equal features (Borzoi): the same Linear on the run's first row, and no
+        # [2N - 1] keys to compute or check against the runs.
+        features = handle._run_features(features, runs)
+    positions = module.pos_dropout(features)
+    relative_keys = module.to_rel_k(positions).reshape(features.shape[0], h, -1).transpose(0, 1)
     out = relative_position_attention(
         q,
         k,

@@ -176,6 +176,7 @@ class PatchHandle:
         # Positional features by (port function, length, sizes, dtype, device): see _positional_features.
         self._features: dict[tuple, torch.Tensor] = {}
         self._features_runs: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
+        self._features_run_rows: dict[int, tuple[torch.Tensor, list[int], torch.Tensor]] = {}
         self.active = True
 
     # ------------------------------------------------------------------------------------- used by forwards
@@ -205,6 +206,17 @@ class PatchHandle:
         runs = starts if len(starts) <= min(limit, features.shape[0] // 4) else None
         self._features_runs[id(features)] = (features, runs)
         return runs
+
+    def _run_features(self, features: torch.Tensor, runs: list[int]) -> torch.Tensor:
+        """The first row of each run of ``features`` (``[R, F]``, ``runs`` from ``_relative_runs``), sliced once per
+        features tensor: the relative keys of a layer are then computed for these rows only, one per run."""
+        found = self._features_run_rows.get(id(features))
+        if found is not None and found[0] is features and found[1] == runs:
+            return found[2]
+        with torch.inference_mode(False):
+            rows = features[torch.tensor(runs, device=features.device)]
+        self._features_run_rows[id(features)] = (features, list(runs), rows)
+        return rows
 
     def _prepare_kv(
         self, record: PatchedModule, k: torch.Tensor, v: torch.Tensor
@@ -392,6 +404,7 @@ class PatchHandle:
         self._attention_ids.clear()
         self._features.clear()
         self._features_runs.clear()
+        self._features_run_rows.clear()
         if problems:
             raise RuntimeError("kvbound.patch undo: " + "; ".join(problems))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbound.attention import expand_run_keys
 from kvbound.codec.format import CompressedKV
 from kvbound.models._backend import (
     attend_chunk,
@@ -91,7 +92,8 @@ def relative_position_attention(
             ``kvbound`` backend: that is one fused call over all queries (dense or compressed K/V).
         backend: ``auto``, ``eager`` or ``kvbound`` (see ``kvbound.models._backend``).
         relative_runs: first rows of runs of equal rows of ``relative_keys``, for the fused call on dense K/V
-            (``kvbound.attention``'s ``relative_runs``); the chunked path does not need it.
+            (``kvbound.attention``'s ``relative_runs``). With it, ``relative_keys`` may hold one row per run,
+            ``[H, len(relative_runs), Dk]``, which the chunked path expands.
 
     Returns:
         ``[B, H, N, Dv]`` in q's dtype (float32 when K/V are decoded by the eager path).
@@ -104,8 +106,10 @@ def relative_position_attention(
         raise ValueError(f"k: expected shape {(b, h, n, dk)} (from q), got {tuple(k.shape)}")
     if tuple(v.shape[:3]) != (b, h, n):
         raise ValueError(f"v: expected shape [{b}, {h}, {n}, Dv] (from q), got {tuple(v.shape)}")
-    if tuple(relative_keys.shape) != (h, 2 * n - 1, dk):
-        raise ValueError(f"relative_keys: expected shape {(h, 2 * n - 1, dk)}, got {tuple(relative_keys.shape)}")
+    per_run = None if relative_runs is None else (h, len(relative_runs), dk)
+    if tuple(relative_keys.shape) not in ((h, 2 * n - 1, dk), per_run):
+        also = "" if per_run is None else f" or, one row per run, {per_run}"
+        raise ValueError(f"relative_keys: expected shape {(h, 2 * n - 1, dk)}{also}, got {tuple(relative_keys.shape)}")
     backend = resolve_backend(backend, q.device)
     chunk = query_chunk or default_query_chunk(b, h, n)
     if chunk < 1:
@@ -114,6 +118,8 @@ def relative_position_attention(
         return attend_relative(
             q, k, v, relative_keys, content_bias, position_bias, scale=scale, relative_runs=relative_runs
         )
+    if relative_keys.shape[1] != 2 * n - 1:
+        relative_keys = expand_run_keys(relative_keys, relative_runs, 2 * n - 1)
     k = materialize_kv(k, backend)
     v = materialize_kv(v, backend)
     q_scaled = q * scale
