@@ -74,13 +74,18 @@
 #                         process per search, a probe without an answer after 90 s ends it (status=timeout: Borzoi
 #                         at batch 32, 2026-12-02). Enformer took 50 s at b07ccf7
 #   largest-alphagenome   the same for AlphaGenome (1 Mb input)
+#   alternatives ~8 min   whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
+#                         compressed), and the ports with their attention core replaced by what a user could assemble
+#                         (SDPA with a built position bias, compiled FlexAttention over a built table;
+#                         kvbound/bench/alternatives.py): FlexAttention compiles per shape (untimed)
 #
-# models, models2 and alphagenome install the ports' wheels from .whl/ (benchmarks/wheels.sh; carry `.whl`).
+# models, models2, alphagenome, halves, largest and alternatives install the ports' wheels from .whl/
+# (benchmarks/wheels.sh; carry `.whl`).
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome halves largest largest-alphagenome ring"
+PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome halves largest largest-alphagenome alternatives ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -325,6 +330,13 @@ halves)
     fi
     bench "$RES/models_enformer_halves.csv" --suite models --only 'enformer*' --batches 1 8
     step ports-enformer-halves 150 "$RES/models_enformer_halves.csv" env KVBOUND_RELATIVE_HALVES=1 "${CMD[@]}"
+    ;;
+alternatives)
+    install_wheels
+    bench "$RES/models_alternatives_enformer.csv" --suite models --only 'enformer*' --batches 1 8 --alternatives
+    step alternatives-enformer 260 "$RES/models_alternatives_enformer.csv" "${CMD[@]}"
+    bench "$RES/models_alternatives_borzoi.csv" --suite models --only 'borzoi*' --batches 1 4 --alternatives
+    step alternatives-borzoi 260 "$RES/models_alternatives_borzoi.csv" "${CMD[@]}"
     ;;
 largest | largest-alphagenome)
     install_wheels

@@ -25,6 +25,7 @@ PARTS = (
     "halves",
     "largest",
     "largest-alphagenome",
+    "alternatives",
     "ring",
 )
 
@@ -203,3 +204,15 @@ def test_largest_alphagenome_part_searches_alphagenome_only(tmp_path):
     assert calls[0].split()[1].endswith("/largest-alphagenome/largest_batch.csv")
     assert calls[0].endswith("--models alphagenome*")
     assert "largest-batch 0" in (out / "status.txt").read_text()
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_alternatives_part_times_the_stock_cores_beside_the_patch(tmp_path, smoke):
+    _, out, _ = _run("alternatives", tmp_path, smoke=smoke)
+    calls = [c for c in _calls(tmp_path) if c.startswith("-m kvbound.bench ")]
+    assert len(calls) == 2 and all("--suite models" in c and "--alternatives" in c for c in calls)
+    assert ("--batches" in calls[0]) == (not smoke) and ("--cpu-smoke" in calls[0]) == smoke
+    if not smoke:
+        assert "--only enformer*" in calls[0] and "--only borzoi*" in calls[1]
+    status = (out / "status.txt").read_text()
+    assert "alternatives-enformer 0" in status and "alternatives-borzoi 0" in status

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models suite: batch sizes (default per model: 1 and a larger one)")
     g.add_argument("--patch-backend", choices=("auto", "eager", "kvbound"), default="auto",
                    help="models suite: kvbound.patch backend (default auto: kvbound.attention on CUDA)")
+    g.add_argument("--alternatives", action="store_true",
+                   help="models suite: also time Enformer and Borzoi with their attention core replaced by SDPA with a "
+                        "built position bias and by FlexAttention over a built table (kvbound/bench/alternatives.py)")
     g.add_argument("--warmup", type=int, default=None, help="models and ring suites: untimed calls (default 2 / 1)")
     g.add_argument("--repeats", type=int, default=None,
                    help="models and ring suites: timed calls (default 5; 2 on CPU)")
@@ -180,6 +183,7 @@ def _suite_rows(args, device, console):
             calibration=not args.no_calibration)
         return encoder_rows(shapes, device, config, options)
     if args.suite == "models":
+        from kvbound.bench.alternatives import ALTERNATIVES
         from kvbound.bench.ports import ModelOptions, model_rows, port_models
 
         specs = port_models(args.cpu_smoke)
@@ -192,7 +196,8 @@ def _suite_rows(args, device, console):
         options = ModelOptions(
             warmup=args.warmup if args.warmup is not None else 2,
             repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
-            batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed)
+            batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed,
+            alternatives=ALTERNATIVES if args.alternatives else ())
         return model_rows(specs, device, config, options)
     if args.suite == "relative":
         from kvbound.bench.relative import RelativeOptions, relative_rows

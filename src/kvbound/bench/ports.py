@@ -254,6 +254,7 @@ class ModelOptions:
     batches: tuple[int, ...] | None = None  # None: each model's own list
     backend: str = "auto"
     seed: int = 0
+    alternatives: tuple[str, ...] = ()  # kvbound.bench.alternatives.ALTERNATIVES to time as well (relative ports)
 
 
 class AttentionTimer:
@@ -338,12 +339,20 @@ def _release(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module], None], backend: str):
-    """The model patched as ``name`` (undone on exit) and the handle (None when unpatched)."""
+def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module], None], backend: str,
+             modules: list[nn.Module] | None = None):  # fmt: skip
+    """The model patched as ``name`` (undone on exit) and the handle (None when unpatched, and for the
+    alternatives of ``kvbound.bench.alternatives``, which replace the attention core of ``modules``)."""
     import kvbound
+    from kvbound.bench.alternatives import ALTERNATIVES, alternative_core
 
     if name == "unpatched":
         yield None
+        return
+    if name in ALTERNATIVES:
+        device = next(model.parameters()).device
+        with alternative_core(name, list(modules or ()), device):
+            yield None
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # skipped modules are reported from handle.skipped
@@ -421,7 +430,7 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
             importlib.import_module(spec.package)
         except ImportError as err:
             for batch in batches:
-                for variant in VARIANTS:
+                for variant in VARIANTS + tuple(options.alternatives):
                     yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "unsupported",
                            "reason": f"{spec.package} is not installed ({spec.distribution}; "
                                      f"benchmarks/wheels.sh): {err}"}
@@ -431,7 +440,7 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
             model = spec.build().to(device)
         except Exception as err:  # noqa: BLE001 - recorded; the other ports still run
             for batch in batches:
-                for variant in VARIANTS:
+                for variant in VARIANTS + tuple(options.alternatives):
                     yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "error",
                            "reason": f"building the model: {_error_reason(err)}"}
             continue
@@ -449,17 +458,24 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
     def calibrate(m: nn.Module) -> None:
         _forward(spec, m, calibration_input, device)
 
+    from kvbound.bench.alternatives import supports_alternatives
+
+    alternatives = options.alternatives if modules and all(supports_alternatives(m) for m in modules) else ()
     for batch in batches:
         inputs = spec.make_input(batch, options.seed + 1, device)
         reference = unpatched_failure = None
-        for variant in VARIANTS:
+        for variant in VARIANTS + tuple(options.alternatives):
             row = {**_base_row(spec, batch, describe, len(modules), options), "provider": variant,
                    "status": "ok", "reason": "", "note": spec.note if variant == "unpatched" else ""}
+            if variant in options.alternatives and variant not in alternatives:
+                yield {**row, "status": "unsupported",
+                       "reason": "alternatives are built for the relative-position ports (Enformer, Borzoi) only"}
+                continue
             if variant == "patch-compressed":
                 row.update(config=config_label(config), rank=config.rank, bits=config.bits,
                            block_size=config.block_size, tau=config.tau, basis="calibrated")
             try:
-                with _variant(variant, model, config, calibrate, options.backend) as handle:
+                with _variant(variant, model, config, calibrate, options.backend, modules) as handle:
                     if handle is not None:
                         row["layers"] = len(handle.modules)
                         if handle.skipped:

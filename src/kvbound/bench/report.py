@@ -61,7 +61,10 @@ _MODELS_METHOD = """\
 `python -m kvbound.bench --suite models`: each port at its full size with random weights (Enformer's
 zero-initialised `to_out` re-randomised), bf16 autocast, `no_grad`, one-hot random DNA. `unpatched`: the port as
 published; `patch-dense`: `kvbound.patch(model, compress=False)`; `patch-compressed`:
-`kvbound.patch(model, compress=True)` calibrated on a forward over another input. Forward: median of timed calls
+`kvbound.patch(model, compress=True)` calibrated on a forward over another input. With `--alternatives`
+(Enformer, Borzoi): `sdpa-built-bias` and `flex-built-table`, the ports' layers with their attention core replaced by
+what a user could assemble from stock kernels (SDPA with a built `[B, H, N, N]` position bias; compiled FlexAttention
+over a built `[B, H, N, 2N - 1]` table; `kvbound/bench/alternatives.py`). Forward: median of timed calls
 (CUDA events) after warm-up. Attention: the attention modules' forwards summed, timed by forward hooks in separate
 calls. Peak: `torch.cuda.max_memory_allocated` during one forward; "above baseline" subtracts what was allocated
 before it (weights, inputs, the reference output). Diff: the output against the unpatched output on the same input
