@@ -338,3 +338,20 @@ def test_keys_one_row_per_run_are_checked():
     with pytest.raises(ValueError, match=neither):
         torch.ops.kvbound.attention_dense(q, k, v, None, 1, dk**-0.5, False, None, per_run[:, :3], u32, w32,
                                           torch.tensor(starts))  # fmt: skip
+
+
+def test_expanding_keys_one_row_per_run_checks_the_runs():
+    from kvbound.attention import expand_run_keys
+    from kvbound.models.relative import relative_position_attention
+
+    keys = torch.randn(2, 3, 4)
+    torch.testing.assert_close(expand_run_keys(keys, [0, 2, 3], 5)[:, :, 0], keys[:, [0, 0, 1, 2, 2], 0])
+    for starts in ([1, 2, 3], [0, 3, 2], [0, 2, 5], []):
+        with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows of runs from 0"):
+            expand_run_keys(keys, starts, 5)
+    with pytest.raises(ValueError, match=r"^relative_keys: expected one row per run \(2\), got 3"):
+        expand_run_keys(keys, [0, 2], 5)
+    q = torch.randn(1, 2, 3, 4)  # the chunked path checks the runs it expands
+    with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows"):
+        relative_position_attention(q, q, q, keys, torch.zeros(2, 4), torch.zeros(2, 4), scale=0.5, backend="eager",
+                                    relative_runs=[0, 4, 2])  # fmt: skip

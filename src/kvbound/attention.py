@@ -418,7 +418,16 @@ def _relative_runs(
 
 def expand_run_keys(keys: torch.Tensor, starts: torch.Tensor | Sequence[int], rows: int) -> torch.Tensor:
     """Relative keys given one row per run (``[H, R, Dk]``, runs starting at the rows ``starts``, increasing from
-    0 and below ``rows``) as the full ``[H, rows, Dk]``: each run's row repeated over its rows."""
+    0 and below ``rows``) as the full ``[H, rows, Dk]``: each run's row repeated over its rows. ``starts`` as a
+    sequence is checked here; as a tensor it must come checked (``kvbound.attention``'s ``_relative_runs``)."""
+    if not isinstance(starts, torch.Tensor):
+        values = [operator.index(x) for x in starts]
+        increasing = all(b > a for a, b in zip(values[:-1], values[1:], strict=True))
+        if not values or values[0] != 0 or values[-1] >= rows or not increasing:
+            raise ValueError(f"relative_runs: expected increasing first rows of runs from 0, below {rows}, got "
+                             f"{values if len(values) <= 8 else [*values[:4], '...', *values[-2:]]}")  # fmt: skip
+    if keys.shape[1] != len(starts):
+        raise ValueError(f"relative_keys: expected one row per run ({len(starts)}), got {keys.shape[1]}")
     starts = torch.as_tensor(starts, dtype=torch.int64, device=keys.device)
     ends = torch.cat([starts[1:], starts.new_full((1,), rows)])
     return torch.repeat_interleave(keys, ends - starts, dim=1, output_size=rows)
