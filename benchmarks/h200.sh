@@ -70,10 +70,12 @@
 #                         (rows keys and keys-halves, default skew), then Enformer forwards at batch 1 and 8 with
 #                         KVBOUND_RELATIVE_HALVES=1 (compare with the models part's rows)
 #   largest     ~7 min    benchmarks/largest_batch.py: the largest batch of Enformer's and Borzoi's forwards that fits
-#                         in device memory, unpatched / patch-dense / patch-compressed, with its peak memory; one
-#                         process per search, a probe without an answer after 90 s ends it (status=timeout: Borzoi
-#                         at batch 32, 2026-12-02). Enformer took 50 s at b07ccf7
-#   largest-alphagenome   the same for AlphaGenome (1 Mb input)
+#                         in device memory, unpatched / patch-dense / patch-compressed, with its peak memory; a
+#                         probe without an answer after 90 s counts as not fitting and the search resumes below it
+#                         in a new worker (first_timeout: Borzoi stalled at batch 32 on 2026-12-02, so its searches
+#                         may take several 90 s waits each). Enformer took 50 s at b07ccf7
+#   largest-alphagenome   the same for AlphaGenome (1 Mb input); not yet run (its compressed variant compiled for
+#                         about 9 min in the alphagenome part, so its searches may outlast the step)
 #   alternatives ~8 min   whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
 #                         compressed), and the ports with their attention core replaced by what a user could assemble
 #                         (SDPA with a built position bias, compiled FlexAttention over a built table;

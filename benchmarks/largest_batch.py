@@ -15,11 +15,13 @@ and the largest batch that ran before it). The models suite can then time each m
 N``), if its timing loop fits there too: it holds more than one forward does (on the H200, Enformer's forward fits at
 batch 69, but the models suite ran out of memory at batch 64 in all three variants).
 
-Each model and variant searches in its own process, and a probe that gives no answer (neither an output nor
-out-of-memory) within ``--probe-timeout-s`` seconds ends that search: the process is killed and the row says
-``status=timeout``, ``failed_batch`` the batch in flight. On the H200, Borzoi's forward at batch 32 had not returned
-after minutes, unpatched and patched alike (its input to the first attention layer, ``[32, 4096, 1536]``, has 2^31
-elements), where batch 24 took one second.
+Each model and variant searches in worker processes. A probe that gives no answer (neither an output nor
+out-of-memory) within ``--probe-timeout-s`` seconds of its start counts as not fitting: its process group is killed
+and the search resumes in a new worker, bisecting below that batch (``first_timeout``: the smallest batch without an
+answer; ``first_out_of_memory`` counts only batches seen running out of memory). On the H200, Borzoi's unpatched
+forward at batch 32 had not returned after 85 s (and the dense patch's search stalled at 32 too), where batch 24
+took one second (``benchmarks/results/h200_2026-12-02_b07ccf7/big/borzoi_b32.log``). A SIGTERM (a time limit) ends
+the script and the worker in flight.
 
 ``--cpu-smoke``: the ports' small configs on the CPU up to ``--limit`` (default 4 there): a dry run of the search
 (nothing runs out of memory on the CPU).
@@ -35,8 +37,8 @@ import time
 from fnmatch import fnmatch
 from pathlib import Path
 
-FIELDS = ["model", "variant", "status", "largest_batch", "first_out_of_memory", "peak_gib", "probes", "limit",
-          "failed_batch", "input_len", "seconds", "reason", "device", "torch", "commit"]  # fmt: skip
+FIELDS = ["model", "variant", "status", "largest_batch", "first_out_of_memory", "first_timeout", "peak_gib", "probes",
+          "limit", "failed_batch", "input_len", "seconds", "reason", "device", "torch", "commit"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # MODEL:VARIANT, one search in this process
+    p.add_argument("--known-largest", type=int, default=0, help=argparse.SUPPRESS)  # resumes a worker's search
+    p.add_argument("--known-failing", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     import torch
@@ -78,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _searches(args, specs, variants, limit: int) -> int:
-    """One process per model and variant (a forward that never returns ends only its own search)."""
+    """One process per model and variant (a forward that never returns ends only its own process); a probe without
+    an answer in time counts as not fitting, and the search resumes in a new process below it."""
+    import signal
+
     import torch
 
-    from kvbound.bench.ports import watched_search
-
+    # A time limit's SIGTERM ends this process through SystemExit, whose unwinding kills the search in flight.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     device = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(0)
     stamp = {"device": device, "torch": torch.__version__, "commit": args.commit}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,21 +99,49 @@ def _searches(args, specs, variants, limit: int) -> int:
         writer.writeheader()
         for spec in specs:
             for variant in variants:
-                cmd = [sys.executable, __file__, str(args.out), "--worker", f"{spec.name}:{variant}",
-                       "--limit", str(limit), "--models", spec.name, "--commit", args.commit]  # fmt: skip
-                if args.cpu_smoke:
-                    cmd.append("--cpu-smoke")
                 started = time.perf_counter()
-                row = watched_search(cmd, args.probe_timeout_s or None, progress=lambda line: print(line, flush=True))
+                row = _search(args, spec.name, variant, limit)
                 row = {"model": spec.name, "variant": variant, "input_len": spec.input_len, "limit": limit, **row,
                        **stamp, "seconds": f"{time.perf_counter() - started:.1f}"}  # fmt: skip
-                if isinstance(row.get("peak_gib"), float):
-                    row["peak_gib"] = f"{row['peak_gib']:.2f}"
                 status |= row.get("status") != "ok"
                 writer.writerow(row)
                 f.flush()
-                print(" ".join(f"{k}={'' if row.get(k) is None else row[k]}" for k in FIELDS[:9]), flush=True)
+                print(" ".join(f"{k}={'' if row.get(k) is None else row[k]}" for k in FIELDS[:10]), flush=True)
     return int(status)
+
+
+def _search(args, name: str, variant: str, limit: int) -> dict:
+    """One model and variant: worker processes until the search ends; each timed-out probe is an upper bound."""
+    from kvbound.bench.ports import watched_search
+
+    largest, out_of_memory, timeouts, probes, peaks = 0, None, [], 0, {}
+    while True:
+        failing = min([b for b in (out_of_memory, *timeouts) if b is not None], default=None)
+        cmd = [sys.executable, __file__, str(args.out), "--worker", f"{name}:{variant}", "--limit", str(limit),
+               "--models", name, "--commit", args.commit, "--known-largest", str(largest)]  # fmt: skip
+        if failing is not None:
+            cmd += ["--known-failing", str(failing)]
+        if args.cpu_smoke:
+            cmd.append("--cpu-smoke")
+        row = watched_search(cmd, args.probe_timeout_s or None, progress=lambda line: print(line, flush=True))
+        largest = max(largest, row.pop("seen_largest"))
+        out_of_memory = min([b for b in (out_of_memory, row.pop("seen_out_of_memory")) if b is not None], default=None)
+        peaks.update({int(b): gib for b, gib in row.pop("seen_peaks").items()})
+        probes += row.get("probes") or 0
+        if row["status"] != "timeout":
+            break
+        timeouts.append(row["failed_batch"])
+        probes += 1
+        print(f"{name} {variant} batch {row['failed_batch']}: {row['reason']}; resuming below it", flush=True)
+        failing = min([b for b in (out_of_memory, *timeouts) if b is not None])
+        if failing - largest <= 1:
+            row = {"status": "ok"}
+            break
+    row.update(largest_batch=largest, first_out_of_memory=out_of_memory, probes=probes,
+               first_timeout=min(timeouts) if timeouts else None, peak_gib=peaks.get(largest, row.get("peak_gib")))
+    if isinstance(row.get("peak_gib"), float):
+        row["peak_gib"] = f"{row['peak_gib']:.2f}"
+    return row
 
 
 def _worker(args, specs, limit: int) -> int:
@@ -121,7 +156,8 @@ def _worker(args, specs, limit: int) -> int:
     config = CompressionConfig(block_size=16, rank=4, tau=DEFAULT_TAU) if args.cpu_smoke else CompressionConfig()
     spec = next(s for s in specs if s.name == name)
     for row in largest_batch_rows((spec,), device, config, limit=limit, variants=(variant,),
-                                  progress=lambda line: print(line, flush=True)):  # fmt: skip
+                                  progress=lambda line: print(line, flush=True), known_largest=args.known_largest,
+                                  known_failing=args.known_failing):  # fmt: skip
         row.pop("seconds", None)
         print(ROW_PREFIX + json.dumps(row), flush=True)
     return 0

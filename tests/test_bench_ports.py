@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,6 +232,24 @@ def test_largest_fitting_doubles_then_bisects(largest_that_fits, limit, expected
     assert calls <= 2 * max(1, limit).bit_length() + 1
 
 
+@pytest.mark.parametrize(("largest", "failing", "expected", "tried"), [
+    (16, 32, (24, 25), [24, 28, 26, 25]),  # resumed below a batch that gave no answer: bisection only
+    (16, None, (24, 25), [32, 24, 28, 26, 25]),  # resumed above what fitted: doubling goes on from it
+    (0, 1, (0, 1), []),  # nothing left to try
+])  # fmt: skip
+def test_largest_fitting_resumes_from_what_is_known(largest, failing, expected, tried):
+    seen = []
+
+    def fits(n):
+        seen.append(n)
+        return n <= 24
+
+    assert ports.largest_fitting(fits, 256, largest=largest, failing=failing)[:2] == expected
+    assert seen == tried
+    with pytest.raises(ValueError, match=r"^largest, failing: expected 0 <= largest < failing"):
+        ports.largest_fitting(fits, 256, largest=8, failing=8)
+
+
 def test_largest_fitting_rejects_a_limit_below_one():
     with pytest.raises(ValueError, match="limit: expected >= 1, got 0"):
         ports.largest_fitting(lambda n: True, 0)
@@ -280,13 +299,18 @@ def test_largest_batch_rows_stop_where_the_forward_runs_out_of_memory(monkeypatc
 
 
 def _child(*lines: str, sleep_before: float = 0.0, sleep_after: float = 0.0, row: dict | None = None,
-           code: int = 0) -> list[str]:
-    """A stand-in search process: prints ``lines`` (sleeping before the first and after the last), then ``row``."""
+           code: int = 0, pid_file: Path | None = None, between: float = 0.0) -> list[str]:
+    """A stand-in search process: prints ``lines`` (sleeping before the first, ``between`` after each, and after the
+    last), then ``row``; writes its pid to ``pid_file``."""
     import json
     import sys
 
-    body = [f"import sys, time; time.sleep({sleep_before})"]
-    body += [f"print({line!r}, flush=True)" for line in lines]
+    body = ["import os, sys, time"]
+    if pid_file is not None:
+        body.append(f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))")
+    body.append(f"time.sleep({sleep_before})")
+    for line in lines:
+        body += [f"print({line!r}, flush=True)", f"time.sleep({between})"]
     body.append(f"time.sleep({sleep_after})")
     if row is not None:
         body.append(f"print({ports.ROW_PREFIX + json.dumps(row)!r}, flush=True)")
@@ -294,31 +318,84 @@ def _child(*lines: str, sleep_before: float = 0.0, sleep_after: float = 0.0, row
     return [sys.executable, "-c", "\n".join(body)]
 
 
+def _gone(pid_file: Path) -> bool:
+    import os
+
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def test_watched_search_returns_the_row_and_passes_answers_on():
     shown = []
     row = {"status": "ok", "largest_batch": 2, "probes": 2}
-    cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", "m v batch 2: out of memory",
-                 "a note", row=row)
-    assert ports.watched_search(cmd, 30.0, progress=shown.append) == row
-    assert shown == ["m v batch 1: fits", "m v batch 2: out of memory", "a note"]  # probe starts are not shown
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits, peak 1.50 GiB", "m v batch 2: probing",
+                 "m v batch 2: out of memory", "a note", row=row)  # fmt: skip
+    got = ports.watched_search(cmd, 30.0, progress=shown.append)
+    assert got == {**row, "seen_largest": 1, "seen_out_of_memory": 2, "seen_peaks": {1: 1.5}}
+    assert shown == ["m v batch 1: fits, peak 1.50 GiB", "m v batch 2: out of memory", "a note"]  # no probe starts
 
 
-def test_watched_search_ends_a_probe_that_does_not_answer():
+def test_watched_search_ends_a_probe_that_does_not_answer(tmp_path):
     """A forward that never returns: the process is killed after the probe's limit, the row keeps what fitted."""
+    pid = tmp_path / "pid"
     cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", sleep_after=60,
-                 row={"status": "ok"})
+                 row={"status": "ok"}, pid_file=pid)  # fmt: skip
     started = time.perf_counter()
     row = ports.watched_search(cmd, 1.0)
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 20 and _gone(pid)
     assert (row["status"], row["largest_batch"], row["failed_batch"]) == ("timeout", 1, 2)
     assert "batch 2: no answer within 1 s" in row["reason"]
+
+
+def test_watched_search_limit_runs_from_the_probe_start_whatever_it_prints():
+    """Output during a probe (warnings, autotuning) does not extend its limit."""
+    cmd = _child("m v batch 4: probing", *[f"warning {i}" for i in range(40)], between=0.1, row={"status": "ok"})
+    started = time.perf_counter()
+    row = ports.watched_search(cmd, 1.0)
+    assert time.perf_counter() - started < 3.5
+    assert (row["status"], row["failed_batch"]) == ("timeout", 4)
 
 
 def test_watched_search_times_only_probes():
     """Building the model or calibrating (no probe in flight) is not cut by the probe limit."""
     row = {"status": "ok", "largest_batch": 1}
     cmd = _child("m v batch 1: probing", "m v batch 1: fits", sleep_before=2.0, row=row)
-    assert ports.watched_search(cmd, 0.5) == row
+    assert ports.watched_search(cmd, 0.5)["status"] == "ok"
+
+
+def test_watched_search_keeps_the_row_of_a_process_slow_to_exit_and_of_an_error(tmp_path):
+    """A row printed after a failed probe (not out of memory) is the answer, even if the process then lingers."""
+    error = {"status": "error", "largest_batch": 1, "failed_batch": 2, "reason": "RuntimeError: a shape error"}
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", row=error)
+    assert ports.watched_search(cmd, 1.0)["status"] == "error"
+    cmd = _child("m v batch 1: probing", "m v batch 1: fits", "m v batch 2: probing", row=error)
+    cmd[-1] = cmd[-1].replace("sys.exit(0)", "time.sleep(3); sys.exit(0)")
+    assert ports.watched_search(cmd, 1.0)["reason"] == "RuntimeError: a shape error"
+
+
+def test_watched_search_survives_bytes_that_are_not_utf8():
+    import sys
+
+    cmd = [sys.executable, "-c", "import sys; sys.stdout.buffer.write(b'\\xff\\xfe oops\\n'); sys.stdout.flush(); "
+           f"print({ports.ROW_PREFIX!r} + '{{\"status\": \"ok\"}}', flush=True)"]  # fmt: skip
+    assert ports.watched_search(cmd, 5.0)["status"] == "ok"
+
+
+def test_watched_search_kills_the_process_when_the_caller_is_interrupted(tmp_path, monkeypatch):
+    pid = tmp_path / "pid"
+    calls = []
+
+    def interrupt(line):
+        calls.append(line)
+        raise KeyboardInterrupt
+
+    cmd = _child("a line before the probe", "m v batch 1: probing", sleep_after=60, pid_file=pid)
+    with pytest.raises(KeyboardInterrupt):
+        ports.watched_search(cmd, None, progress=interrupt)
+    assert calls == ["a line before the probe"] and _gone(pid)
 
 
 def test_watched_search_reports_a_process_that_dies_without_a_row():
@@ -326,3 +403,45 @@ def test_watched_search_reports_a_process_that_dies_without_a_row():
     row = ports.watched_search(cmd, 30.0)
     assert (row["status"], row["largest_batch"], row["failed_batch"]) == ("error", 1, 2)
     assert "status 3" in row["reason"] and "Traceback: boom" in row["reason"]
+
+
+def test_largest_batch_script_resumes_below_a_probe_without_answer(monkeypatch, tmp_path):
+    """benchmarks/largest_batch.py: a timed-out probe is an upper bound, the next worker bisects below it; the row
+    keeps the largest batch that fitted, its peak, the first timeout and no out-of-memory that was not seen."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("largest_batch", Path(__file__).parents[1] / "benchmarks" /
+                                                  "largest_batch.py")  # fmt: skip
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    answers = [
+        {"status": "timeout", "failed_batch": 32, "reason": "batch 32: no answer", "largest_batch": 16,
+         "seen_largest": 16, "seen_out_of_memory": None, "seen_peaks": {16: 31.7}},
+        {"status": "timeout", "failed_batch": 28, "reason": "batch 28: no answer", "largest_batch": 24,
+         "seen_largest": 24, "seen_out_of_memory": None, "seen_peaks": {24: 52.5}},
+        {"status": "ok", "largest_batch": 27, "first_out_of_memory": 28, "probes": 2, "peak_gib": 58.0,
+         "seen_largest": 27, "seen_out_of_memory": None, "seen_peaks": {27: 58.0}},
+    ]  # fmt: skip
+    commands = []
+
+    def scripted(cmd, timeout, progress=None):
+        commands.append(cmd)
+        return dict(answers[len(commands) - 1])
+
+    monkeypatch.setattr(ports, "watched_search", scripted)
+    args = argparse.Namespace(out=tmp_path / "x.csv", commit="abc", cpu_smoke=False, probe_timeout_s=90.0)
+    row = script._search(args, "borzoi", "unpatched", 256)
+    known = [(c[c.index("--known-largest") + 1], c[c.index("--known-failing") + 1] if "--known-failing" in c else None)
+             for c in commands]  # fmt: skip
+    assert known == [("0", None), ("16", "32"), ("24", "28")]
+    assert (row["status"], row["largest_batch"], row["first_timeout"]) == ("ok", 27, 28)
+    assert row["first_out_of_memory"] is None  # the worker's failing bound (28) was a timeout, not out of memory
+    assert row["peak_gib"] == "58.00" and row["probes"] == 2 + 2  # the worker's probes and the two that timed out
+
+    answers[2] = {"status": "timeout", "failed_batch": 25, "reason": "batch 25: no answer", "largest_batch": 24,
+                  "seen_largest": 24, "seen_out_of_memory": None, "seen_peaks": {}}  # fmt: skip
+    commands.clear()
+    row = script._search(args, "borzoi", "unpatched", 256)  # 24 fits, 25 gives no answer: nothing left between
+    assert len(commands) == 3 and (row["status"], row["largest_batch"], row["first_timeout"]) == ("ok", 24, 25)
+    assert row["peak_gib"] == "52.50"

@@ -346,7 +346,7 @@ def test_expanding_keys_one_row_per_run_checks_the_runs():
 
     keys = torch.randn(2, 3, 4)
     torch.testing.assert_close(expand_run_keys(keys, [0, 2, 3], 5)[:, :, 0], keys[:, [0, 0, 1, 2, 2], 0])
-    for starts in ([1, 2, 3], [0, 3, 2], [0, 2, 5], []):
+    for starts in ([1, 2, 3], [0, 3, 2], [0, 2, 5], [], torch.tensor([0, 2, 2]), torch.tensor([1, 2, 3])):
         with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows of runs from 0"):
             expand_run_keys(keys, starts, 5)
     with pytest.raises(ValueError, match=r"^relative_keys: expected one row per run \(2\), got 3"):
@@ -355,3 +355,6 @@ def test_expanding_keys_one_row_per_run_checks_the_runs():
     with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows"):
         relative_position_attention(q, q, q, keys, torch.zeros(2, 4), torch.zeros(2, 4), scale=0.5, backend="eager",
                                     relative_runs=[0, 4, 2])  # fmt: skip
+    with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows"):
+        relative_position_attention(q, q, q, keys, torch.zeros(2, 4), torch.zeros(2, 4), scale=0.5, backend="eager",
+                                    relative_runs=torch.tensor([0, 2, 2]))  # fmt: skip

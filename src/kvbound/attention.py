@@ -153,7 +153,7 @@ def attention(
         run_count=None if runs is None else runs.numel(),
     )  # fmt: skip
     if compressed and runs is not None and relative[0].shape[1] != n_q + n_k - 1:
-        relative = (expand_run_keys(relative[0], runs, n_q + n_k - 1), *relative[1:])  # one row per run
+        relative = (expand_run_keys(relative[0], runs, n_q + n_k - 1, checked=True), *relative[1:])  # per run
 
     softcap = None if softcap is None else float(softcap)
     if not compressed and _plain_eager((q, k, v, bias4, *relative)):
@@ -416,12 +416,14 @@ def _relative_runs(
     return found
 
 
-def expand_run_keys(keys: torch.Tensor, starts: torch.Tensor | Sequence[int], rows: int) -> torch.Tensor:
+def expand_run_keys(keys: torch.Tensor, starts: torch.Tensor | Sequence[int], rows: int, *,
+                    checked: bool = False) -> torch.Tensor:  # fmt: skip
     """Relative keys given one row per run (``[H, R, Dk]``, runs starting at the rows ``starts``, increasing from
-    0 and below ``rows``) as the full ``[H, rows, Dk]``: each run's row repeated over its rows. ``starts`` as a
-    sequence is checked here; as a tensor it must come checked (``kvbound.attention``'s ``_relative_runs``)."""
-    if not isinstance(starts, torch.Tensor):
-        values = [operator.index(x) for x in starts]
+    0 and below ``rows``) as the full ``[H, rows, Dk]``: each run's row repeated over its rows. ``starts`` is
+    checked (a tensor is read to the host for that) unless ``checked`` (``kvbound.attention``'s own runs, checked
+    by ``_relative_runs``)."""
+    if not checked:
+        values = starts.tolist() if isinstance(starts, torch.Tensor) else [operator.index(x) for x in starts]
         increasing = all(b > a for a, b in zip(values[:-1], values[1:], strict=True))
         if not values or values[0] != 0 or values[-1] >= rows or not increasing:
             raise ValueError(f"relative_runs: expected increasing first rows of runs from 0, below {rows}, got "

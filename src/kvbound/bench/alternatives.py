@@ -10,9 +10,12 @@ as whole-forward variants of ``kvbound bench --suite models --alternatives``.
 Both are the attention cores of ``kvbound bench --suite relative`` (``kvbound/bench/relative.py``) inside the ports'
 own layer: the same projections (``to_q``, ``to_k``, ``to_v``, ``to_rel_k``, ``to_out``), the positional features
 computed once per length (as ``kvbound.patch`` does; the ports recompute them in every layer), content bias ``u``
-and position bias ``v`` in the projections' dtype. The layers' ``forward`` is replaced on the instances and
-restored on exit. AlphaGenome's layers (pair bias, soft-cap, one shared K/V head) have no such variant here: SDPA
-cannot apply the soft-cap, and the relative suite has no FlexAttention form of them.
+and position bias ``v`` cast to the projections' dtype before they are added to the scaled queries (the ports add
+them in float32 and round once; kvbound reads them in float32). The layers' ``forward`` is replaced on the
+instances and restored on exit. FlexAttention's compile raises dynamo's recompile limits for the process
+(``kvbound.bench.providers.raise_recompile_limits``). AlphaGenome's layers (pair bias, soft-cap, one shared K/V
+head) have no such variant here: SDPA cannot apply the soft-cap, and the relative suite has no FlexAttention form of
+them.
 """
 
 from __future__ import annotations

@@ -508,15 +508,19 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
         del inputs, reference
 
 
-def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, int | None, int]:
+def largest_fitting(fits: Callable[[int], bool], limit: int, *, largest: int = 0,
+                    failing: int | None = None) -> tuple[int, int | None, int]:  # fmt: skip
     """The largest ``n`` in ``1 .. limit`` with ``fits(n)``, for a ``fits`` that holds up to some size and fails
     above it: ``n`` doubled from 1 until ``fits`` fails (or passes ``limit``, which is then tried itself), then
     bisected between the last size that fit and the first that did not. Returns ``(largest or 0, smallest size
-    seen failing or None, calls of fits)``."""
+    seen failing or None, calls of fits)``. A search resumed with what is known already (``largest`` fits,
+    ``failing`` does not) doubles on from ``largest``, or bisects between them when ``failing`` is given."""
     if limit < 1:
         raise ValueError(f"limit: expected >= 1, got {limit}")
-    largest, failing, calls, n = 0, None, 0, 1
-    while n <= limit:
+    if largest < 0 or (failing is not None and not largest < failing <= limit + 1):
+        raise ValueError(f"largest, failing: expected 0 <= largest < failing <= limit + 1, got {largest}, {failing}")
+    calls, n = 0, max(1, 2 * largest)
+    while failing is None and n <= limit:
         calls += 1
         if not fits(n):
             failing = n
@@ -540,7 +544,8 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, int |
 
 PROBING = "probing"
 _PROBE_LINE = re.compile(
-    r"^(?P<model>\S+) (?P<variant>\S+) batch (?P<batch>\d+): (?P<what>probing|fits|out of memory)$"
+    r"^(?P<model>\S+) (?P<variant>\S+) batch (?P<batch>\d+): (?P<what>probing|fits|out of memory)"
+    r"(?:, peak (?P<peak>[0-9.]+) GiB)?$"
 )
 ROW_PREFIX = "largest-batch-row "
 
@@ -548,60 +553,84 @@ ROW_PREFIX = "largest-batch-row "
 def watched_search(cmd: list[str], probe_timeout_s: float | None,
                    progress: Callable[[str], None] | None = None) -> dict:
     """Run one search (``cmd``: a process that prints ``largest_batch_rows``'s progress lines, then its row as
-    ``ROW_PREFIX`` + JSON) and return that row. A probe that gives no answer within ``probe_timeout_s`` seconds (a
-    forward that runs far longer than its neighbours: out-of-memory is an answer, a kernel that does not return is
-    not) ends the search: the process group is killed and the row says ``status=timeout``, with the largest batch that
-    fitted before and ``failed_batch`` the one in flight. A process that exits without a row gives ``status=error``
-    with the end of what it printed."""
+    ``ROW_PREFIX`` + JSON) and return that row, with what its progress lines showed: ``seen_largest`` (the largest
+    batch that fitted), ``seen_out_of_memory`` (the smallest that ran out of memory, or None) and ``seen_peaks``
+    (batch -> peak GiB). A probe that gives no answer within ``probe_timeout_s`` seconds of its start (a forward
+    that runs far longer than its neighbours: out-of-memory is an answer, a kernel that does not return is not)
+    ends the process group, and the row says ``status=timeout`` with ``failed_batch`` the batch in flight. A
+    process that exits without a row gives ``status=error`` with the end of what it printed. The process group is
+    killed on any way out of this function (an exception, a signal turned into ``SystemExit``)."""
     import json
     import queue
     import signal
     import subprocess
     import threading
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            bufsize=1, start_new_session=True)  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line.rstrip("\n"))
+        finally:
+            lines.put(None)
+
+    def kill() -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
     threading.Thread(target=pump, daemon=True).start()
-    largest, in_flight, tail, row = 0, None, [], None
-    while True:
-        try:
-            line = lines.get(timeout=probe_timeout_s if in_flight is not None else None)
-        except queue.Empty:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return {"status": "timeout", "largest_batch": largest, "failed_batch": in_flight,
-                    "reason": f"batch {in_flight}: no answer within {probe_timeout_s:g} s (process killed)"}
-        if line is None:
-            break
-        if line.startswith(ROW_PREFIX):
-            row = json.loads(line[len(ROW_PREFIX):])
-            continue
-        tail = (tail + [line])[-5:]
-        probe = _PROBE_LINE.match(line)
-        if probe is not None:
-            batch = int(probe["batch"])
-            if probe["what"] == PROBING:
-                in_flight = batch
-            else:
-                in_flight = None
-                if probe["what"] == "fits":
-                    largest = max(largest, batch)
-        if progress is not None and (probe is None or probe["what"] != PROBING):
-            progress(line)
-    code = proc.wait()
+    seen = {"largest": 0, "out_of_memory": None, "peaks": {}}
+    in_flight, deadline, tail, row = None, None, [], None
+    try:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if row is not None:  # the row is in: give the process a moment to exit, no longer
+                wait = 60.0
+            try:
+                line = lines.get(timeout=wait)
+            except queue.Empty:
+                kill()
+                if row is not None:
+                    break
+                row = {"status": "timeout", "failed_batch": in_flight,
+                       "reason": f"batch {in_flight}: no answer within {probe_timeout_s:g} s (process killed)"}
+                break
+            if line is None:
+                break
+            if line.startswith(ROW_PREFIX):
+                row, in_flight, deadline = json.loads(line[len(ROW_PREFIX):]), None, None
+                continue
+            tail = (tail + [line])[-5:]
+            probe = _PROBE_LINE.match(line)
+            if probe is not None:
+                batch = int(probe["batch"])
+                if probe["what"] == PROBING:
+                    in_flight = batch
+                    deadline = None if probe_timeout_s is None else time.monotonic() + probe_timeout_s
+                else:
+                    in_flight, deadline = None, None
+                    if probe["what"] == "fits":
+                        seen["largest"] = max(seen["largest"], batch)
+                        if probe["peak"] is not None:
+                            seen["peaks"][batch] = float(probe["peak"])
+                    elif seen["out_of_memory"] is None or batch < seen["out_of_memory"]:
+                        seen["out_of_memory"] = batch
+            if progress is not None and (probe is None or probe["what"] != PROBING):
+                progress(line)
+    finally:
+        kill()
     if row is None:
-        return {"status": "error", "largest_batch": largest, "failed_batch": in_flight,
-                "reason": f"search process exited with status {code} and no row: " + " | ".join(tail)[-300:]}
-    return row
+        row = {"status": "error", "failed_batch": in_flight,
+               "reason": f"search process exited with status {proc.returncode} and no row: "
+                         + " | ".join(tail)[-300:]}  # fmt: skip
+    row.setdefault("largest_batch", seen["largest"])
+    return {**row, **{f"seen_{k}": v for k, v in seen.items()}}
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -619,11 +648,13 @@ class _SearchFailed(Exception):
 
 def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, config, *, limit: int,
                        variants: tuple[str, ...] = VARIANTS, backend: str = "auto", seed: int = 0,
-                       progress: Callable[[str], None] | None = None) -> Iterator[dict]:
+                       progress: Callable[[str], None] | None = None, known_largest: int = 0,
+                       known_failing: int | None = None) -> Iterator[dict]:
     """For each model and variant, the largest batch whose forward (bf16 autocast, ``no_grad``, inputs of the models
     suite) runs without running out of device memory (``largest_fitting`` up to ``limit``), and the peak memory of
     that forward. A forward that fails otherwise ends that variant's search: an error row with the largest batch
-    found so far, the batch that failed (``failed_batch``) and why."""
+    found so far, the batch that failed (``failed_batch``) and why. ``known_largest`` / ``known_failing``: resume a
+    search (``largest_fitting``'s ``largest`` / ``failing``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for spec in specs:
         torch.manual_seed(seed)
@@ -661,13 +692,15 @@ def largest_batch_rows(specs: tuple[PortModel, ...], device: torch.device, confi
                     del inputs, out
                     _release(device)
                 if progress is not None:
-                    progress(f"{spec.name} {variant} batch {batch}: {'fits' if ok else 'out of memory'}")
+                    peak = f", peak {peaks[batch] / 2**30:.2f} GiB" if ok and batch in peaks else ""
+                    progress(f"{spec.name} {variant} batch {batch}: {'fits' if ok else 'out of memory'}{peak}")
                 return ok
 
             try:
                 with _variant(variant, model, config, calibrate, backend):
                     _release(device)  # (after calibration; each probe releases what it used)
-                    largest, failing, calls = largest_fitting(fits, limit)
+                    largest, failing, calls = largest_fitting(fits, limit, largest=known_largest,
+                                                              failing=known_failing)  # fmt: skip
                 row.update(status="ok", largest_batch=largest, first_out_of_memory=failing, probes=calls)
             except _SearchFailed:
                 row["status"] = "error"
