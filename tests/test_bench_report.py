@@ -355,3 +355,26 @@ def test_report_shows_trained_kv_rows(tmp_path):
     assert "| enformer | 65536 | 8/8 | 64 / 32 | kvbound-compressed | r8b4 | ok | 110.8 | 0.16x |" in section
     assert "0.000/0.000/1.000/0.000" in section and "| 0.9990 |" in section
     assert "trained_kv.csv` (2 rows of `benchmarks/trained_kv.py`)" in text and "commit: `abc1234`" in text
+
+
+def test_report_shows_largest_batch_rows(tmp_path):
+    """benchmarks/largest_batch.py's CSV is recognised by its columns and shown row by row with its provenance."""
+    directory = tmp_path / "results" / "run"
+    directory.mkdir(parents=True)
+    header = ("model,variant,status,largest_batch,first_out_of_memory,first_timeout,peak_gib,probes,limit,"
+              "failed_batch,input_len,seconds,reason,device,torch,commit")  # fmt: skip
+    rows = [
+        "enformer,unpatched,ok,69,70,,137.02,14,256,,196608,16.7,,NVIDIA H200,2.11.0+cu130,b07ccf7",
+        "borzoi,patch-dense,ok,24,,32,52.50,7,256,,524288,210.0,,NVIDIA H200,2.11.0+cu130,d86f854",
+    ]
+    (directory / "largest_batch.csv").write_text("\n".join([header, *rows]) + "\n")
+    files = report.read_results(tmp_path / "results")
+    assert [f.kind for f in files] == ["largest-batch"]
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    section = text.split("### The largest batch that fits")[1].split("\n## ")[0]
+    assert "| enformer | unpatched | ok | 69 | 70 | - | 137.02 | 14 | 196608 | 16.7 | b07ccf7 |" in section
+    assert "| borzoi | patch-dense | ok | 24 | - | 32 | 52.50 | 7 | 524288 | 210.0 | d86f854 |" in section
+    assert "largest_batch.csv` (2 rows of `benchmarks/largest_batch.py`)" in text
+    assert "commit: `b07ccf7, d86f854`" in text

@@ -180,6 +180,8 @@ def read_results(results: Path) -> list[ResultFile]:
             out.append(ResultFile(path, "bench", rows=read_rows(path), columns=columns))
         elif set(TRAINED_KV_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "trained-kv", raw=raw, columns=columns))
+        elif set(LARGEST_BATCH_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "largest-batch", raw=raw, columns=columns))
         elif set(tables.LEGACY_ENCODER_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "legacy-encoder", raw=raw, columns=columns))
         elif set(tables.LEGACY_PUBLIC_API_COLUMNS) <= set(columns):
@@ -242,6 +244,31 @@ def _trained_kv_section(files: list[ResultFile]) -> str:
                 r.get("k_shares") or "-", r.get("v_shares") or "-", _fmt_text(r.get("kv_ratio"), ".2f"),
                 r.get("commit") or "-",
             ])  # fmt: skip
+    return tables.to_markdown(headers, body) if body else "_(none)_\n"
+
+
+# benchmarks/largest_batch.py's CSV (the largest batch of each port's forward that fits in device memory)
+LARGEST_BATCH_COLUMNS = ("model", "variant", "status", "largest_batch", "first_out_of_memory", "peak_gib", "probes")
+
+
+def _largest_batch_provenance(item: ResultFile, root: Path) -> str:
+    def values(key: str) -> str:
+        return _raw_values(item.raw, key)
+
+    return "\n".join([
+        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/largest_batch.py`)",
+        f"  - device: {values('device')}; commit: `{values('commit')}`; torch {values('torch')}",
+    ])  # fmt: skip
+
+
+def _largest_batch_section(files: list[ResultFile]) -> str:
+    """Every row of every largest_batch CSV, files in path order."""
+    headers = ["model", "variant", "status", "largest batch", "first out of memory", "first without answer",
+               "peak GiB", "probes", "input bp", "search s", "commit", "reason"]  # fmt: skip
+    body = [[r["model"], r["variant"], r["status"], r.get("largest_batch") or "-", r.get("first_out_of_memory") or "-",
+             r.get("first_timeout") or "-", _fmt_text(r.get("peak_gib"), ".2f"), r.get("probes") or "-",
+             r.get("input_len") or "-", r.get("seconds") or "-", r.get("commit") or "-", (r.get("reason") or "")[:120]]
+            for item in files for r in item.raw]  # fmt: skip
     return tables.to_markdown(headers, body) if body else "_(none)_\n"
 
 
@@ -363,6 +390,7 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
     sources = [_provenance(p, r, root) for p, r in rows_by_file.items()]
     sources += [_legacy_provenance(f, root) for f in other_files if f.kind.startswith("legacy")]
     sources += [_trained_kv_provenance(f, root) for f in other_files if f.kind == "trained-kv"]
+    sources += [_largest_batch_provenance(f, root) for f in other_files if f.kind == "largest-batch"]
     sources += [_unknown_provenance(f, root) for f in other_files if f.kind == "unknown"]
     parts = [
         "# kvbound benchmarks\n",
@@ -418,6 +446,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "## Models end to end\n",
         _MODELS_METHOD,
         tables.to_markdown(*tables.models_table(rows)),
+        "### The largest batch that fits\n",
+        _LARGEST_BATCH_METHOD,
+        _largest_batch_section([f for f in other_files if f.kind == "largest-batch"]),
         "## Relative-position attention against what a user could build\n",
         _RELATIVE_METHOD,
         tables.to_markdown(*tables.relative_table(rows)),
@@ -464,6 +495,14 @@ partial results (`kernels/README.md`); the one launch columns (`kvbound-compress
 never split. The kvbound columns are the default, which splits when at least 40 % of the super-blocks are
 proven low-rank only (at 1aa065a: half); in runs at b979f83 and before, the default was one launch. `-` where the
 run predates a variant. `bash benchmarks/h200.sh share`.
+"""
+
+_LARGEST_BATCH_METHOD = """`python benchmarks/largest_batch.py OUT.csv` (`bash benchmarks/h200.sh largest`): per port
+and variant, one full-size forward (bf16 autocast, `no_grad`, the models suite's inputs) per probed batch, the batch
+doubled until a forward runs out of memory, then bisected. A probe without an answer within the probe limit counts as
+not fitting (`first without answer`) and the search resumes below it. Peak: `torch.cuda.max_memory_allocated` of the
+forward at the largest batch. The models suite's own timing loop holds more than one forward, so it may not fit at
+that batch.
 """
 
 _TRAINED_KV_METHOD = """Plain softmax attention on the queries, keys and values that the trained compact models of
