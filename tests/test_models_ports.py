@@ -804,3 +804,42 @@ def test_encode_time_accumulates_per_forward(enformer):
         model(x)
         second = [r.encode_seconds for r in handle.modules]
     assert all(t > 0 for t in first) and all(b > a for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.gpu
+def test_gpu_borzoi_layer_full_size_one_key_per_run_bf16(monkeypatch):
+    """One Borzoi attention layer at its published size (dim 1536, 8 heads, dk 64, dv 192, 4096 tokens) on the GPU
+    under bf16 autocast: the patched layer passes one relative key per run (31 runs of equal positional features) and
+    its output is within twice the port's own bf16 error of the float64 reference."""
+    _port("borzoi_pytorch")
+    from borzoi_pytorch.pytorch_borzoi_transformer import Attention
+
+    from kvbound.attention import attention as fused
+    from kvbound.models import _backend
+
+    torch.manual_seed(0)
+    module = Attention(1536, heads=8, dim_key=64, dim_value=192, num_rel_pos_features=32).eval()
+    _randomize_(module, seed=5)
+    x = torch.randn(1, 4096, 1536, generator=torch.Generator().manual_seed(6))
+    ref = borzoi_attention_module_reference(module, x)["out"]
+    rows = []
+
+    def spy(q, k, v, **kwargs):
+        rows.append((kwargs["relative_keys"].shape[1], len(kwargs["relative_runs"])))
+        return fused(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    module, xc = module.cuda(), x.cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        port = module(xc).float().cpu()
+        with patch(module, compress=False, backend="kvbound"):
+            ours = module(xc).float().cpu()
+    port_err = (port.double() - ref).abs().max().item()
+    our_err = (ours.double() - ref).abs().max().item()
+    print(f"Borzoi layer bf16 vs float64: port {port_err:.3e}, patched (one key per run) {our_err:.3e}")
+    from kvbound.models.reference import borzoi_positional_features_reference
+    from kvbound.models.relative import equal_row_runs
+
+    runs = len(equal_row_runs(borzoi_positional_features_reference(4096, 32)))
+    assert runs == 31 and rows == [(runs, runs)]
+    assert torch.isfinite(ours).all() and our_err <= 2 * port_err
