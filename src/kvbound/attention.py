@@ -376,15 +376,9 @@ def _relative_operands(
 _RUNS_ON_DEVICE: dict[tuple, tuple[torch.Tensor, int]] = {}
 
 
-def _relative_runs(
-    runs: object, relative_keys: object, rows: int, q: torch.Tensor
-) -> tuple[torch.Tensor | None, int]:
-    """``relative_runs`` validated on the host as an int64 tensor on q's device, with the dense kernel's
-    ``RUN_SPAN`` for it (``relative_run_span``), both cached per layout; or ``(None, 0)``."""
-    if runs is None:
-        return None, 0
-    if relative_keys is None:
-        raise ValueError("relative_runs: given without relative_keys (it only describes relative keys)")
+def _run_values(runs: object, rows: int) -> list[int]:
+    """Run starts (a sequence of ints or a 1-D integer tensor, read to the host) as a list, checked: increasing
+    from 0 and below ``rows`` (``Nq + Nk - 1`` relative rows)."""
     if isinstance(runs, torch.Tensor):
         if runs.dim() != 1 or runs.dtype.is_floating_point or runs.dtype.is_complex or runs.dtype == torch.bool:
             raise ValueError(f"relative_runs: expected a 1-D integer tensor, got {runs.dim()}-D {runs.dtype}")
@@ -401,9 +395,21 @@ def _relative_runs(
     if not values or values[0] != 0 or not increasing or values[-1] >= rows:
         shown = values if len(values) <= 8 else [*values[:4], "...", *values[-2:]]
         raise ValueError(
-            f"relative_runs: expected increasing first rows of runs, starting at 0 and below Nq + Nk - 1 = {rows}, "
-            f"got {shown}"
+            f"relative_runs: expected increasing first rows of runs from 0, below {rows} (Nq + Nk - 1), got {shown}"
         )
+    return values
+
+
+def _relative_runs(
+    runs: object, relative_keys: object, rows: int, q: torch.Tensor
+) -> tuple[torch.Tensor | None, int]:
+    """``relative_runs`` validated on the host as an int64 tensor on q's device, with the dense kernel's
+    ``RUN_SPAN`` for it (``relative_run_span``), both cached per layout; or ``(None, 0)``."""
+    if runs is None:
+        return None, 0
+    if relative_keys is None:
+        raise ValueError("relative_runs: given without relative_keys (it only describes relative keys)")
+    values = _run_values(runs, rows)
     key = (tuple(values), q.device)
     found = _RUNS_ON_DEVICE.get(key)
     if found is None:
@@ -423,11 +429,7 @@ def expand_run_keys(keys: torch.Tensor, starts: torch.Tensor | Sequence[int], ro
     checked (a tensor is read to the host for that) unless ``checked`` (``kvbound.attention``'s own runs, checked
     by ``_relative_runs``)."""
     if not checked:
-        values = starts.tolist() if isinstance(starts, torch.Tensor) else [operator.index(x) for x in starts]
-        increasing = all(b > a for a, b in zip(values[:-1], values[1:], strict=True))
-        if not values or values[0] != 0 or values[-1] >= rows or not increasing:
-            raise ValueError(f"relative_runs: expected increasing first rows of runs from 0, below {rows}, got "
-                             f"{values if len(values) <= 8 else [*values[:4], '...', *values[-2:]]}")  # fmt: skip
+        _run_values(starts, rows)
     if keys.shape[1] != len(starts):
         raise ValueError(f"relative_keys: expected one row per run ({len(starts)}), got {keys.shape[1]}")
     starts = torch.as_tensor(starts, dtype=torch.int64, device=keys.device)
