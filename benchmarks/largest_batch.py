@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=None, help="default: unpatched patch-dense patch-compressed")
     p.add_argument("--limit", type=int, default=None, help="largest batch tried (default 256; 4 with --cpu-smoke)")
     p.add_argument("--probe-timeout-s", type=float, default=180.0,
-                   help="seconds one probe may run before its search is ended (0: no limit; default 180)")
+                   help="seconds one probe may run before it counts as not fitting (0: no limit; default 180)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # MODEL:VARIANT, one search in this process
@@ -115,8 +115,12 @@ def _search(args, name: str, variant: str, limit: int) -> dict:
     from kvbound.bench.ports import watched_search
 
     largest, out_of_memory, timeouts, probes, peaks = 0, None, [], 0, {}
-    while True:
+    row = {"status": "timeout"}
+    while row["status"] == "timeout":
         failing = min([b for b in (out_of_memory, *timeouts) if b is not None], default=None)
+        if timeouts and failing - largest <= 1:  # nothing left between what fitted and what did not answer
+            row = {"status": "ok"}
+            break
         cmd = [sys.executable, __file__, str(args.out), "--worker", f"{name}:{variant}", "--limit", str(limit),
                "--models", name, "--commit", args.commit, "--known-largest", str(largest)]  # fmt: skip
         if failing is not None:
@@ -126,17 +130,12 @@ def _search(args, name: str, variant: str, limit: int) -> dict:
         row = watched_search(cmd, args.probe_timeout_s or None, progress=lambda line: print(line, flush=True))
         largest = max(largest, row.pop("seen_largest"))
         out_of_memory = min([b for b in (out_of_memory, row.pop("seen_out_of_memory")) if b is not None], default=None)
-        peaks.update({int(b): gib for b, gib in row.pop("seen_peaks").items()})
+        peaks.update(row.pop("seen_peaks"))
         probes += row.get("probes") or 0
-        if row["status"] != "timeout":
-            break
-        timeouts.append(row["failed_batch"])
-        probes += 1
-        print(f"{name} {variant} batch {row['failed_batch']}: {row['reason']}; resuming below it", flush=True)
-        failing = min([b for b in (out_of_memory, *timeouts) if b is not None])
-        if failing - largest <= 1:
-            row = {"status": "ok"}
-            break
+        if row["status"] == "timeout":
+            timeouts.append(row["failed_batch"])
+            probes += 1
+            print(f"{name} {variant} batch {row['failed_batch']}: {row['reason']}; resuming below it", flush=True)
     row.update(largest_batch=largest, first_out_of_memory=out_of_memory, probes=probes,
                first_timeout=min(timeouts) if timeouts else None, peak_gib=peaks.get(largest, row.get("peak_gib")))
     if isinstance(row.get("peak_gib"), float):

@@ -460,14 +460,14 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
 
     from kvbound.bench.alternatives import supports_alternatives
 
-    alternatives = options.alternatives if modules and all(supports_alternatives(m) for m in modules) else ()
+    relative = bool(modules) and all(supports_alternatives(m) for m in modules)
     for batch in batches:
         inputs = spec.make_input(batch, options.seed + 1, device)
         reference = unpatched_failure = None
         for variant in VARIANTS + tuple(options.alternatives):
             row = {**_base_row(spec, batch, describe, len(modules), options), "provider": variant,
                    "status": "ok", "reason": "", "note": spec.note if variant == "unpatched" else ""}
-            if variant in options.alternatives and variant not in alternatives:
+            if variant in options.alternatives and not relative:
                 yield {**row, "status": "unsupported",
                        "reason": "alternatives are built for the relative-position ports (Enformer, Borzoi) only"}
                 continue

@@ -303,7 +303,7 @@ def relative_skew_halves(lower, upper):
     table[a, BLOCK_M - 1 + c - a]``. The halves are joined (``[BLOCK_M, BLOCK_N, 2]``, column ``h * BLOCK_N + j`` at
     ``(a, j, h)``), flattened, and gathered along their one axis, which Triton lowers to one store to shared memory
     and one load per logit (the way of the ``shared`` skew of ``relative_logits_tile``, without the row
-    interleaving of the default ``shared-banked``; not yet timed)."""
+    interleaving of the default ``shared-banked``)."""
     BLOCK_M: tl.constexpr = lower.shape[0]
     BLOCK_N: tl.constexpr = lower.shape[1]
     flat = tl.reshape(tl.join(lower, upper), [BLOCK_M * BLOCK_N * 2])
