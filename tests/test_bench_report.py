@@ -332,10 +332,20 @@ def test_report_reads_only_legacy_files(tmp_path):
     assert "| 1x8x65536x64 | triton |" in text and "_(no timed rows)_" in text
 
 
-def test_report_shows_trained_kv_rows(tmp_path):
-    """benchmarks/trained_kv.py's CSV is recognised by its columns and shown row by row with its provenance."""
+def _report_of_one_file(tmp_path, name: str, header: str, rows: list[str], kind: str) -> str:
+    """BENCHMARKS.md rendered from one CSV ``name`` (``header`` and ``rows``), which must be read as ``kind``."""
     directory = tmp_path / "results" / "run"
     directory.mkdir(parents=True)
+    (directory / name).write_text("\n".join([header, *rows]) + "\n")
+    files = report.read_results(tmp_path / "results")
+    assert [f.kind for f in files] == [kind]
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
+    return out.read_text()
+
+
+def test_report_shows_trained_kv_rows(tmp_path):
+    """benchmarks/trained_kv.py's CSV is recognised by its columns and shown row by row with its provenance."""
     header = ",".join(["model", "layer", "N", "q_heads", "kv_heads", "dk", "dv", "provider", "config", "status",
                        "ms_p20", "ms_p50", "ms_p80", "vs_cudnn", "err_rel", "err_vs_original_rel",
                        "kv_max_err_over_tau", "k_shares", "v_shares", "kv_ratio", "reason", "device", "torch",
@@ -345,12 +355,7 @@ def test_report_shows_trained_kv_rows(tmp_path):
         "enformer,3,65536,8,8,64,32,kvbound-compressed,r8b4,ok,110,110.8,111,0.1615,1.7e-3,1.86e-3,0.999,"
         "0.000/0.000/1.000/0.000,0.000/0.000/1.000/0.000,1.688,,H200,2.11,3.6.0,abc1234,2026-12-01",
     ]
-    (directory / "trained_kv.csv").write_text("\n".join([header, *rows]) + "\n")
-    files = report.read_results(tmp_path / "results")
-    assert [f.kind for f in files] == ["trained-kv"]
-    out = tmp_path / "B.md"
-    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
-    text = out.read_text()
+    text = _report_of_one_file(tmp_path, "trained_kv.csv", header, rows, "trained-kv")
     section = text.split("## Speed on K/V of the trained evaluation models")[1].split("\n## ")[0]
     assert "| enformer | 65536 | 8/8 | 64 / 32 | kvbound-compressed | r8b4 | ok | 110.8 | 0.16x |" in section
     assert "0.000/0.000/1.000/0.000" in section and "| 0.9990 |" in section
@@ -359,20 +364,13 @@ def test_report_shows_trained_kv_rows(tmp_path):
 
 def test_report_shows_largest_batch_rows(tmp_path):
     """benchmarks/largest_batch.py's CSV is recognised by its columns and shown row by row with its provenance."""
-    directory = tmp_path / "results" / "run"
-    directory.mkdir(parents=True)
     header = ("model,variant,status,largest_batch,first_out_of_memory,first_timeout,peak_gib,probes,limit,"
               "failed_batch,input_len,seconds,reason,device,torch,commit")  # fmt: skip
     rows = [
         "enformer,unpatched,ok,69,70,,137.02,14,256,,196608,16.7,,NVIDIA H200,2.11.0+cu130,b07ccf7",
         "borzoi,patch-dense,ok,24,,32,52.50,7,256,,524288,210.0,,NVIDIA H200,2.11.0+cu130,d86f854",
     ]
-    (directory / "largest_batch.csv").write_text("\n".join([header, *rows]) + "\n")
-    files = report.read_results(tmp_path / "results")
-    assert [f.kind for f in files] == ["largest-batch"]
-    out = tmp_path / "B.md"
-    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
-    text = out.read_text()
+    text = _report_of_one_file(tmp_path, "largest_batch.csv", header, rows, "largest-batch")
     section = text.split("### The largest batch that fits")[1].split("\n## ")[0]
     assert "| enformer | unpatched | ok | 69 | 70 | - | 137.02 | 14 | 196608 | 16.7 | b07ccf7 |" in section
     assert "| borzoi | patch-dense | ok | 24 | - | 32 | 52.50 | 7 | 524288 | 210.0 | d86f854 |" in section
