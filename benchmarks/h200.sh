@@ -76,6 +76,10 @@
 #                         may take several 90 s waits each). Enformer took 50 s at b07ccf7
 #   largest-alphagenome   the same for AlphaGenome (1 Mb input); not yet run (its compressed variant compiled for
 #                         about 9 min in the alphagenome part, so its searches may outlast the step)
+#   relative-ncu ~4 min   benchmarks/relative_ncu.py: one Enformer layer (batch 8) and one Borzoi layer (batch 4) through
+#                         the dense kernel without the relative term, with the relative keys and (Borzoi) with one key
+#                         per run: time, error against float64, and Nsight Compute (--clock-control none) sections per
+#                         kernel (registers, occupancy, issue slots, tensor pipe, stall reasons); relative_ncu.png
 #   alternatives ~8 min   whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
 #                         compressed), and the ports with their attention core replaced by what a user could assemble
 #                         (SDPA with a built position bias, compiled FlexAttention over a built table;
@@ -87,7 +91,7 @@
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share bounded relative asm models models2 alphagenome halves largest largest-alphagenome alternatives ring"
+PARTS="verify attention traffic sweep sweep-d128 share bounded relative relative-ncu asm models models2 alphagenome halves largest largest-alphagenome alternatives ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -319,6 +323,11 @@ asm)
 relative)
     bench "$RES/relative.csv" --suite relative
     step relative 500 "$RES/relative.csv" "${CMD[@]}"
+    ;;
+relative-ncu)
+    relncu=("$PY" benchmarks/relative_ncu.py "$RES/relative_ncu.csv" --commit "$COMMIT")
+    [[ "$SMOKE" == "1" ]] && relncu+=(--cpu-smoke)
+    step relative-ncu 480 "$RES/relative_ncu.csv" "${relncu[@]}"
     ;;
 halves)
     install_wheels

@@ -56,15 +56,15 @@ parallel (Triton's disk cache then serves the measuring process), one tile per k
 once ``--budget-s`` is spent (the rest are written with status ``skipped_budget``). ``--ncu`` re-runs a small
 subset, one child process per layout, under ``ncu --clock-control none`` and writes a second CSV.
 
-``--ncu`` subset (about 3 minutes): layouts ``lowrank``, ``packed4``, ``packed4_scatter50``, ``promoted5`` at
-d = 64 and 128, N = 16384; providers ``uniform``, ``general`` (not for ``lowrank``: the same kernel), ``dense`` and
+``--ncu`` subset (about 3 minutes): layouts ``lowrank``, ``packed4``, ``packed4_scatter50``, ``promoted5`` at d = 64
+and 128, N = 16384; providers ``uniform``, ``general`` (not for ``lowrank``: the same kernel), ``dense`` and
 ``cudnn`` (once each). Sections SpeedOfLight, Occupancy, LaunchStats, WarpStateStats, MemoryWorkloadAnalysis,
-SchedulerStats (issue-slot utilisation), ComputeWorkloadAnalysis (tensor-pipe utilisation), InstructionStats plus explicit
-metrics (duration, achieved/theoretical occupancy, registers per thread, local load/store sectors x 32 bytes,
-DRAM read/write bytes, L2 bytes, instructions); if this Nsight Compute rejects a metric name the layout is
-profiled again with the sections only (column ``ncu_metrics``). The five largest stall reasons per kernel are
-``stall_1`` .. ``stall_5`` (warps per issue-active cycle). Every metric of every profiled kernel is also written
-next to the CSV as ``<out stem>_raw_<layout>.csv`` (Nsight Compute's raw page).
+SchedulerStats (issue-slot utilisation), ComputeWorkloadAnalysis (tensor-pipe utilisation), InstructionStats
+(``kvbound.bench.ncu.SECTIONS``) plus explicit metrics (duration, achieved/theoretical occupancy, registers per
+thread, local load/store sectors x 32 bytes, DRAM read/write bytes, L2 bytes, instructions); if this Nsight Compute
+rejects a metric name the layout is profiled again with the sections only (column ``ncu_metrics``). The five largest
+stall reasons per kernel are ``stall_1`` .. ``stall_5`` (warps per issue-active cycle). Every metric of every
+profiled kernel is also written next to the CSV as ``<out stem>_raw_<layout>.csv`` (Nsight Compute's raw page).
 
 CSV columns (timing): layout, dtype, d, N, H, provider, tile, ms_p20/50/80 (``triton.testing.do_bench``),
 runs_lowrank/uniform/general (``block_runs`` summed over heads, checked against a recount from the modes),
@@ -76,10 +76,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,6 +97,7 @@ import triton  # noqa: E402
 import kvbound  # noqa: E402
 from kvbound import CompressionConfig, reference_attention  # noqa: E402
 from kvbound.bench import data as bench_data  # noqa: E402
+from kvbound.bench import ncu as ncu_tools  # noqa: E402
 from kvbound.codec.eager import _pack  # noqa: E402
 from kvbound.codec.format import (  # noqa: E402
     MODE_LOWRANK,
@@ -948,30 +947,10 @@ def print_indicators(rows: list[dict], console) -> None:
 
 
 # ----------------------------------------------------------------------------------------- Nsight Compute
-NCU_SECTIONS = (
-    "SpeedOfLight",
-    "Occupancy",
-    "LaunchStats",
-    "WarpStateStats",
-    "MemoryWorkloadAnalysis",
-    "SchedulerStats",
-    "ComputeWorkloadAnalysis",
-    "InstructionStats",
-)
+NCU_SECTIONS = ncu_tools.SECTIONS
 # Kernels profiled inside each measurement's NVTX range: kvbound's (``_attention_...``) and cuDNN's SDPA kernel.
 NCU_KERNELS = "regex:^_attention_|cudnn|sdpa|fmha|flash"
-NCU_METRICS = {
-    "gpu__time_duration.sum": "duration_ns",
-    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
-    "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
-    "launch__registers_per_thread": "registers_per_thread",
-    "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum": "local_load_sectors",
-    "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum": "local_store_sectors",
-    "dram__bytes_read.sum": "dram_read_bytes",
-    "dram__bytes_write.sum": "dram_write_bytes",
-    "lts__t_bytes.sum": "l2_bytes",
-    "smsp__inst_executed.sum": "instructions",
-}
+NCU_METRICS = ncu_tools.DIAGNOSTIC_METRICS
 NCU_FIELDS = (
     "layout",
     "d",
@@ -1006,117 +985,22 @@ NCU_FIELDS = (
 )
 
 
-def find_ncu(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    for pattern in ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu"):
-        hits = sorted(glob.glob(pattern))
-        if hits:
-            return hits[-1]
-    return None
-
-
 def ncu_command(ncu: str, report: Path, child: list[str], with_metrics: bool) -> list[str]:
-    cmd = [
-        ncu,
-        "--clock-control",
-        "none",
-        "--target-processes",
-        "all",
-        "--nvtx",
-        "--nvtx-include",
-        f"regex:{NVTX_PREFIX}.*/",
-        "--kernel-name",
-        NCU_KERNELS,
-        "--force-overwrite",
-        "--export",
-        str(report),
-    ]
-    for section in NCU_SECTIONS:
-        cmd += ["--section", section]
-    if with_metrics:
-        cmd += ["--metrics", ",".join(NCU_METRICS)]
-    return cmd + child
-
-
-def _number(text: str | None) -> float | None:
-    if text is None or text.strip() in ("", "n/a"):
-        return None
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return None
-
-
-def stall_reasons(row: dict[str, str], top: int = 5) -> list[tuple[str, float]]:
-    """Top stall reasons from a raw-page row: the ``..issue_stalled_<reason>..`` columns of the family with the
-    most of them (Nsight Compute versions name them ``smsp__average_warps_issue_stalled_<r>_per_issue_active``
-    or ``smsp__average_warp_latency_issue_stalled_<r>``); ``not_issued`` variants are left out."""
-    families: dict[str, dict[str, float]] = {}
-    for column, text in row.items():
-        if not column or "issue_stalled_" not in column or "not_issued" in column:
-            continue
-        value = _number(text)
-        if value is None:
-            continue
-        head, _, tail = column.partition("issue_stalled_")
-        reason = tail.split(".")[0]
-        family_suffix = ""
-        for suffix in ("_per_issue_active", "_per_warp_active"):
-            if reason.endswith(suffix):
-                reason, family_suffix = reason[: -len(suffix)], suffix
-        family = head + "|" + family_suffix + "|" + (column.split(".", 1)[1] if "." in column else "")
-        families.setdefault(family, {})[reason] = value
-    if not families:
-        return []
-    best = max(families.values(), key=len)
-    return sorted(best.items(), key=lambda kv: -kv[1])[:top]
-
-
-def pipe_utilisation(row: dict[str, str]) -> dict:
-    """Issue-slot and tensor-pipe utilisation from a raw-page row (SchedulerStats, ComputeWorkloadAnalysis), averages
-    over the SMs: ``issue_active_pct`` = ``smsp__issue_active.avg.pct_of_peak_sustained_active``;
-    ``tensor_pipe_pct`` = ``sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active`` (every tensor pipe),
-    else the busiest single ``sm__pipe_tensor.._cycles_active.avg..`` column (named in ``tensor_pipe_metric``: the
-    names differ between Nsight Compute versions). The ``.max.`` / ``.min.`` columns (the busiest and idlest SM) and
-    the instruction rates (``sm__inst_executed_pipe_..``) are not read."""
-    out: dict = {"issue_active_pct": _number(row.get("smsp__issue_active.avg.pct_of_peak_sustained_active"))}
-    out["tensor_pipe_pct"] = out["tensor_pipe_metric"] = None
-    # every tensor pipe together first; else the largest single pipe's busy cycles (never instruction rates)
-    preferred = ["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"]
-    preferred += sorted(
-        (c for c in row if c and c.startswith("sm__pipe_tensor") and c.endswith("_cycles_active.avg.pct_of_peak_sustained_active")),
-        key=lambda c: -(_number(row.get(c)) or 0.0),
-    )  # fmt: skip
-    for column in preferred:
-        value = _number(row.get(column))
-        if value is not None:
-            out["tensor_pipe_pct"], out["tensor_pipe_metric"] = value, column
-            break
-    return out
+    return ncu_tools.profile_command(
+        ncu, report, child, nvtx_prefix=NVTX_PREFIX, kernels=NCU_KERNELS, metrics=NCU_METRICS if with_metrics else ()
+    )
 
 
 def parse_ncu_raw(text: str) -> list[dict]:
     """Rows of ``ncu --import --csv --page raw --print-units base --print-nvtx-rename kernel``: one dict per
     profiled kernel with ``measurement_id``, ``kernel`` and the NCU_FIELDS metrics."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        raise ValueError('Nsight Compute CSV: no header line starting with "ID"')
     out = []
-    for row in csv.DictReader(lines[start:]):
-        if not (row.get("ID") or "").strip().isdigit():
-            continue  # the units row
-        name = row.get("Kernel Name", "")
-        at = name.find(NVTX_PREFIX)
-        if at < 0:
-            continue
-        entry = {"measurement_id": name[at + len(NVTX_PREFIX) :].split("/")[0].strip(), "kernel": name}
+    for measurement, name, row in ncu_tools.raw_kernel_rows(text, NVTX_PREFIX):
+        entry = {"measurement_id": measurement, "kernel": name}
         for metric, field in NCU_METRICS.items():
-            entry[field] = _number(row.get(metric))
-        entry["stalls"] = stall_reasons(row)
-        entry.update(pipe_utilisation(row))
+            entry[field] = ncu_tools.metric_value(row.get(metric))
+        entry["stalls"] = ncu_tools.stall_reasons(row)
+        entry.update(ncu_tools.pipe_utilisation(row))
         out.append(entry)
     return out
 
@@ -1149,7 +1033,7 @@ def merge_ncu(child_rows: list[dict], profiled: list[dict]) -> list[dict]:
 
 
 def run_ncu(s: Settings, args: argparse.Namespace, log: Log) -> int:
-    ncu = find_ncu(args.ncu_path)
+    ncu = ncu_tools.find_ncu(args.ncu_path)
     if ncu is None:
         print(f"residual_diag --ncu: Nsight Compute ({args.ncu_path!r}) not found", file=sys.stderr)
         return 2
@@ -1200,22 +1084,7 @@ def run_ncu(s: Settings, args: argparse.Namespace, log: Log) -> int:
                 continue
             with open(child_csv, newline="") as f:
                 child_rows = list(csv.DictReader(f))
-            export = subprocess.run(
-                [
-                    ncu,
-                    "--import",
-                    str(report) + ".ncu-rep",
-                    "--csv",
-                    "--page",
-                    "raw",
-                    "--print-units",
-                    "base",
-                    "--print-nvtx-rename",
-                    "kernel",
-                ],
-                capture_output=True,
-                text=True,
-            )
+            export = ncu_tools.export_raw(ncu, report)
             if export.returncode != 0:
                 rows += [
                     dict(r, status="error", reason=f"ncu export: {export.stderr.strip()[:300]}") for r in child_rows

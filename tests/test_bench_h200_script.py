@@ -18,6 +18,7 @@ PARTS = (
     "share",
     "bounded",
     "relative",
+    "relative-ncu",
     "asm",
     "models",
     "models2",

@@ -24,6 +24,7 @@ alike, which is the profiler's own cache flush, not the kernel.
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import shutil
 import subprocess
@@ -33,7 +34,22 @@ from pathlib import Path
 
 from kvbound.bench.runner import NVTX_PREFIX
 
-__all__ = ["METRICS", "ncu_command", "parse_ncu_csv", "merge_metrics", "run_under_ncu"]
+__all__ = [
+    "METRICS",
+    "SECTIONS",
+    "DIAGNOSTIC_METRICS",
+    "ncu_command",
+    "parse_ncu_csv",
+    "merge_metrics",
+    "run_under_ncu",
+    "find_ncu",
+    "profile_command",
+    "export_raw",
+    "raw_kernel_rows",
+    "metric_value",
+    "stall_reasons",
+    "pipe_utilisation",
+]
 
 METRICS = (
     "dram__bytes_read.sum",
@@ -168,3 +184,158 @@ def run_under_ncu(argv: list[str], args) -> int:
     print_summary(rows, console)
     console.print(f"{len(rows)} rows written to {out}")
     return code
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Kernel diagnostics (benchmarks/residual_diag.py --ncu, benchmarks/relative_ncu.py): Nsight Compute's sections
+# beside a few named metrics, read back one row per profiled kernel.
+
+# Sections read by the diagnostics: speed of light, occupancy, launch (registers, shared memory), warp states (stall
+# reasons), memory, scheduler (issue slots), compute workload (pipe utilisation) and instruction statistics.
+SECTIONS = (
+    "SpeedOfLight",
+    "Occupancy",
+    "LaunchStats",
+    "WarpStateStats",
+    "MemoryWorkloadAnalysis",
+    "SchedulerStats",
+    "ComputeWorkloadAnalysis",
+    "InstructionStats",
+)
+
+
+# Named metrics of the diagnostics (raw-page column -> field): time, occupancy, registers, local-memory (spill)
+# sectors, DRAM and L2 bytes, instructions.
+DIAGNOSTIC_METRICS = {
+    "gpu__time_duration.sum": "duration_ns",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
+    "launch__registers_per_thread": "registers_per_thread",
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum": "local_load_sectors",
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum": "local_store_sectors",
+    "dram__bytes_read.sum": "dram_read_bytes",
+    "dram__bytes_write.sum": "dram_write_bytes",
+    "lts__t_bytes.sum": "l2_bytes",
+    "smsp__inst_executed.sum": "instructions",
+}
+
+
+def find_ncu(name: str = "ncu") -> str | None:
+    """``name`` on PATH, else the newest Nsight Compute under the usual CUDA install folders, else None."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for pattern in ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def profile_command(
+    ncu: str,
+    report: Path,
+    child: list[str],
+    *,
+    nvtx_prefix: str,
+    kernels: str,
+    metrics=(),
+    sections=SECTIONS,
+) -> list[str]:
+    """``ncu`` profiling the kernels matching ``kernels`` (an Nsight Compute ``--kernel-name`` filter) inside the
+    NVTX ranges ``<nvtx_prefix>...`` of ``child``, clocks left alone, with ``sections`` and ``metrics`` (a name this
+    Nsight Compute lacks fails the whole run: callers retry without them)."""
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include",
+           f"regex:{nvtx_prefix}.*/", "--kernel-name", kernels, "--force-overwrite", "--export", str(report)]
+    for section in sections:
+        cmd += ["--section", section]
+    if metrics:
+        cmd += ["--metrics", ",".join(metrics)]
+    return cmd + child
+
+
+def export_raw(ncu: str, report: Path) -> subprocess.CompletedProcess:
+    """Every metric of every kernel of ``report`` (``.ncu-rep`` appended) as CSV on stdout, one row per kernel,
+    base units, each kernel named after its NVTX range."""
+    return subprocess.run(
+        [ncu, "--import", str(report) + ".ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
+         "--print-nvtx-rename", "kernel"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def raw_kernel_rows(text: str, nvtx_prefix: str) -> list[tuple[str, str, dict[str, str]]]:
+    """``(measurement id, kernel name, row)`` per kernel of an :func:`export_raw` CSV whose NVTX range starts with
+    ``nvtx_prefix``; the measurement id is the range's name after the prefix. Kernels outside such ranges and the
+    units row are skipped; no header line raises ``ValueError``."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError('Nsight Compute CSV: no header line starting with "ID"')
+    out = []
+    for row in csv.DictReader(lines[start:]):
+        if not (row.get("ID") or "").strip().isdigit():
+            continue  # the units row
+        name = row.get("Kernel Name", "")
+        at = name.find(nvtx_prefix)
+        if at < 0:
+            continue
+        out.append((name[at + len(nvtx_prefix) :].split("/")[0].strip(), name, row))
+    return out
+
+
+def metric_value(text: str | None) -> float | None:
+    """A raw-page cell as a float (thousands separators allowed); None when empty, ``n/a`` or not a number."""
+    if text is None or text.strip() in ("", "n/a"):
+        return None
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def stall_reasons(row: dict[str, str], top: int = 5) -> list[tuple[str, float]]:
+    """Top stall reasons from a raw-page row: the ``..issue_stalled_<reason>..`` columns of the family with the
+    most of them (Nsight Compute versions name them ``smsp__average_warps_issue_stalled_<r>_per_issue_active``
+    or ``smsp__average_warp_latency_issue_stalled_<r>``); ``not_issued`` variants are left out."""
+    families: dict[str, dict[str, float]] = {}
+    for column, text in row.items():
+        if not column or "issue_stalled_" not in column or "not_issued" in column:
+            continue
+        value = metric_value(text)
+        if value is None:
+            continue
+        head, _, tail = column.partition("issue_stalled_")
+        reason = tail.split(".")[0]
+        family_suffix = ""
+        for suffix in ("_per_issue_active", "_per_warp_active"):
+            if reason.endswith(suffix):
+                reason, family_suffix = reason[: -len(suffix)], suffix
+        family = head + "|" + family_suffix + "|" + (column.split(".", 1)[1] if "." in column else "")
+        families.setdefault(family, {})[reason] = value
+    if not families:
+        return []
+    best = max(families.values(), key=len)
+    return sorted(best.items(), key=lambda kv: -kv[1])[:top]
+
+
+def pipe_utilisation(row: dict[str, str]) -> dict:
+    """Issue-slot and tensor-pipe utilisation from a raw-page row (SchedulerStats, ComputeWorkloadAnalysis), averages
+    over the SMs: ``issue_active_pct`` = ``smsp__issue_active.avg.pct_of_peak_sustained_active``;
+    ``tensor_pipe_pct`` = ``sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active`` (every tensor pipe),
+    else the busiest single ``sm__pipe_tensor.._cycles_active.avg..`` column (named in ``tensor_pipe_metric``: the
+    names differ between Nsight Compute versions). The ``.max.`` / ``.min.`` columns (the busiest and idlest SM) and
+    the instruction rates (``sm__inst_executed_pipe_..``) are not read."""
+    out: dict = {"issue_active_pct": metric_value(row.get("smsp__issue_active.avg.pct_of_peak_sustained_active"))}
+    out["tensor_pipe_pct"] = out["tensor_pipe_metric"] = None
+    # every tensor pipe together first; else the largest single pipe's busy cycles (never instruction rates)
+    preferred = ["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"]
+    suffix = "_cycles_active.avg.pct_of_peak_sustained_active"
+    pipes = (c for c in row if c and c.startswith("sm__pipe_tensor") and c.endswith(suffix))
+    preferred += sorted(pipes, key=lambda c: -(metric_value(row.get(c)) or 0.0))
+    for column in preferred:
+        value = metric_value(row.get(column))
+        if value is not None:
+            out["tensor_pipe_pct"], out["tensor_pipe_metric"] = value, column
+            break
+    return out

@@ -1,0 +1,108 @@
+"""benchmarks/relative_ncu.py: the variants' calls against float64 (in the interpreter), and how Nsight Compute's raw
+export is read into its rows."""
+
+import csv
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).parents[1] / "benchmarks" / "relative_ncu.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("relative_ncu", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_smoke_checks_every_variant_against_float64(tmp_path):
+    out = tmp_path / "rel.csv"
+    proc = subprocess.run(
+        [sys.executable, str(_PATH), str(out), "--cpu-smoke", "--commit", "abc1234"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["case"], r["variant"]) for r in rows] == [
+        ("enformer-b2", "plain"),
+        ("enformer-b2", "keys"),
+        ("borzoi-b1", "plain"),
+        ("borzoi-b1", "keys"),
+        ("borzoi-b1", "runs"),
+    ]
+    for r in rows:
+        assert r["status"] == "ok" and r["commit"] == "abc1234"
+        assert float(r["err_max"]) < 1e-5  # float32 in the interpreter
+        assert float(r["call_ms_p50"]) > 0
+        assert r["duration_ms"] == ""  # no profiler on the CPU
+
+
+def test_unknown_case_is_refused(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(_PATH), str(tmp_path / "x.csv"), "--cpu-smoke", "--cases", "enformer-b8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "enformer-b8" in proc.stderr and "enformer-b2" in proc.stderr
+
+
+def _raw(rows: list[list[str]]) -> str:
+    header = [
+        "ID",
+        "Kernel Name",
+        "gpu__time_duration.sum",
+        "launch__registers_per_thread",
+        "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    ]
+    lines = ["==PROF== Disconnected", ",".join(f'"{h}"' for h in header), '"","","nsecond","","sector","","","%"']
+    lines += [",".join(f'"{c}"' for c in row) for row in rows]
+    return "\n".join(lines)
+
+
+def test_merge_profile_reads_one_kernel_per_call():
+    rn = _module()
+    timed = [
+        {"case": "enformer-b8", "variant": "plain", "status": "ok"},
+        {"case": "enformer-b8", "variant": "keys", "status": "ok"},
+        {"case": "borzoi-b4", "variant": "runs", "status": "ok"},
+        {"case": "borzoi-b4", "variant": "keys", "status": "error", "reason": "boom"},
+    ]
+    text = _raw(
+        [
+            ["0", "relative_ncu:enformer-b8:plain/_attention_dense_fwd", "200,000", "168", "0", "1.5", "0.5", "60"],
+            ["1", "relative_ncu:enformer-b8:keys/_attention_dense_fwd", "500,000", "240", "4", "0.25", "2.0", "35"],
+            ["2", "relative_ncu:borzoi-b4:runs/_attention_dense_fwd", "1,000", "128", "0", "", "", ""],
+            ["3", "relative_ncu:borzoi-b4:runs/_attention_dense_fwd", "1,000", "128", "0", "", "", ""],
+            ["4", "other:range/_attention_dense_fwd", "9", "1", "0", "", "", ""],
+        ]
+    )
+    flops = {"enformer-b8": 1e12, "borzoi-b4": 1e12}
+    plain, keys, runs, failed = rn.merge_profile(timed, text, flops)
+    assert plain["kernel"] == "_attention_dense_fwd" and plain["duration_ms"] == pytest.approx(0.2)
+    assert plain["useful_tflops"] == pytest.approx(5000.0)  # 1e12 flops in 0.2 ms
+    assert plain["registers_per_thread"] == 168 and plain["tensor_pipe_pct"] == 60
+    assert plain["stall_1"] == "long_scoreboard=1.5" and plain["stall_2"] == "wait=0.5"
+    assert keys["duration_ms"] == pytest.approx(0.5) and keys["local_load_bytes"] == 4 * 32
+    assert keys["stall_1"] == "wait=2" and keys["tensor_pipe_pct"] == 35
+    assert runs["status"] == "error" and "got 2" in runs["reason"]  # two kernels in one call's range
+    assert failed == timed[3]  # rows that failed before the profiler pass through
+    # a timed row whose call was not profiled at all
+    (missing,) = rn.merge_profile([{"case": "borzoi-b4", "variant": "plain", "status": "ok"}], text, flops)
+    assert missing["status"] == "error" and "got 0" in missing["reason"]
+
+
+def test_useful_flops_counts_the_content_and_value_products():
+    rn = _module()
+    # Enformer layer: B 8, H 8, N 1536, dk 64, dv 192
+    assert rn.useful_flops("enformer-b8") == 2.0 * 8 * 8 * 1536**2 * (64 + 192)
+    assert rn.useful_flops("borzoi-b4") == 2.0 * 4 * 8 * 4096**2 * (64 + 192)
