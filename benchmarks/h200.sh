@@ -78,8 +78,9 @@
 #                         about 9 min in the alphagenome part, so its searches may outlast the step)
 #   relative-ncu ~4 min   benchmarks/relative_ncu.py: one Enformer layer (batch 8) and one Borzoi layer (batch 4) through
 #                         the dense kernel without the relative term, with the relative keys and (Borzoi) with one key
-#                         per run: time, error against float64, and Nsight Compute (--clock-control none) sections per
-#                         kernel (registers, occupancy, issue slots, tensor pipe, stall reasons); relative_ncu.png
+#                         per run, at the autotuner's tile and pinned at 64x64x4x2 and 64x64x8x3: time, error against
+#                         float64, and Nsight Compute (--clock-control none) sections per kernel (registers, spills,
+#                         occupancy, issue slots, tensor pipe, stall reasons); relative_ncu.png
 #   alternatives ~8 min   whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
 #                         compressed), and the ports with their attention core replaced by what a user could assemble
 #                         (SDPA with a built position bias, compiled FlexAttention over a built table;
@@ -325,7 +326,8 @@ relative)
     step relative 500 "$RES/relative.csv" "${CMD[@]}"
     ;;
 relative-ncu)
-    relncu=("$PY" benchmarks/relative_ncu.py "$RES/relative_ncu.csv" --commit "$COMMIT")
+    relncu=("$PY" benchmarks/relative_ncu.py "$RES/relative_ncu.csv" --commit "$COMMIT" --tiles autotuned)
+    [[ "$SMOKE" == "1" ]] || relncu+=(64x64x4x2 64x64x8x3)
     [[ "$SMOKE" == "1" ]] && relncu+=(--cpu-smoke)
     step relative-ncu 480 "$RES/relative_ncu.csv" "${relncu[@]}"
     ;;

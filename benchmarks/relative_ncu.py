@@ -1,7 +1,8 @@
 """What the relative-position term costs inside the dense kernel: one Enformer and one Borzoi attention layer, with
 and without the term, timed and profiled under Nsight Compute.
 
-    python benchmarks/relative_ncu.py OUT.csv [--cases enformer-b8 borzoi-b4] [--ncu-path ncu] [--no-profile]
+    python benchmarks/relative_ncu.py OUT.csv [--cases enformer-b8 borzoi-b4] [--tiles autotuned 64x64x8x3 ...]
+                                              [--ncu-path ncu] [--no-profile]
     python benchmarks/relative_ncu.py OUT.csv --cpu-smoke       # tiny shapes, Triton interpreter, no profiler
 
 Cases: ``enformer-b8`` (one Enformer layer, N = 1536, batch 8) and ``borzoi-b4`` (one Borzoi layer, N = 4096, batch
@@ -15,7 +16,9 @@ Cases: ``enformer-b8`` (one Enformer layer, N = 1536, batch 8) and ``borzoi-b4``
 ``runs``   Borzoi only: one relative key per run of equal keys, ``relative_runs`` (the default of patched Borzoi
            layers with dense K/V): no window product, one compare and select per element and run.
 
-Each row has the public call's time (``call_ms_p50``: ``triton.testing.do_bench`` median inside
+``--tiles``: ``autotuned`` (the default: the autotuner's choice) and pinned tiles ``BMxBNxWARPSxSTAGES``, the only
+configuration the dense kernel's autotuner then knows for every variant (``benchmarks/relative_tiles.py``'s
+``pinned_tile``). Each row has the public call's time (``call_ms_p50``: ``triton.testing.do_bench`` median inside
 ``kvbound.deferred_checks``, so the queued finite checks are included) and its largest error on batch item 0 against
 float64 (``err_max``). Then a child process calls every variant once more inside an NVTX range under ``ncu
 --clock-control none`` (sections ``kvbound.bench.ncu.SECTIONS`` and ``DIAGNOSTIC_METRICS``; only kernels named
@@ -45,6 +48,9 @@ import torch  # noqa: E402
 
 from kvbound.bench import ncu as ncu_tools  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from relative_tiles import pinned_tile  # noqa: E402
+
 NVTX_PREFIX = "relative_ncu:"
 CASES = {"enformer-b8": ("enformer-layer", 8), "borzoi-b4": ("borzoi-layer", 4)}
 SMOKE_CASES = {"enformer-b2": ("enformer-layer", 2), "borzoi-b1": ("borzoi-layer", 1)}
@@ -54,6 +60,7 @@ FIELDS = [
     "N",
     "B",
     "variant",
+    "tile",
     "status",
     "err_max",
     "call_ms_p50",
@@ -172,48 +179,70 @@ def _environment(commit: str) -> dict:
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "commit": commit}
 
 
-def timed_rows(cases: list[str], smoke: bool, commit: str, log=print) -> list[dict]:
-    """One row per case and variant: the public call's time and its error against float64."""
+def parse_tile(text: str) -> tuple[int, int, int, int] | None:
+    """``autotuned`` -> None; ``BMxBNxWARPSxSTAGES`` -> its four integers."""
+    if text == "autotuned":
+        return None
+    parts = text.split("x")
+    if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(f"tile: expected 'autotuned' or BMxBNxWARPSxSTAGES (e.g. 64x64x4x1), got {text!r}")
+    return tuple(int(part) for part in parts)
+
+
+def timed_rows(cases: list[str], tiles: list[str], smoke: bool, commit: str, log=print) -> list[dict]:
+    """One row per case, tile and variant: the public call's time and its error against float64."""
     rows = []
     env = _environment(commit)
     for name in cases:
         case = build_case(name, smoke)
         spec = case["spec"]
-        for variant, fn in case["calls"].items():
-            row = {"case": name, "layer": spec.name, "N": spec.tokens, "B": case["batch"], "variant": variant, **env}
-            try:
-                out = fn()
-                row["err_max"] = f"{(out[:1].double() - reference(case, variant)).abs().max().item():.3e}"
-                row["call_ms_p50"] = f"{_time_ms(fn, smoke):.4g}"
-                row["status"] = "ok"
-            except Exception as error:  # noqa: BLE001 - a row with its reason
-                row.update(status="error", reason=f"{type(error).__name__}: {error}"[:300].replace("\n", " "))
-            log(" ".join(f"{k}={row.get(k, '')}" for k in ("case", "variant", "status", "err_max", "call_ms_p50")))
-            rows.append(row)
+        for tile in tiles:
+            with pinned_tile(parse_tile(tile)):
+                for variant, fn in case["calls"].items():
+                    row = {"case": name, "layer": spec.name, "N": spec.tokens, "B": case["batch"], "variant": variant,
+                           "tile": tile, **env}  # fmt: skip
+                    try:
+                        out = fn()
+                        row["err_max"] = f"{(out[:1].double() - reference(case, variant)).abs().max().item():.3e}"
+                        row["call_ms_p50"] = f"{_time_ms(fn, smoke):.4g}"
+                        row["status"] = "ok"
+                    except Exception as error:  # noqa: BLE001 - a row with its reason
+                        row.update(status="error", reason=f"{type(error).__name__}: {error}"[:300].replace("\n", " "))
+                    log(" ".join(f"{k}={row.get(k, '')}" for k in ("case", "variant", "tile", "status", "err_max",
+                                                                     "call_ms_p50")))  # fmt: skip
+                    rows.append(row)
         del case
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
 
 
-def child(cases: list[str]) -> int:
-    """Under Nsight Compute: every variant warmed up (compiles, autotuning) outside the ranges, then once inside
-    ``relative_ncu:<case>:<variant>``."""
+def measurement_id(row: dict) -> str:
+    return f"{row['case']}:{row['variant']}:{row['tile']}"
+
+
+def child(cases: list[str], tiles: list[str]) -> int:
+    """Under Nsight Compute: per case and tile, every variant warmed up (compiles, autotuning) outside the ranges,
+    then called once inside ``relative_ncu:<case>:<variant>:<tile>``."""
     import kvbound
 
     for name in cases:
         case = build_case(name, smoke=False)
-        with kvbound.deferred_checks():
-            for fn in case["calls"].values():
-                fn()
-                fn()
-        torch.cuda.synchronize()
-        for variant, fn in case["calls"].items():
-            with kvbound.deferred_checks():
-                torch.cuda.nvtx.range_push(f"{NVTX_PREFIX}{name}:{variant}")
-                fn()
+        for tile in tiles:
+            with pinned_tile(parse_tile(tile)):
+                with kvbound.deferred_checks():
+                    for fn in case["calls"].values():
+                        fn()
+                        fn()
                 torch.cuda.synchronize()
-                torch.cuda.nvtx.range_pop()
+                for variant, fn in case["calls"].items():
+                    with kvbound.deferred_checks():
+                        torch.cuda.nvtx.range_push(
+                            f"{NVTX_PREFIX}{measurement_id(dict(case=name, variant=variant, tile=tile))}"
+                        )
+                        fn()
+                        torch.cuda.synchronize()
+                        torch.cuda.nvtx.range_pop()
         del case
         torch.cuda.empty_cache()
     return 0
@@ -222,7 +251,7 @@ def child(cases: list[str]) -> int:
 # -------------------------------------------------------------------------------------------- Nsight Compute
 def merge_profile(rows: list[dict], text: str, flops: dict[str, float]) -> list[dict]:
     """The timed rows with the metrics of their kernel from :func:`kvbound.bench.ncu.export_raw`'s CSV (measurement
-    id ``<case>:<variant>``); ``flops``: useful flops per case. A timed row whose kernel was not profiled is an
+    id ``<case>:<variant>:<tile>``); ``flops``: useful flops per case. A timed row whose kernel was not profiled is an
     error row; a measurement with several kernels is an error too (one launch per call is expected)."""
     found: dict[str, list[tuple[str, dict]]] = {}
     for measurement, name, raw in ncu_tools.raw_kernel_rows(text, NVTX_PREFIX):
@@ -230,7 +259,7 @@ def merge_profile(rows: list[dict], text: str, flops: dict[str, float]) -> list[
     merged = []
     for row in rows:
         row = dict(row)
-        kernels = found.get(f"{row['case']}:{row['variant']}", [])
+        kernels = found.get(measurement_id(row), [])
         if row.get("status") != "ok":
             merged.append(row)
             continue
@@ -257,7 +286,7 @@ def merge_profile(rows: list[dict], text: str, flops: dict[str, float]) -> list[
     return merged
 
 
-def profile(rows: list[dict], cases: list[str], out: Path, ncu_path: str, log=print) -> list[dict]:
+def profile(rows: list[dict], cases: list[str], tiles: list[str], out: Path, ncu_path: str, log=print) -> list[dict]:
     ncu = ncu_tools.find_ncu(ncu_path)
     if ncu is None:
         return [
@@ -273,6 +302,8 @@ def profile(rows: list[dict], cases: list[str], out: Path, ncu_path: str, log=pr
             "--child",
             "--cases",
             *cases,
+            "--tiles",
+            *tiles,
         ]
         collected = ""
         for metrics in (ncu_tools.DIAGNOSTIC_METRICS, ()):
@@ -325,7 +356,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 3.6), squeeze=False)
     for ax, name in zip(axes[0], cases, strict=True):
         mine = [r for r in measured if r["case"] == name]
-        bars = ax.bar([r["variant"] for r in mine], [r["duration_ms"] for r in mine], color="#4c72b0")
+        labels = [r["variant"] if r["tile"] == "autotuned" else f"{r['variant']}\n{r['tile']}" for r in mine]
+        bars = ax.bar(labels, [r["duration_ms"] for r in mine], color="#4c72b0")
         for bar, r in zip(bars, mine, strict=True):
             pipe = r.get("tensor_pipe_pct")
             label = f"{r['duration_ms']:.3f} ms" + ("" if pipe is None else f"\ntensor {pipe:.0f}%")
@@ -363,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--cases", nargs="+", default=None, help=f"default: {' '.join(CASES)} ({' '.join(SMOKE_CASES)} "
                    "with --cpu-smoke)")  # fmt: skip
+    p.add_argument("--tiles", nargs="+", default=["autotuned"], help="autotuned and/or BMxBNxWARPSxSTAGES tiles")
     p.add_argument("--ncu-path", default="ncu")
     p.add_argument("--no-profile", action="store_true", help="time and check only")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in float32 on the CPU, no profiler")
@@ -374,14 +407,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in cases if c not in known]
     if unknown:
         p.error(f"--cases: expected names from {sorted(known)}, got {unknown}")
+    for tile in args.tiles:
+        try:
+            parse_tile(tile)
+        except ValueError as error:
+            p.error(f"--tiles: {error}")
     if args.child:
-        return child(cases)
+        return child(cases, args.tiles)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("relative_ncu: no CUDA device (use --cpu-smoke on a CPU)", file=sys.stderr)
         return 2
-    rows = timed_rows(cases, args.cpu_smoke, args.commit)
+    rows = timed_rows(cases, args.tiles, args.cpu_smoke, args.commit)
     if not (args.cpu_smoke or args.no_profile):
-        rows = profile(rows, cases, args.out, args.ncu_path)
+        rows = profile(rows, cases, args.tiles, args.out, args.ncu_path)
     write_csv(args.out, rows)
     if plot(rows, args.out.with_suffix(".png")):
         print(f"plot: {args.out.with_suffix('.png')}")

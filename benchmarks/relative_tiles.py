@@ -21,6 +21,7 @@ tile list reduced to the pinned tile; a tile wider than the library's window (``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import subprocess
@@ -166,13 +167,14 @@ def _worker(args) -> int:
     return 0
 
 
-def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
-    """The public call with relative runs, its autotuner given only ``tile_shape`` (or its own list for None)."""
+@contextlib.contextmanager
+def pinned_tile(tile_shape):
+    """Inside the block the dense kernel's autotuner knows only ``tile_shape`` (``(BLOCK_M, BLOCK_N, num_warps,
+    num_stages)``; None: its own list), for public calls of every variant; its caches are cleared on entry and
+    exit, and its list restored on exit."""
     import triton
-    import triton.testing
 
     from kvbound.kernels import attention_dense
-    from kvbound.models.relative import relative_position_attention
 
     api = sys.modules["kvbound.attention"]
     tuner = attention_dense._attention_dense_fwd
@@ -182,7 +184,7 @@ def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
     if tile_shape is not None:
         m_, n_, w_, s_ = tile_shape
         tuner.configs = [triton.Config({"BLOCK_M": m_, "BLOCK_N": n_}, num_warps=w_, num_stages=s_)]
-        attention_dense._RELATIVE_SHAPES = frozenset({tile_shape})
+        attention_dense._RELATIVE_SHAPES = frozenset({tuple(tile_shape)})
         if m_ + n_ - 1 > attention_dense._RELATIVE_WINDOW:
             # A tile wider than the library's window: its runs are counted over its own window, unrolled up to 32.
             attention_dense._RELATIVE_WINDOW = m_ + n_ - 1
@@ -190,6 +192,21 @@ def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
     for cache in caches:
         cache.clear()
     try:
+        yield
+    finally:
+        (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RELATIVE_WINDOW,
+         attention_dense.MAX_RUN_SPAN) = saved  # fmt: skip
+        for cache in caches:
+            cache.clear()
+
+
+def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
+    """The public call with relative runs, its autotuner given only ``tile_shape`` (or its own list for None)."""
+    import triton.testing
+
+    from kvbound.models.relative import relative_position_attention
+
+    with pinned_tile(tile_shape):
 
         def public():
             return relative_position_attention(
@@ -206,11 +223,6 @@ def _runs_row(x: dict, tile_shape, err) -> tuple[float, str]:
 
         e = err(public())
         return triton.testing.do_bench(public, quantiles=[0.5], rep=100), e
-    finally:
-        (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RELATIVE_WINDOW,
-         attention_dense.MAX_RUN_SPAN) = saved  # fmt: skip
-        for cache in caches:
-            cache.clear()
 
 
 def _reason(error: BaseException) -> str:

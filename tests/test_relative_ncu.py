@@ -29,6 +29,7 @@ def test_cpu_smoke_checks_every_variant_against_float64(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
+    assert all(r["tile"] == "autotuned" for r in rows)
     assert [(r["case"], r["variant"]) for r in rows] == [
         ("enformer-b2", "plain"),
         ("enformer-b2", "keys"),
@@ -43,14 +44,37 @@ def test_cpu_smoke_checks_every_variant_against_float64(tmp_path):
         assert r["duration_ms"] == ""  # no profiler on the CPU
 
 
-def test_unknown_case_is_refused(tmp_path):
+def test_pinned_tile_rows(tmp_path):
+    out = tmp_path / "rel.csv"
+    cmd = [sys.executable, str(_PATH), str(out), "--cpu-smoke", "--cases", "borzoi-b1", "--tiles", "16x32x4x1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["variant"], r["tile"]) for r in rows] == [("plain", "16x32x4x1"), ("keys", "16x32x4x1"),
+                                                         ("runs", "16x32x4x1")]  # fmt: skip
+    assert all(r["status"] == "ok" and float(r["err_max"]) < 1e-5 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--cases", "enformer-b8"], "enformer-b2"), (["--tiles", "64x64"], "BMxBNxWARPSxSTAGES")],
+)
+def test_bad_arguments_are_refused(tmp_path, args, needle):
     proc = subprocess.run(
-        [sys.executable, str(_PATH), str(tmp_path / "x.csv"), "--cpu-smoke", "--cases", "enformer-b8"],
+        [sys.executable, str(_PATH), str(tmp_path / "x.csv"), "--cpu-smoke", *args],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 2 and "enformer-b8" in proc.stderr and "enformer-b2" in proc.stderr
+    assert proc.returncode == 2 and needle in proc.stderr and args[1] in proc.stderr
+
+
+def test_parse_tile():
+    rn = _module()
+    assert rn.parse_tile("autotuned") is None and rn.parse_tile("64x32x8x3") == (64, 32, 8, 3)
+    for bad in ("64x64", "64x64x0x1", "ax64x4x1", ""):
+        with pytest.raises(ValueError, match="BMxBNxWARPSxSTAGES"):
+            rn.parse_tile(bad)
 
 
 def _raw(rows: list[list[str]]) -> str:
@@ -72,18 +96,37 @@ def _raw(rows: list[list[str]]) -> str:
 def test_merge_profile_reads_one_kernel_per_call():
     rn = _module()
     timed = [
-        {"case": "enformer-b8", "variant": "plain", "status": "ok"},
-        {"case": "enformer-b8", "variant": "keys", "status": "ok"},
-        {"case": "borzoi-b4", "variant": "runs", "status": "ok"},
-        {"case": "borzoi-b4", "variant": "keys", "status": "error", "reason": "boom"},
+        {"case": "enformer-b8", "variant": "plain", "tile": "autotuned", "status": "ok"},
+        {"case": "enformer-b8", "variant": "keys", "tile": "64x64x8x3", "status": "ok"},
+        {"case": "borzoi-b4", "variant": "runs", "tile": "autotuned", "status": "ok"},
+        {"case": "borzoi-b4", "variant": "keys", "tile": "autotuned", "status": "error", "reason": "boom"},
     ]
     text = _raw(
         [
-            ["0", "relative_ncu:enformer-b8:plain/_attention_dense_fwd", "200,000", "168", "0", "1.5", "0.5", "60"],
-            ["1", "relative_ncu:enformer-b8:keys/_attention_dense_fwd", "500,000", "240", "4", "0.25", "2.0", "35"],
-            ["2", "relative_ncu:borzoi-b4:runs/_attention_dense_fwd", "1,000", "128", "0", "", "", ""],
-            ["3", "relative_ncu:borzoi-b4:runs/_attention_dense_fwd", "1,000", "128", "0", "", "", ""],
-            ["4", "other:range/_attention_dense_fwd", "9", "1", "0", "", "", ""],
+            [
+                "0",
+                "relative_ncu:enformer-b8:plain:autotuned/_attention_dense_fwd",
+                "200,000",
+                "168",
+                "0",
+                "1.5",
+                "0.5",
+                "60",
+            ],
+            [
+                "1",
+                "relative_ncu:enformer-b8:keys:64x64x8x3/_attention_dense_fwd",
+                "500,000",
+                "240",
+                "4",
+                "0.25",
+                "2.0",
+                "35",
+            ],
+            ["2", "relative_ncu:enformer-b8:keys:autotuned/_attention_dense_fwd", "9", "1", "0", "", "", ""],
+            ["3", "relative_ncu:borzoi-b4:runs:autotuned/_attention_dense_fwd", "1,000", "128", "0", "", "", ""],
+            ["4", "relative_ncu:borzoi-b4:runs:autotuned/_attention_dense_fwd", "1,000", "128", "0", "", "", ""],
+            ["5", "other:range/_attention_dense_fwd", "9", "1", "0", "", "", ""],
         ]
     )
     flops = {"enformer-b8": 1e12, "borzoi-b4": 1e12}
@@ -97,7 +140,9 @@ def test_merge_profile_reads_one_kernel_per_call():
     assert runs["status"] == "error" and "got 2" in runs["reason"]  # two kernels in one call's range
     assert failed == timed[3]  # rows that failed before the profiler pass through
     # a timed row whose call was not profiled at all
-    (missing,) = rn.merge_profile([{"case": "borzoi-b4", "variant": "plain", "status": "ok"}], text, flops)
+    (missing,) = rn.merge_profile(
+        [{"case": "borzoi-b4", "variant": "plain", "tile": "autotuned", "status": "ok"}], text, flops
+    )
     assert missing["status"] == "error" and "got 0" in missing["reason"]
 
 
