@@ -343,7 +343,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    """Kernel time under the profiler per case and variant, annotated with the tensor pipe's utilisation."""
+    """Kernel time under the profiler per case: one group of bars per tile, one bar per variant, each annotated with
+    the tensor pipe's utilisation and the spilled bytes reloaded (when any)."""
     measured = [r for r in rows if r.get("status") == "ok" and r.get("duration_ms")]
     if not measured:
         return False
@@ -353,20 +354,33 @@ def plot(rows: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys(r["case"] for r in measured))
-    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 3.6), squeeze=False)
+    variants = list(dict.fromkeys(r["variant"] for r in measured))
+    colours = dict(zip(variants, ("#4c72b0", "#dd8452", "#55a868", "#c44e52"), strict=False))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.0), squeeze=False)
+    width = 0.8 / len(variants)
     for ax, name in zip(axes[0], cases, strict=True):
         mine = [r for r in measured if r["case"] == name]
-        labels = [r["variant"] if r["tile"] == "autotuned" else f"{r['variant']}\n{r['tile']}" for r in mine]
-        bars = ax.bar(labels, [r["duration_ms"] for r in mine], color="#4c72b0")
-        for bar, r in zip(bars, mine, strict=True):
-            pipe = r.get("tensor_pipe_pct")
-            label = f"{r['duration_ms']:.3f} ms" + ("" if pipe is None else f"\ntensor {pipe:.0f}%")
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=8)  # fmt: skip
+        tiles = list(dict.fromkeys(r["tile"] for r in mine))
+        for j, variant in enumerate(variants):
+            for i, tile in enumerate(tiles):
+                hit = [r for r in mine if r["variant"] == variant and r["tile"] == tile]
+                if not hit:
+                    continue
+                r = hit[0]
+                x = i + (j - (len(variants) - 1) / 2) * width
+                ax.bar(x, r["duration_ms"], width, color=colours[variant], label=variant if i == 0 else None)
+                label = "" if r.get("tensor_pipe_pct") is None else f"{r['tensor_pipe_pct']:.0f}%"
+                if r.get("local_load_bytes"):
+                    label += f"\nspill\n{r['local_load_bytes'] / 1e6:.0f}MB"
+                ax.annotate(label, (x, r["duration_ms"]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(tiles)), tiles)
+        ax.set_xlabel("tile (BMxBNxWARPSxSTAGES)")
         ax.set_title(f"{name} (N={mine[0]['N']})")
         ax.set_ylabel("kernel ms (Nsight Compute)")
-        ax.margins(y=0.25)
-    fig.suptitle(f"Dense kernel with and without the relative term ({measured[0].get('device', '')})", fontsize=10)
+        ax.margins(y=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"Dense kernel with and without the relative term, {measured[0].get('device', '')} "
+                 "(labels: tensor-pipe utilisation, spill reloads)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -376,3 +376,25 @@ def test_report_shows_largest_batch_rows(tmp_path):
     assert "| borzoi | patch-dense | ok | 24 | - | 32 | 52.50 | 7 | 524288 | 210.0 | d86f854 |" in section
     assert "largest_batch.csv` (2 rows of `benchmarks/largest_batch.py`)" in text
     assert "commit: `b07ccf7, d86f854`" in text
+
+
+def test_report_shows_relative_ncu_rows(tmp_path):
+    """benchmarks/relative_ncu.py's CSV is recognised by its columns and shown row by row with its provenance."""
+    header = ("case,layer,N,B,variant,tile,status,err_max,call_ms_p50,kernel,duration_ms,useful_tflops,"
+              "registers_per_thread,achieved_occupancy_pct,theoretical_occupancy_pct,issue_active_pct,tensor_pipe_pct,"
+              "tensor_pipe_metric,instructions,dram_read_bytes,dram_write_bytes,l2_bytes,local_load_bytes,"
+              "local_store_bytes,stall_1,stall_2,stall_3,stall_4,stall_5,ncu_metrics,reason,device,torch,triton,"
+              "commit")  # fmt: skip
+    rows = [
+        "enformer-b8,enformer-layer,1536,8,keys,autotuned,ok,2.003e-02,0.6067,_attention_dense_fwd,0.5061,152.8,"
+        "255.0,12.16,12.5,21.92,28.21,m,102094854.0,1,1,1,152567808.0,10233856.0,long_scoreboard=3.29,barrier=1.73,"
+        "wait=1.28,selected=1,,metrics+sections,,NVIDIA H200,2.11.0+cu130,3.6.0,af59b50",
+        "borzoi-b4,borzoi-layer,4096,4,runs,64x64x8x3,error,,,,,,,,,,,,,,,,,,,,,,,,boom,NVIDIA H200,2.11.0+cu130,"
+        "3.6.0,af59b50",
+    ]
+    text = _report_of_one_file(tmp_path, "relative_ncu.csv", header, rows, "relative-ncu")
+    section = text.split("### The relative term inside the dense kernel (Nsight Compute)")[1].split("\n## ")[0]
+    assert ("| enformer-b8 | keys | autotuned | ok | 0.607 | 0.506 | 153 | 255 | 152.6 | 12.2 | 21.9 | 28.2 | 102.1 | "
+            "long_scoreboard=3.29, barrier=1.73, wait=1.28 | 2.003e-02 | af59b50 |") in section  # fmt: skip
+    assert "| borzoi-b4 | runs | 64x64x8x3 | error | - |" in section
+    assert "relative_ncu.csv` (2 rows of `benchmarks/relative_ncu.py`)" in text and "Triton 3.6.0" in text

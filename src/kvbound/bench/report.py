@@ -182,6 +182,8 @@ def read_results(results: Path) -> list[ResultFile]:
             out.append(ResultFile(path, "trained-kv", raw=raw, columns=columns))
         elif set(LARGEST_BATCH_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "largest-batch", raw=raw, columns=columns))
+        elif set(RELATIVE_NCU_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "relative-ncu", raw=raw, columns=columns))
         elif set(tables.LEGACY_ENCODER_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "legacy-encoder", raw=raw, columns=columns))
         elif set(tables.LEGACY_PUBLIC_API_COLUMNS) <= set(columns):
@@ -268,6 +270,41 @@ def _largest_batch_section(files: list[ResultFile]) -> str:
     body = [[r["model"], r["variant"], r["status"], r.get("largest_batch") or "-", r.get("first_out_of_memory") or "-",
              r.get("first_timeout") or "-", _fmt_text(r.get("peak_gib"), ".2f"), r.get("probes") or "-",
              r.get("input_len") or "-", r.get("seconds") or "-", r.get("commit") or "-", (r.get("reason") or "")[:120]]
+            for item in files for r in item.raw]  # fmt: skip
+    return tables.to_markdown(headers, body) if body else "_(none)_\n"
+
+
+# benchmarks/relative_ncu.py's CSV (the dense kernel with and without the relative term, under Nsight Compute)
+RELATIVE_NCU_COLUMNS = ("case", "variant", "tile", "duration_ms", "tensor_pipe_pct", "local_load_bytes", "stall_1")
+
+
+def _relative_ncu_provenance(item: ResultFile, root: Path) -> str:
+    def values(key: str) -> str:
+        return _raw_values(item.raw, key)
+
+    return "\n".join([
+        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/relative_ncu.py`)",
+        f"  - device: {values('device')}; commit: `{values('commit')}`; torch {values('torch')}, "
+        f"Triton {values('triton')}",
+    ])  # fmt: skip
+
+
+def _relative_ncu_section(files: list[ResultFile]) -> str:
+    """Every row of every relative_ncu CSV, files in path order."""
+    headers = ["case", "variant", "tile", "status", "call ms", "kernel ms (ncu)", "useful TFLOP/s", "registers",
+               "spill loads MB", "occupancy %", "issue active %", "tensor pipe %", "instructions (M)", "top stalls",
+               "err max", "commit"]  # fmt: skip
+
+    def mega(text: str | None) -> str:
+        return "-" if not text else f"{float(text) / 1e6:.1f}"
+
+    body = [[r["case"], r["variant"], r["tile"], r["status"], _fmt_text(r.get("call_ms_p50"), ".3f"),
+             _fmt_text(r.get("duration_ms"), ".3f"), _fmt_text(r.get("useful_tflops"), ".0f"),
+             _fmt_text(r.get("registers_per_thread"), ".0f"), mega(r.get("local_load_bytes")),
+             _fmt_text(r.get("achieved_occupancy_pct"), ".1f"), _fmt_text(r.get("issue_active_pct"), ".1f"),
+             _fmt_text(r.get("tensor_pipe_pct"), ".1f"), mega(r.get("instructions")),
+             ", ".join(r[k] for k in ("stall_1", "stall_2", "stall_3") if r.get(k)) or "-",
+             r.get("err_max") or "-", r.get("commit") or "-"]
             for item in files for r in item.raw]  # fmt: skip
     return tables.to_markdown(headers, body) if body else "_(none)_\n"
 
@@ -391,6 +428,7 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
     sources += [_legacy_provenance(f, root) for f in other_files if f.kind.startswith("legacy")]
     sources += [_trained_kv_provenance(f, root) for f in other_files if f.kind == "trained-kv"]
     sources += [_largest_batch_provenance(f, root) for f in other_files if f.kind == "largest-batch"]
+    sources += [_relative_ncu_provenance(f, root) for f in other_files if f.kind == "relative-ncu"]
     sources += [_unknown_provenance(f, root) for f in other_files if f.kind == "unknown"]
     parts = [
         "# kvbound benchmarks\n",
@@ -452,6 +490,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "## Relative-position attention against what a user could build\n",
         _RELATIVE_METHOD,
         tables.to_markdown(*tables.relative_table(rows)),
+        "### The relative term inside the dense kernel (Nsight Compute)\n",
+        _RELATIVE_NCU_METHOD,
+        _relative_ncu_section([f for f in other_files if f.kind == "relative-ncu"]),
         "## Context-parallel ring\n",
         _RING_METHOD,
         tables.to_markdown(*tables.ring_table(rows)),
@@ -483,6 +524,17 @@ relative` times it (`kvbound/bench/relative.py`): the ports' eager math; SDPA an
 term built for them in each call (a `[B, H, N, N]` bias, or a `[B, H, N, 2N - 1]` table read in `score_mod`); kvbound's
 fused call on exact K/V, and on compressed K/V with this forward's encoding included (`compress ms`: the encoding
 alone). `vs best alternative` is against the faster of SDPA and FlexAttention. `bash benchmarks/h200.sh relative`.
+"""
+
+_RELATIVE_NCU_METHOD = """`python benchmarks/relative_ncu.py OUT.csv` (`bash benchmarks/h200.sh relative-ncu`): one
+Enformer layer (N = 1536, batch 8) and one Borzoi layer (N = 4096, batch 4), bf16, dense K/V, through kvbound's dense
+kernel without the relative term (`plain`: the content logits alone), with all `2N - 1` relative keys (`keys`) and
+with one key per run (`runs`, Borzoi), at the autotuner's tile and at pinned tiles (`BMxBNxWARPSxSTAGES`). `call ms`:
+the public call with its checks deferred (`do_bench` median); then one call per row under `ncu --clock-control none`:
+the kernel's duration, `useful TFLOP/s` (the content and value products, `2 B H N^2 (dk + dv)`, over that duration:
+the same work in every variant), registers per thread, local-memory loads (register spills), achieved occupancy,
+issue-slot and tensor-pipe utilisation (averages over the SMs), instructions and the three largest stall reasons
+(warps per issue-active cycle). `err max`: batch item 0 against float64.
 """
 
 _SHARE_METHOD = """How the speed depends on the data. The default config (rank 8, 4 bits, tau 2^-5) on K/V generated
