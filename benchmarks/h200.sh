@@ -76,7 +76,7 @@
 #                         may take several 90 s waits each). Enformer took 50 s at b07ccf7
 #   largest-alphagenome   the same for AlphaGenome (1 Mb input); not yet run (its compressed variant compiled for
 #                         about 9 min in the alphagenome part, so its searches may outlast the step)
-#   relative-ncu ~4 min   benchmarks/relative_ncu.py: one Enformer layer (batch 8) and one Borzoi layer (batch 4) through
+#   relative-ncu ~1 min   benchmarks/relative_ncu.py: one Enformer layer (batch 8) and one Borzoi layer (batch 4) through
 #                         the dense kernel without the relative term, with the relative keys and (Borzoi) with one key
 #                         per run, at the autotuner's tile and pinned at 64x64x4x2 and 64x64x8x3: time, error against
 #                         float64, and Nsight Compute (--clock-control none) sections per kernel (registers, spills,

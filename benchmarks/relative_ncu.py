@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,8 @@ FIELDS = [
     "B",
     "variant",
     "tile",
+    "tile_used",
+    "ncu_tile_used",
     "status",
     "err_max",
     "call_ms_p50",
@@ -133,7 +137,7 @@ def build_case(name: str, smoke: bool) -> dict:
             )
 
         calls["runs"] = runs
-    return {"spec": spec, "batch": batch, "x": x, "calls": calls}
+    return {"spec": spec, "batch": batch, "x": x, "q_content": q_content, "calls": calls}
 
 
 def reference(case: dict, variant: str) -> torch.Tensor:
@@ -141,10 +145,9 @@ def reference(case: dict, variant: str) -> torch.Tensor:
     from kvbound.models.reference import relative_position_attention_reference
 
     x = case["x"]
-    q, k, v = (x[name][:1].double() for name in ("q", "k", "v"))
-    if variant == "plain":
-        logits = (q * x["scale"] + x["u"].double()[None, :, None]) @ k.transpose(-1, -2)
-        return torch.softmax(logits, dim=-1) @ v
+    if variant == "plain":  # the content query as the kernel reads it (rounded to the input dtype)
+        q, k, v = (t[:1].double() for t in (case["q_content"], x["k"], x["v"]))
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
     return relative_position_attention_reference(
         x["q"][:1], x["k"][:1], x["v"][:1], x["relative_keys"], x["u"], x["w"], scale=x["scale"]
     )
@@ -189,6 +192,21 @@ def parse_tile(text: str) -> tuple[int, int, int, int] | None:
     return tuple(int(part) for part in parts)
 
 
+def _tile_name(config: dict) -> str:
+    return "x".join(str(config.get(k, "?")) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+
+
+def call_with_tile(fn):
+    """``(fn(), tile)``: the tile the dense kernel's autotuner chose for this call (``BMxBNxWARPSxSTAGES``), read
+    from the configurations it kept during the call; ``""`` when the call tuned nothing new (already tuned)."""
+    from kvbound.kernels import attention_dense
+
+    before = set(attention_dense._TUNED)
+    out = fn()
+    chosen = [config for key, config in attention_dense._TUNED.items() if key not in before]
+    return out, (_tile_name(chosen[0]) if len(chosen) == 1 else "")
+
+
 def timed_rows(cases: list[str], tiles: list[str], smoke: bool, commit: str, log=print) -> list[dict]:
     """One row per case, tile and variant: the public call's time and its error against float64."""
     rows = []
@@ -202,7 +220,7 @@ def timed_rows(cases: list[str], tiles: list[str], smoke: bool, commit: str, log
                     row = {"case": name, "layer": spec.name, "N": spec.tokens, "B": case["batch"], "variant": variant,
                            "tile": tile, **env}  # fmt: skip
                     try:
-                        out = fn()
+                        out, row["tile_used"] = call_with_tile(fn)
                         row["err_max"] = f"{(out[:1].double() - reference(case, variant)).abs().max().item():.3e}"
                         row["call_ms_p50"] = f"{_time_ms(fn, smoke):.4g}"
                         row["status"] = "ok"
@@ -221,21 +239,31 @@ def measurement_id(row: dict) -> str:
     return f"{row['case']}:{row['variant']}:{row['tile']}"
 
 
-def child(cases: list[str], tiles: list[str]) -> int:
+def child(cases: list[str], tiles: list[str], out: Path) -> int:
     """Under Nsight Compute: per case and tile, every variant warmed up (compiles, autotuning) outside the ranges,
-    then called once inside ``relative_ncu:<case>:<variant>:<tile>``."""
+    then called once inside ``relative_ncu:<case>:<variant>:<tile>``. A variant that fails is left out (its row
+    then has no profiled kernel) and the others go on. Writes ``{measurement id: tile used or error}`` to ``out``
+    (JSON)."""
     import kvbound
 
+    used: dict[str, str] = {}
     for name in cases:
         case = build_case(name, smoke=False)
         for tile in tiles:
             with pinned_tile(parse_tile(tile)):
-                with kvbound.deferred_checks():
-                    for fn in case["calls"].values():
-                        fn()
-                        fn()
-                torch.cuda.synchronize()
+                working = {}
                 for variant, fn in case["calls"].items():
+                    key = measurement_id(dict(case=name, variant=variant, tile=tile))
+                    try:
+                        with kvbound.deferred_checks():
+                            _, used[key] = call_with_tile(fn)
+                            fn()
+                        working[variant] = fn
+                    except Exception as error:  # noqa: BLE001 - recorded; the parent's row says it was not profiled
+                        used[key] = f"error: {type(error).__name__}: {error}"[:300]
+                    out.write_text(json.dumps(used))
+                torch.cuda.synchronize()
+                for variant, fn in working.items():
                     with kvbound.deferred_checks():
                         torch.cuda.nvtx.range_push(
                             f"{NVTX_PREFIX}{measurement_id(dict(case=name, variant=variant, tile=tile))}"
@@ -286,53 +314,80 @@ def merge_profile(rows: list[dict], text: str, flops: dict[str, float]) -> list[
     return merged
 
 
-def profile(rows: list[dict], cases: list[str], tiles: list[str], out: Path, ncu_path: str, log=print) -> list[dict]:
+def _run_killing_group(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
+    """``(exit status, output tail)`` of ``cmd`` in its own process group; past ``timeout_s`` the whole group (Nsight
+    Compute and the profiled Python under it) is killed and the status is None."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output.strip()[-800:]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, f"timed out after {timeout_s:.0f} s"
+
+
+def _failed(rows: list[dict], reason: str) -> list[dict]:
+    """``rows`` with every ``ok`` row turned into an error with ``reason``; rows that already failed keep theirs."""
+    return [dict(r, status="error", reason=reason) if r.get("status") == "ok" else r for r in rows]
+
+
+def profile(
+    rows: list[dict], cases: list[str], tiles: list[str], out: Path, ncu_path: str, timeout_s: float = 400, log=print
+) -> list[dict]:
+    """The timed rows with their kernels' Nsight Compute metrics (:func:`merge_profile`). With the named metrics
+    first; when that run fails (a metric name this Nsight Compute lacks fails the whole run), once more with the
+    sections alone, if time is left. Rows end as errors when nothing could be profiled."""
     ncu = ncu_tools.find_ncu(ncu_path)
     if ncu is None:
-        return [
-            dict(r, ncu_metrics="", reason=r.get("reason") or f"Nsight Compute ({ncu_path!r}) not found") for r in rows
-        ]
+        return _failed(rows, f"Nsight Compute ({ncu_path!r}) not found")
     flops = {name: useful_flops(name) for name in cases}
+    deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="relative-ncu-") as tmp:
-        report = Path(tmp) / "report"
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            str(Path(tmp) / "unused.csv"),
-            "--child",
-            "--cases",
-            *cases,
-            "--tiles",
-            *tiles,
-        ]
+        report, used_json = Path(tmp) / "report", Path(tmp) / "tiles.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(used_json), "--child", "--cases", *cases, "--tiles",
+               *tiles]  # fmt: skip
         collected = ""
         for metrics in (ncu_tools.DIAGNOSTIC_METRICS, ()):
-            # A metric name this Nsight Compute lacks fails the whole run: then the sections alone.
+            left = deadline - time.monotonic()
+            if left < 30:
+                break
             full = ncu_tools.profile_command(
                 ncu, report, cmd, nvtx_prefix=NVTX_PREFIX, kernels="regex:^_attention_", metrics=metrics
             )
             log("running: " + " ".join(full))
-            try:
-                proc = subprocess.run(full, capture_output=True, text=True, timeout=420)
-                tail = (proc.stdout + proc.stderr).strip()[-800:]
-                ok = proc.returncode == 0 and Path(str(report) + ".ncu-rep").exists()
-            except subprocess.TimeoutExpired:
-                tail, ok = "timed out after 420 s", False
-            if ok:
+            status, tail = _run_killing_group(full, left)
+            if status == 0 and Path(str(report) + ".ncu-rep").exists():
                 collected = "metrics+sections" if metrics else "sections"
                 break
-            log(f"ncu run failed: {tail}")
+            log(f"ncu run failed (exit status {status}): {tail}")
+            if status is None:
+                break  # out of time: no second run
         if not collected:
-            failed = dict(status="error", reason="the profiled child wrote no report")
-            return [dict(r, **failed) if r.get("status") == "ok" else r for r in rows]
+            return _failed(rows, "Nsight Compute wrote no report (see the log)")
+        used = json.loads(used_json.read_text()) if used_json.exists() else {}
         export = ncu_tools.export_raw(ncu, report)
     if export.returncode != 0:
-        return [dict(r, status="error", reason=f"ncu export: {export.stderr.strip()[:300]}") for r in rows]
+        return _failed(rows, f"ncu export: {export.stderr.strip()[:300]}")
     out.with_name(f"{out.stem}_raw.csv").write_text(export.stdout)
-    return [dict(r, ncu_metrics=collected) for r in merge_profile(rows, export.stdout, flops)]
+    merged = merge_profile(rows, export.stdout, flops)
+    return [dict(r, ncu_metrics=collected, ncu_tile_used=used.get(measurement_id(r), "")) for r in merged]
 
 
 # ------------------------------------------------------------------------------------------------------ output
+_FLOAT_FIELDS = ("duration_ms", "tensor_pipe_pct", "local_load_bytes")
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV written by this script, with the plotted fields as floats (None when empty)."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in _FLOAT_FIELDS:
+            row[key] = float(row[key]) if row.get(key) else None
+    return rows
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
@@ -362,13 +417,15 @@ def plot(rows: list[dict], path: Path) -> bool:
         mine = [r for r in measured if r["case"] == name]
         tiles = list(dict.fromkeys(r["tile"] for r in mine))
         for j, variant in enumerate(variants):
+            labelled = False
             for i, tile in enumerate(tiles):
                 hit = [r for r in mine if r["variant"] == variant and r["tile"] == tile]
                 if not hit:
                     continue
                 r = hit[0]
                 x = i + (j - (len(variants) - 1) / 2) * width
-                ax.bar(x, r["duration_ms"], width, color=colours[variant], label=variant if i == 0 else None)
+                ax.bar(x, r["duration_ms"], width, color=colours[variant], label=None if labelled else variant)
+                labelled = True
                 label = "" if r.get("tensor_pipe_pct") is None else f"{r['tensor_pipe_pct']:.0f}%"
                 if r.get("local_load_bytes"):
                     label += f"\nspill\n{r['local_load_bytes'] / 1e6:.0f}MB"
@@ -414,8 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true", help="time and check only")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in float32 on the CPU, no profiler")
     p.add_argument("--commit", default="unknown")
+    p.add_argument("--profile-timeout-s", type=float, default=400, help="Nsight Compute's runs together (default 400)")
+    p.add_argument("--replot", action="store_true", help="only redraw OUT's plot (OUT with .png) from OUT")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.replot:
+        return 0 if plot(read_csv(args.out), args.out.with_suffix(".png")) else 1
     known = SMOKE_CASES if args.cpu_smoke else CASES
     cases = args.cases or list(known)
     unknown = [c for c in cases if c not in known]
@@ -426,15 +487,19 @@ def main(argv: list[str] | None = None) -> int:
             parse_tile(tile)
         except ValueError as error:
             p.error(f"--tiles: {error}")
+    repeated = sorted({t for t in args.tiles if args.tiles.count(t) > 1} | {c for c in cases if cases.count(c) > 1})
+    if repeated:
+        p.error(f"--cases / --tiles: each name once, got {repeated} more than once")
     if args.child:
-        return child(cases, args.tiles)
+        return child(cases, args.tiles, args.out)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("relative_ncu: no CUDA device (use --cpu-smoke on a CPU)", file=sys.stderr)
         return 2
     rows = timed_rows(cases, args.tiles, args.cpu_smoke, args.commit)
+    write_csv(args.out, rows)  # the timed rows stay if the profiler's pass is cut short
     if not (args.cpu_smoke or args.no_profile):
-        rows = profile(rows, cases, args.tiles, args.out, args.ncu_path)
-    write_csv(args.out, rows)
+        rows = profile(rows, cases, args.tiles, args.out, args.ncu_path, args.profile_timeout_s)
+        write_csv(args.out, rows)
     if plot(rows, args.out.with_suffix(".png")):
         print(f"plot: {args.out.with_suffix('.png')}")
     print_rows(rows)

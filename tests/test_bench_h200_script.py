@@ -217,3 +217,15 @@ def test_alternatives_part_times_the_stock_cores_beside_the_patch(tmp_path, smok
         assert "--only enformer*" in calls[0] and "--only borzoi*" in calls[1]
     status = (out / "status.txt").read_text()
     assert "alternatives-enformer 0" in status and "alternatives-borzoi 0" in status
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_relative_ncu_part_command_line(tmp_path, smoke):
+    proc, _, _ = _run("relative-ncu", tmp_path, smoke=smoke)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    (call,) = [a for a in (tmp_path / "args.log").read_text().splitlines() if "relative_ncu.py" in a]
+    assert call.startswith("benchmarks/relative_ncu.py ") and "/relative-ncu/relative_ncu.csv --commit abc1234" in call
+    if smoke:
+        assert call.endswith("--tiles autotuned --cpu-smoke")
+    else:
+        assert call.endswith("--tiles autotuned 64x64x4x2 64x64x8x3")

@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def test_cpu_smoke_checks_every_variant_against_float64(tmp_path):
         assert float(r["err_max"]) < 1e-5  # float32 in the interpreter
         assert float(r["call_ms_p50"]) > 0
         assert r["duration_ms"] == ""  # no profiler on the CPU
+        assert len(r["tile_used"].split("x")) == 4  # the autotuner's choice, recorded
 
 
 def test_pinned_tile_rows(tmp_path):
@@ -53,11 +55,16 @@ def test_pinned_tile_rows(tmp_path):
     assert [(r["variant"], r["tile"]) for r in rows] == [("plain", "16x32x4x1"), ("keys", "16x32x4x1"),
                                                          ("runs", "16x32x4x1")]  # fmt: skip
     assert all(r["status"] == "ok" and float(r["err_max"]) < 1e-5 for r in rows)
+    assert all(r["tile_used"] == "16x32x4x1" for r in rows)  # the pin reached the kernel's launch
 
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--cases", "enformer-b8"], "enformer-b2"), (["--tiles", "64x64"], "BMxBNxWARPSxSTAGES")],
+    [
+        (["--cases", "enformer-b8"], "enformer-b2"),
+        (["--tiles", "64x64"], "BMxBNxWARPSxSTAGES"),
+        (["--tiles", "autotuned", "autotuned"], "more than once"),
+    ],
 )
 def test_bad_arguments_are_refused(tmp_path, args, needle):
     proc = subprocess.run(
@@ -67,6 +74,69 @@ def test_bad_arguments_are_refused(tmp_path, args, needle):
         timeout=300,
     )
     assert proc.returncode == 2 and needle in proc.stderr and args[1] in proc.stderr
+
+
+def test_pinned_tile_restores_the_autotuner():
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        from relative_tiles import pinned_tile
+    finally:
+        sys.path.remove(str(_PATH.parent))
+    from kvbound.kernels import attention_dense
+
+    tuner = attention_dense._attention_dense_fwd
+    configs, shapes = list(tuner.configs), attention_dense._RELATIVE_SHAPES
+    attention_dense._TUNED[("stale",)] = {}
+    with pinned_tile((32, 16, 4, 2)):
+        assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuner.configs] == [
+            (32, 16, 4, 2)
+        ]
+        assert attention_dense._RELATIVE_SHAPES == frozenset({(32, 16, 4, 2)})
+        assert ("stale",) not in attention_dense._TUNED  # tuned winners cleared on entry
+        attention_dense._TUNED[("inside",)] = {}
+    assert list(tuner.configs) == configs and attention_dense._RELATIVE_SHAPES == shapes
+    assert ("inside",) not in attention_dense._TUNED  # and on exit
+
+
+def test_profile_without_nsight_compute_fails_the_rows(tmp_path):
+    rn = _module()
+    rows = [
+        {"case": "enformer-b8", "variant": "plain", "tile": "autotuned", "status": "ok"},
+        {"case": "enformer-b8", "variant": "keys", "tile": "autotuned", "status": "error", "reason": "boom"},
+    ]
+    out = rn.profile(rows, ["enformer-b8"], ["autotuned"], tmp_path / "x.csv", "no-such-ncu-here")
+    assert out[0]["status"] == "error" and "('no-such-ncu-here') not found" in out[0]["reason"]
+    assert out[1] == rows[1]  # an earlier failure keeps its own reason
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    rn = _module()
+    marker = tmp_path / "late"
+    start = time.monotonic()
+    status, tail = rn._run_killing_group(["bash", "-c", f"(sleep 3; touch {marker}) & sleep 30"], 1.0)
+    assert status is None and "timed out" in tail and time.monotonic() - start < 10
+    time.sleep(3.5)
+    assert not marker.exists()  # the grandchild died with the group
+    assert rn._run_killing_group(["bash", "-c", "echo hello"], 10) == (0, "hello")
+
+
+def test_replot_draws_from_the_csv(tmp_path):
+    rn = _module()
+    rows = [
+        {"case": "enformer-b8", "N": 1536, "variant": "plain", "tile": "autotuned", "status": "ok",
+         "duration_ms": 0.23, "tensor_pipe_pct": 46.0, "local_load_bytes": 0.0, "device": "GPU"},
+        {"case": "enformer-b8", "N": 1536, "variant": "keys", "tile": "autotuned", "status": "ok",
+         "duration_ms": 0.51, "tensor_pipe_pct": None, "local_load_bytes": 1.5e8, "device": "GPU"},
+        {"case": "enformer-b8", "N": 1536, "variant": "keys", "tile": "64x64x8x3", "status": "error"},
+    ]  # fmt: skip
+    out = tmp_path / "rel.csv"
+    rn.write_csv(out, rows)
+    back = rn.read_csv(out)
+    assert back[1]["duration_ms"] == 0.51 and back[1]["tensor_pipe_pct"] is None and back[2]["duration_ms"] is None
+    proc = subprocess.run([sys.executable, str(_PATH), str(out), "--replot"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.with_suffix(".png").stat().st_size > 10_000
 
 
 def test_parse_tile():

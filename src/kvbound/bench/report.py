@@ -291,20 +291,21 @@ def _relative_ncu_provenance(item: ResultFile, root: Path) -> str:
 
 def _relative_ncu_section(files: list[ResultFile]) -> str:
     """Every row of every relative_ncu CSV, files in path order."""
-    headers = ["case", "variant", "tile", "status", "call ms", "kernel ms (ncu)", "useful TFLOP/s", "registers",
-               "spill loads MB", "occupancy %", "issue active %", "tensor pipe %", "instructions (M)", "top stalls",
-               "err max", "commit"]  # fmt: skip
+    headers = ["case", "variant", "tile", "tile used", "status", "call ms", "kernel ms (ncu)", "useful TFLOP/s",
+               "registers", "spill loads MB", "occupancy %", "issue active %", "tensor pipe %", "instructions (M)",
+               "top stalls", "err max", "commit", "reason"]  # fmt: skip
 
     def mega(text: str | None) -> str:
         return "-" if not text else f"{float(text) / 1e6:.1f}"
 
-    body = [[r["case"], r["variant"], r["tile"], r["status"], _fmt_text(r.get("call_ms_p50"), ".3f"),
+    body = [[r["case"], r["variant"], r["tile"], r.get("ncu_tile_used") or r.get("tile_used") or "-", r["status"],
+             _fmt_text(r.get("call_ms_p50"), ".3f"),
              _fmt_text(r.get("duration_ms"), ".3f"), _fmt_text(r.get("useful_tflops"), ".0f"),
              _fmt_text(r.get("registers_per_thread"), ".0f"), mega(r.get("local_load_bytes")),
              _fmt_text(r.get("achieved_occupancy_pct"), ".1f"), _fmt_text(r.get("issue_active_pct"), ".1f"),
              _fmt_text(r.get("tensor_pipe_pct"), ".1f"), mega(r.get("instructions")),
              ", ".join(r[k] for k in ("stall_1", "stall_2", "stall_3") if r.get(k)) or "-",
-             r.get("err_max") or "-", r.get("commit") or "-"]
+             r.get("err_max") or "-", r.get("commit") or "-", (r.get("reason") or "")[:120]]
             for item in files for r in item.raw]  # fmt: skip
     return tables.to_markdown(headers, body) if body else "_(none)_\n"
 
