@@ -1,0 +1,40 @@
+"""benchmarks/static_regs.py: the dense kernel compiled for sm_90 on this CPU machine (Triton's ptxas and cuobjdump),
+read back as registers, stack and SASS counts."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).parents[1] / "benchmarks" / "static_regs.py"
+
+
+def _run(tmp_path, *args, interpret=False):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    out = tmp_path / "regs.csv"
+    proc = subprocess.run([sys.executable, str(_PATH), str(out), *args], capture_output=True, text=True, env=env,
+                          timeout=900)  # fmt: skip
+    return proc, out
+
+
+def test_compiles_plain_and_relative_keys_for_sm90(tmp_path):
+    # TRITON_INTERPRET=1 in the environment (as on this machine's test runs) must not turn the compile into
+    # interpretation
+    proc, out = _run(tmp_path, "--layers", "enformer", "--tiles", "64x64x8x3", "--commit", "abc1234", interpret=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    plain, keys = list(csv.DictReader(out.open()))
+    for row in (plain, keys):
+        assert row["status"] == "ok" and row["tile"] == "64x64x8x3" and row["commit"] == "abc1234"
+        assert 0 < int(row["registers"]) <= 255 and int(row["hgmma"]) > 0  # Hopper tensor-core instructions
+        assert int(row["shared_bytes"]) > 0 and int(row["stack_bytes"]) >= 0
+        assert int(row["ldl"]) <= int(row["sass_instructions"])
+    # the relative term adds the window product and its skew: more tensor-core and other instructions
+    assert int(keys["hgmma"]) > int(plain["hgmma"]) and int(keys["sass_instructions"]) > int(plain["sass_instructions"])
+
+
+def test_refuses_bad_tiles(tmp_path):
+    proc, _ = _run(tmp_path, "--tiles", "64x64")
+    assert proc.returncode == 2 and "BMxBNxWARPSxSTAGES" in proc.stderr
