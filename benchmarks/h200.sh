@@ -78,8 +78,8 @@
 #                         one its compressed variant compiled for about 9 min in the alphagenome part)
 #   relative-ncu ~2 min   benchmarks/relative_ncu.py: one Enformer layer (batch 8) and one Borzoi layer (batch 4)
 #                         through the dense kernel without the relative term, with the relative keys and (Borzoi)
-#                         with one key per run, at the autotuner's tile and pinned at 64x64x4x2, 64x64x8x3 and the
-#                         two 4-warp tiles without spills in benchmarks/static_regs.py's counts (64x16x4x1,
+#                         with one key per run, at the autotuner's tile and pinned at 64x64x4x2, 64x64x8x3 and three
+#                         4-warp tiles without spills in benchmarks/static_regs.py's counts (64x32x4x1, 64x16x4x1,
 #                         64x16x4x2): time, error against float64, and Nsight Compute (--clock-control none) sections
 #                         per kernel (registers, spills, occupancy, issue slots, tensor pipe, stall reasons)
 #   alternatives ~8 min   whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
@@ -328,7 +328,7 @@ relative)
     ;;
 relative-ncu)
     relncu=("$PY" benchmarks/relative_ncu.py "$RES/relative_ncu.csv" --commit "$COMMIT" --tiles autotuned)
-    [[ "$SMOKE" == "1" ]] || relncu+=(64x64x4x2 64x64x8x3 64x16x4x1 64x16x4x2)
+    [[ "$SMOKE" == "1" ]] || relncu+=(64x64x4x2 64x64x8x3 64x32x4x1 64x16x4x1 64x16x4x2)
     [[ "$SMOKE" == "1" ]] && relncu+=(--cpu-smoke)
     step relative-ncu 480 "$RES/relative_ncu.csv" "${relncu[@]}"
     ;;

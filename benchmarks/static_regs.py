@@ -6,15 +6,18 @@
 Each (layer, variant, tile) goes through the launcher ``kvbound.kernels.attention_dense.attention_dense_fwd`` with
 CPU tensors of the layer's shape (bf16, 8 heads, dk 64, dv 192; Enformer N = 1536 at batch 8, Borzoi N = 4096 at
 batch 4) and the tile pinned, but instead of launching, Triton's ``JITFunction.run`` compiles the kernel for
-``GPUTarget("cuda", 90, 32)`` exactly as it would for that launch (the same binder, specialisation and constexprs).
-Triton's own ``cuobjdump`` then reads the cubin: registers per thread, stack bytes (spilled registers live there),
-static shared memory (``shared_bytes``: what Triton allocates per program, which with the registers sets how many
-programs fit on one SM), and in the SASS the instruction count and the local loads / stores (``LDL`` / ``STL``:
-spill traffic; a static count: code outside the key loop counts once, and Nsight Compute may measure no reload where
-the SASS holds some) and ``HGMMA`` (Hopper tensor-core) instructions (none: the tile fell back to ``mma.sync``).
-Variants: ``plain`` (no relative term), ``keys`` (the relative keys, Enformer's path). Register allocation depends
-on the Triton version: the GPU machine runs Triton 3.6.0, so read the ``triton`` column before comparing with
-measured runs (``benchmarks/relative_ncu.py``)."""
+``GPUTarget("cuda", 90, 32)`` as it would for that launch on an H200 (the same binder, specialisation and
+constexprs; the launcher is told that the device has tensor descriptors, as a Hopper GPU has, so that K and V are
+read through them as there: ``use_tma``). Triton's own ``cuobjdump`` then reads the cubin: registers per thread,
+stack bytes (spilled registers live there), the shared memory Triton allocates per program (``shared_bytes``; with
+the registers it sets how many programs fit on one SM; a tile above the 227 KB a program may use is an error row,
+since it cannot launch) and what ptxas reserves (``shared_static_bytes``), and in the SASS the instruction count
+(the trailing padding included) and the local loads / stores (``LDL`` / ``STL``: spill traffic; a static count: code
+outside the key loop counts once, and Nsight Compute may measure no reload where the SASS holds some) and ``HGMMA``
+(Hopper tensor-core) instructions (none: the tile fell back to ``mma.sync``). Variants: ``plain`` (no relative
+term), ``keys`` (the relative keys, Enformer's path). Register allocation depends on the Triton version: the GPU
+machine runs Triton 3.6.0, so read the ``triton`` column before comparing with measured runs
+(``benchmarks/relative_ncu.py``; at 3.6.0 the registers of the tiles both measured agree)."""
 
 from __future__ import annotations
 
@@ -40,9 +43,11 @@ from kvbound.kernels.attention_dense import attention_dense_fwd  # noqa: E402
 LAYERS = {"enformer": (1536, 8), "borzoi": (4096, 4)}
 VARIANTS = ("plain", "keys")
 TILES = ("64x64x4x1", "64x64x4x2", "64x64x8x3")
-FIELDS = ["layer", "N", "B", "variant", "tile", "status", "registers", "stack_bytes", "shared_bytes",
+FIELDS = ["layer", "N", "B", "variant", "tile", "status", "use_tma", "registers", "stack_bytes", "shared_bytes",
           "shared_static_bytes", "sass_instructions", "ldl", "stl", "hgmma", "reason", "triton", "commit"]  # fmt: skip
 TARGET_ARCH = 90
+# Shared memory a program may use on an sm_90 SM (227 KB); Triton only checks it when a kernel is loaded.
+SHARED_LIMIT = 232448
 
 
 def compile_instead_of_launch():
@@ -56,22 +61,32 @@ def compile_instead_of_launch():
     target = GPUTarget("cuda", TARGET_ARCH, 32)
     compiled = []
 
+    from triton import knobs
+
     def run(self, *args, grid, warmup, **kwargs):
-        kwargs["debug"] = kwargs.get("debug", self.debug) or False
+        # As JITFunction.run sets them before binding (Triton 3.6 and 3.9).
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         backend = make_backend(target)
         binder = create_function_from_signature(self.signature, self.params, backend)
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
         kernel = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
-        compiled.append(kernel)
+        named = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+        compiled.append((kernel, named))
         return kernel
 
     JITFunction.run = run
+    # The launchers read K/V through tensor descriptors on Hopper (USE_TMA), which they ask the device about; the
+    # target here is sm_90, so answer as a Hopper device would (the alignment checks still apply).
+    from kvbound.kernels import _common
+
+    _common._has_tensor_descriptors = lambda device: True
     return compiled
 
 
 def cubin_usage(cubin: bytes) -> dict:
-    """``cuobjdump -res-usage`` and ``-sass`` of one cubin: registers, stack, static shared memory, SASS counts."""
+    """``cuobjdump -res-usage`` and ``-sass`` of one cubin: registers, stack, ptxas's shared memory, SASS counts."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
@@ -112,13 +127,16 @@ def compile_one(compiled: list, layer: str, variant: str, tile: str) -> dict:
         keys = torch.zeros(heads, 2 * n - 1, dk, dtype=torch.bfloat16)
         relative = (keys, torch.zeros(heads, dk), torch.zeros(heads, dk))
     compiled.clear()
-    try:
-        attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, config=parse_tile(tile), relative=relative)
-    except Exception:  # noqa: BLE001 - the launcher's work after the launch needs a GPU; the compile is what counts
-        if not compiled:
-            raise
-    kernel = compiled[-1]
-    return {**cubin_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared}
+    attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, config=parse_tile(tile), relative=relative)
+    if len(compiled) != 1:
+        raise RuntimeError(f"expected one compiled kernel for this launch, got {len(compiled)}")
+    kernel, constexprs = compiled[0]
+    row = {**cubin_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
+           "use_tma": int(bool(constexprs.get("USE_TMA")))}  # fmt: skip
+    if row["shared_bytes"] > SHARED_LIMIT:
+        row.update(status="error", reason=f"needs {row['shared_bytes']} bytes of shared memory per program; an sm_90 "
+                                          f"SM gives a program at most {SHARED_LIMIT}: it cannot launch")  # fmt: skip
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"layer": layer, "N": n, "B": batch, "variant": variant, "tile": tile,
                        "triton": triton.__version__, "commit": args.commit}  # fmt: skip
                 try:
-                    row.update(compile_one(compiled, layer, variant, tile), status="ok")
-                except Exception as error:  # noqa: BLE001 - a row with its reason (e.g. out of shared memory)
+                    row.update({"status": "ok", **compile_one(compiled, layer, variant, tile)})
+                except Exception as error:  # noqa: BLE001 - a row with its reason (a tile that does not compile)
                     row.update(status="error", reason=f"{type(error).__name__}: {error}"[:300].replace("\n", " "))
-                print(" ".join(f"{k}={row.get(k, '')}" for k in FIELDS[:15]), flush=True)
+                print(" ".join(f"{k}={row.get(k, '')}" for k in FIELDS[:16]), flush=True)
                 rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:

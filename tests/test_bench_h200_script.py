@@ -228,4 +228,4 @@ def test_relative_ncu_part_command_line(tmp_path, smoke):
     if smoke:
         assert call.endswith("--tiles autotuned --cpu-smoke")
     else:
-        assert call.endswith("--tiles autotuned 64x64x4x2 64x64x8x3 64x16x4x1 64x16x4x2")
+        assert call.endswith("--tiles autotuned 64x64x4x2 64x64x8x3 64x32x4x1 64x16x4x1 64x16x4x2")
