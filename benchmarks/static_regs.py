@@ -15,8 +15,9 @@ since it cannot launch) and what ptxas reserves (``shared_static_bytes``), and i
 (the trailing padding included) and the local loads / stores (``LDL`` / ``STL``: spill traffic; a static count: code
 outside the key loop counts once, and Nsight Compute may measure no reload where the SASS holds some) and ``HGMMA``
 (Hopper tensor-core) instructions (none: the tile fell back to ``mma.sync``). Variants: ``plain`` (no relative
-term), ``keys`` (the relative keys, Enformer's path). Register allocation depends on the Triton version: the GPU
-machine runs Triton 3.6.0, so read the ``triton`` column before comparing with measured runs
+term), ``keys`` (the relative keys, Enformer's path), ``runs`` (one relative key per run of equal keys, Borzoi's
+path: 31 runs, at most 16 per tile, unrolled). Register allocation depends on the Triton version: the GPU machine
+runs Triton 3.6.0, so read the ``triton`` column before comparing with measured runs
 (``benchmarks/relative_ncu.py``; at 3.6.0 the registers of the tiles both measured agree)."""
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ import triton  # noqa: E402
 from kvbound.kernels.attention_dense import attention_dense_fwd  # noqa: E402
 
 LAYERS = {"enformer": (1536, 8), "borzoi": (4096, 4)}
-VARIANTS = ("plain", "keys")
+VARIANTS = ("plain", "keys", "runs")
+# Borzoi's runs of equal relative keys at N = 4096 (31) and the most runs one tile spans (the kernel's unrolling)
+RUNS, RUN_SPAN = 31, 16
 TILES = ("64x64x4x1", "64x64x4x2", "64x64x8x3")
 FIELDS = ["layer", "N", "B", "variant", "tile", "status", "use_tma", "registers", "stack_bytes", "shared_bytes",
           "shared_static_bytes", "sass_instructions", "ldl", "stl", "hgmma", "reason", "triton", "commit"]  # fmt: skip
@@ -122,12 +125,17 @@ def compile_one(compiled: list, layer: str, variant: str, tile: str) -> dict:
     q = torch.zeros(batch, heads, n, dk, dtype=torch.bfloat16)
     k = torch.zeros(batch, heads, n, dk, dtype=torch.bfloat16)
     v = torch.zeros(batch, heads, n, dv, dtype=torch.bfloat16)
-    relative = None
+    relative = runs = None
     if variant == "keys":
         keys = torch.zeros(heads, 2 * n - 1, dk, dtype=torch.bfloat16)
         relative = (keys, torch.zeros(heads, dk), torch.zeros(heads, dk))
+    elif variant == "runs":  # the launcher's arguments as kvbound.attention builds them (values do not matter here)
+        table = torch.zeros(batch, heads, n, RUNS, dtype=torch.float32)
+        layout = torch.zeros(RUNS + 1 + 2 * n - 1, dtype=torch.int32)
+        runs = (table, layout, torch.zeros(heads, dk))
     compiled.clear()
-    attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, config=parse_tile(tile), relative=relative)
+    attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, config=parse_tile(tile), relative=relative,
+                        relative_runs=runs, run_span=RUN_SPAN if runs is not None else 0)  # fmt: skip
     if len(compiled) != 1:
         raise RuntimeError(f"expected one compiled kernel for this launch, got {len(compiled)}")
     kernel, constexprs = compiled[0]

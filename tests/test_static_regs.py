@@ -24,9 +24,10 @@ def test_compiles_plain_and_relative_keys_for_sm90(tmp_path):
     # TRITON_INTERPRET=1 in the environment (as on this machine's test runs) must not turn the compile into
     # interpretation
     proc, out = _run(tmp_path, "--layers", "enformer", "--tiles", "64x64x8x3", "--commit", "abc1234", interpret=True)
+    # (the runs variant as well: its launcher arguments are the ones kvbound.attention builds)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    plain, keys = list(csv.DictReader(out.open()))
-    for row in (plain, keys):
+    plain, keys, runs = list(csv.DictReader(out.open()))
+    for row in (plain, keys, runs):
         assert row["status"] == "ok" and row["tile"] == "64x64x8x3" and row["commit"] == "abc1234"
         assert 0 < int(row["registers"]) <= 255 and int(row["hgmma"]) > 0  # Hopper tensor-core instructions
         assert row["use_tma"] == "1"  # K/V through tensor descriptors, as the launcher does on an H200
@@ -34,6 +35,10 @@ def test_compiles_plain_and_relative_keys_for_sm90(tmp_path):
         assert int(row["shared_bytes"]) >= 3 * 64 * (64 + 192) * 2
     # the relative term adds the window product and its skew: more tensor-core and other instructions
     assert int(keys["hgmma"]) > int(plain["hgmma"]) and int(keys["sass_instructions"]) > int(plain["sass_instructions"])
+    # the runs need no product of their own: the tensor-core work of plain attention, and more other instructions
+    assert int(runs["hgmma"]) == int(plain["hgmma"]) and int(runs["sass_instructions"]) > int(
+        plain["sass_instructions"]
+    )
 
 
 def test_refuses_bad_tiles(tmp_path):
