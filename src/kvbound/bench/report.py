@@ -219,17 +219,6 @@ TRAINED_KV_COLUMNS = ("model", "N", "provider", "status", "ms_p50", "vs_cudnn", 
                       "k_shares", "v_shares")  # fmt: skip
 
 
-def _trained_kv_provenance(item: ResultFile, root: Path) -> str:
-    def values(key: str) -> str:
-        return _raw_values(item.raw, key)
-
-    return "\n".join([
-        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/trained_kv.py`)",
-        f"  - device: {values('device')}; date: {values('date')}; commit: `{values('commit')}`; torch "
-        f"{values('torch')}, Triton {values('triton')}",
-    ])  # fmt: skip
-
-
 def _trained_kv_section(files: list[ResultFile]) -> str:
     """Every row of every trained_kv CSV, files in path order."""
     headers = ["model", "N", "heads q/kv", "dk / dv", "provider", "config", "status", "p50 ms", "vs cuDNN",
@@ -253,16 +242,6 @@ def _trained_kv_section(files: list[ResultFile]) -> str:
 LARGEST_BATCH_COLUMNS = ("model", "variant", "status", "largest_batch", "first_out_of_memory", "peak_gib", "probes")
 
 
-def _largest_batch_provenance(item: ResultFile, root: Path) -> str:
-    def values(key: str) -> str:
-        return _raw_values(item.raw, key)
-
-    return "\n".join([
-        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/largest_batch.py`)",
-        f"  - device: {values('device')}; commit: `{values('commit')}`; torch {values('torch')}",
-    ])  # fmt: skip
-
-
 def _largest_batch_section(files: list[ResultFile]) -> str:
     """Every row of every largest_batch CSV, files in path order."""
     headers = ["model", "variant", "status", "largest batch", "first out of memory", "first without answer",
@@ -276,17 +255,6 @@ def _largest_batch_section(files: list[ResultFile]) -> str:
 
 # benchmarks/relative_ncu.py's CSV (the dense kernel with and without the relative term, under Nsight Compute)
 RELATIVE_NCU_COLUMNS = ("case", "variant", "tile", "duration_ms", "tensor_pipe_pct", "local_load_bytes", "stall_1")
-
-
-def _relative_ncu_provenance(item: ResultFile, root: Path) -> str:
-    def values(key: str) -> str:
-        return _raw_values(item.raw, key)
-
-    return "\n".join([
-        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `benchmarks/relative_ncu.py`)",
-        f"  - device: {values('device')}; commit: `{values('commit')}`; torch {values('torch')}, "
-        f"Triton {values('triton')}",
-    ])  # fmt: skip
 
 
 def _relative_ncu_section(files: list[ResultFile]) -> str:
@@ -308,6 +276,29 @@ def _relative_ncu_section(files: list[ResultFile]) -> str:
              r.get("err_max") or "-", r.get("commit") or "-", (r.get("reason") or "")[:120]]
             for item in files for r in item.raw]  # fmt: skip
     return tables.to_markdown(headers, body) if body else "_(none)_\n"
+
+
+# Side scripts whose CSVs the report reads: kind -> (script, whether their rows record a date, and a Triton version)
+_SCRIPT_OF_KIND = {
+    "trained-kv": ("benchmarks/trained_kv.py", True, True),
+    "largest-batch": ("benchmarks/largest_batch.py", False, False),
+    "relative-ncu": ("benchmarks/relative_ncu.py", False, True),
+}
+
+
+def _script_provenance(item: ResultFile, root: Path) -> str:
+    """Where a side script's CSV comes from: its path and rows, then device, date, commit and versions."""
+    script, dated, with_triton = _SCRIPT_OF_KIND[item.kind]
+
+    def values(key: str) -> str:
+        return _raw_values(item.raw, key)
+
+    date = f"date: {values('date')}; " if dated else ""
+    triton = f", Triton {values('triton')}" if with_triton else ""
+    return "\n".join([
+        f"- `{_relative(item.path, root)}` ({len(item.raw)} rows of `{script}`)",
+        f"  - device: {values('device')}; {date}commit: `{values('commit')}`; torch {values('torch')}{triton}",
+    ])  # fmt: skip
 
 
 def _fmt_text(text: str | None, spec: str) -> str:
@@ -427,9 +418,7 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
     other_files = other_files or []
     sources = [_provenance(p, r, root) for p, r in rows_by_file.items()]
     sources += [_legacy_provenance(f, root) for f in other_files if f.kind.startswith("legacy")]
-    sources += [_trained_kv_provenance(f, root) for f in other_files if f.kind == "trained-kv"]
-    sources += [_largest_batch_provenance(f, root) for f in other_files if f.kind == "largest-batch"]
-    sources += [_relative_ncu_provenance(f, root) for f in other_files if f.kind == "relative-ncu"]
+    sources += [_script_provenance(f, root) for f in other_files if f.kind in _SCRIPT_OF_KIND]
     sources += [_unknown_provenance(f, root) for f in other_files if f.kind == "unknown"]
     parts = [
         "# kvbound benchmarks\n",
