@@ -223,7 +223,7 @@ def test_alternatives_part_times_the_stock_cores_beside_the_patch(tmp_path, smok
 def test_relative_ncu_part_command_line(tmp_path, smoke):
     proc, _, _ = _run("relative-ncu", tmp_path, smoke=smoke)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    (call,) = [a for a in (tmp_path / "args.log").read_text().splitlines() if "relative_ncu.py" in a]
+    (call,) = [c for c in _calls(tmp_path) if "relative_ncu.py" in c]
     assert call.startswith("benchmarks/relative_ncu.py ") and "/relative-ncu/relative_ncu.csv --commit abc1234" in call
     if smoke:
         assert call.endswith("--tiles autotuned --cpu-smoke")

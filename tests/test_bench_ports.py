@@ -409,12 +409,10 @@ def test_largest_batch_script_resumes_below_a_probe_without_answer(monkeypatch, 
     """benchmarks/largest_batch.py: a timed-out probe is an upper bound, the next worker bisects below it; the row
     keeps the largest batch that fitted, its peak, the first timeout and no out-of-memory that was not seen."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("largest_batch", Path(__file__).parents[1] / "benchmarks" /
-                                                  "largest_batch.py")  # fmt: skip
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
+
+    script = load("largest_batch")
     answers = [
         {"status": "timeout", "failed_batch": 32, "reason": "batch 32: no answer", "largest_batch": 16,
          "seen_largest": 16, "seen_out_of_memory": None, "seen_peaks": {16: 31.7}},

@@ -2,7 +2,6 @@
 export is read into its rows."""
 
 import csv
-import importlib.util
 import subprocess
 import sys
 import time
@@ -10,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
+
 _PATH = Path(__file__).parents[1] / "benchmarks" / "relative_ncu.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("relative_ncu", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("relative_ncu")
 
 
 def test_cpu_smoke_checks_every_variant_against_float64(tmp_path):

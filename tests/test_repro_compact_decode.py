@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "repro_compact_decode.py"
-_SPEC = importlib.util.spec_from_file_location("repro_compact_decode", _PATH)
-repro = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(repro)
+from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
+
+repro = load("repro_compact_decode")
 
 
 def test_pack_places_code_d_in_slot_d_mod_per_word():

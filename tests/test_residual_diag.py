@@ -5,27 +5,15 @@ it compiles in parallel, and the parsing of Nsight Compute's raw export."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
 from kvbound.codec.format import MODE_PACKED, MODE_RAW
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "residual_diag.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("residual_diag", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["residual_diag"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rd = _load()
+rd = load("residual_diag")
 
 SMOKE_LAYOUTS = ["lowrank", "packed8", "packed4_scatter50", "promoted5", "raw10"]
 

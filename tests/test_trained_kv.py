@@ -4,20 +4,15 @@ synthetic fixture, then every step of the timing script except the timing, in Tr
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trained_kv.py"
+from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("trained_kv", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("trained_kv")
 
 
 def test_capture_then_time_on_the_fixture(tmp_path):
