@@ -28,12 +28,13 @@ def _relative_case(n: int, seed: int):
     return q, k, v, table, u, w
 
 
-def _relative_reference_inputs(q, table, u, w, scale: float, rows: int):
-    """The first ``rows`` queries as plain attention sees them: content query ``scale q + u`` rounded to q's dtype
-    (as the kernel forms it) and the relative logits ``(scale q + w) . R[N - 1 + j - i]`` as an additive bias."""
-    content = (scale * q[:, :, :rows].float() + u[None, :, None, :]).to(q.dtype)
-    position = scale * q[:, :, :rows].double() + w[None, :, None, :].double()
-    return content.contiguous(), relative_logits(position, table, q.shape[2])
+def _relative_reference_inputs(q, table, u, w, scale: float, rows: int, first: int = 0):
+    """Queries ``first .. first + rows - 1`` as plain attention sees them: content query ``scale q + u`` rounded to q's
+    dtype (as the kernel forms it) and the relative logits ``(scale q + w) . R[N - 1 + j - i]`` as an additive bias."""
+    picked = q[:, :, first : first + rows]
+    content = (scale * picked.float() + u[None, :, None, :]).to(q.dtype)
+    position = scale * picked.double() + w[None, :, None, :].double()
+    return content.contiguous(), relative_logits(position, table, q.shape[2], first)
 
 
 @pytest.mark.parametrize("n", [1536, 4096])
@@ -52,21 +53,25 @@ def test_gpu_relative_positions_bf16(n, compressed):
 
 
 def _pinned_relative_tiles(n: int, halves: bool = False) -> list[str]:
-    """Every tile of the dense kernel's relative variant, pinned, on a ragged length: one line per tile.
-    ``halves``: square tiles carry half of each window product (``relative_halves=True``)."""
+    """Every tile of the dense kernel's relative variant, pinned, on a ragged length: one line per tile. The first
+    and the last 64 queries are checked: the last query tile is partly padding, and its windows start before the
+    first relative row (read as zeros, through the tensor descriptor with the relative keys). ``halves``: square tiles
+    carry half of each window product (``relative_halves=True``)."""
     from kvbound.kernels import attention_dense
 
     q, k, v, table, u, w = _relative_case(n, 11 + n)
     scale = 64**-0.5
     rows = 64
-    content, bias = _relative_reference_inputs(q, table, u, w, scale, rows)
+    checked = [(first, *_relative_reference_inputs(q, table, u, w, scale, rows, first)) for first in (0, n - rows)]
     done = []
     for m, n_, warps, stages in sorted(attention_dense._RELATIVE_SHAPES):
         config = {"BLOCK_M": m, "BLOCK_N": n_, "num_warps": warps, "num_stages": stages}
         out, _ = attention_dense.attention_dense_fwd(
             q, k, v, None, scale, False, None, config=config, relative=(table, u, w), relative_halves=halves
         )
-        check_against_reference(out[:, :, :rows].contiguous(), content, k, v, bias=bias, scale=1.0)
+        for first, content, bias in checked:
+            picked = out[:, :, first : first + rows].contiguous()
+            check_against_reference(picked, content, k, v, bias=bias, scale=1.0)
         done.append(f"{m}x{n_}x{warps}x{stages}")
     return done
 

@@ -25,14 +25,17 @@ def _inputs(b, h, n_q, dk, dv, dtype, seed=0, n_k=None):
     return [t.to(dtype) for t in (q, k, v, relative_keys)] + [u, w]
 
 
-def relative_logits(position_query: torch.Tensor, relative_keys: torch.Tensor, n_q: int) -> torch.Tensor:
-    """``position_query[i] . R[n_q - 1 + j - i]`` in float64 for the queries ``i`` given (the first ones of ``n_q``)
-    and every key ``j`` (``R`` has ``n_q + n_k - 1`` rows): ``[B, H, rows, n_k]``."""
+def relative_logits(
+    position_query: torch.Tensor, relative_keys: torch.Tensor, n_q: int, first: int = 0
+) -> torch.Tensor:
+    """``position_query[i] . R[n_q - 1 + j - i]`` in float64 for the queries ``i`` given (``first, first + 1, ...`` of
+    ``n_q``) and every key ``j`` (``R`` has ``n_q + n_k - 1`` rows): ``[B, H, rows, n_k]``."""
     rows = position_query.shape[2]
     n_k = relative_keys.shape[-2] - n_q + 1
     table = position_query.double() @ relative_keys.double().transpose(-1, -2)
     device = table.device
-    index = n_q - 1 + torch.arange(n_k, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+    queries = first + torch.arange(rows, device=device)
+    index = n_q - 1 + torch.arange(n_k, device=device)[None, :] - queries[:, None]
     return torch.gather(table, -1, index.expand(*table.shape[:2], rows, n_k))
 
 

@@ -252,6 +252,37 @@ def relative_logits_tile(
     ptrs = relative_head + (rel_row.to(tl.int64) * stride_rel_row)[None, :] + (offs_d * stride_rel_d)[:, None]
     window = tl.load(ptrs, mask=row_ok[None, :] & (offs_d < HEAD_DIM_K)[:, None], other=0.0)
     table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
+    return relative_skew(table, BLOCK_N)
+
+
+@triton.jit
+def relative_logits_tile_tma(
+    q_position,
+    relative_desc,
+    start_m,
+    start_n,
+    N_Q,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """:func:`relative_logits_tile` with the window read through a tensor descriptor over one head's relative keys
+    (``[N_REL, HEAD_DIM_K]``, block ``[WINDOW, DK_PAD]``): one bulk copy per tile instead of a load with an address
+    per element in registers. Rows outside ``[0, N_REL)`` (a negative first row included) and columns past the head
+    dim read as zeros; the window's last row (``WINDOW - 1 >= BLOCK_M + BLOCK_N - 1``), which the pointer load masks,
+    is read here but never selected by the skew."""
+    BLOCK_M: tl.constexpr = q_position.shape[0]
+    first_row = (N_Q - 1) + start_n - start_m - (BLOCK_M - 1)
+    window = tl.trans(relative_desc.load([first_row, 0]))  # [DK_PAD, WINDOW]
+    table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
+    return relative_skew(table, BLOCK_N)
+
+
+@triton.jit
+def relative_skew(table, BLOCK_N: tl.constexpr):
+    """``table[a, c - a + BLOCK_M - 1]`` (``[BLOCK_M, BLOCK_N]``) of a window product ``table`` (``[BLOCK_M, WINDOW]``
+    float32), in the way ``KVBOUND_RELATIVE_SKEW`` selects."""
+    BLOCK_M: tl.constexpr = table.shape[0]
+    WINDOW: tl.constexpr = table.shape[1]
     offs_a = tl.arange(0, BLOCK_M)
     offs_c = tl.arange(0, BLOCK_N)
     skew = (BLOCK_M - 1) + offs_c[None, :] - offs_a[:, None]  # in [0, BLOCK_M + BLOCK_N - 2]

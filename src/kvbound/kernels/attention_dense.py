@@ -37,6 +37,7 @@ from kvbound.kernels._common import (
     output_strides,
     relative_halves_default,
     relative_logits_tile,
+    relative_logits_tile_tma,
     relative_runs_bounds,
     relative_runs_tile,
     relative_skew_halves,
@@ -192,6 +193,10 @@ def _attention_dense_inner(
             )
             relative = relative_skew_halves(carried, upper)
             carried = upper
+            x = tl.dot(q, k, relative, input_precision=PRECISION)
+        elif RELATIVE == 1 and USE_TMA:
+            # relative_head: a tensor descriptor over the head's relative keys (the kernel's relative_source)
+            relative = relative_logits_tile_tma(q_position, relative_head, row_start, start_n, N_Q, BLOCK_N, PRECISION)
             x = tl.dot(q, k, relative, input_precision=PRECISION)
         elif RELATIVE:
             relative = relative_logits_tile(
@@ -480,6 +485,14 @@ def _attention_dense_fwd(
     else:
         k_desc = k_head  # unused placeholders
         v_desc = v_head
+    if RELATIVE == 1 and USE_TMA:
+        # The relative keys' windows through a tensor descriptor too (relative_logits_tile_tma).
+        WINDOW: tl.constexpr = 2 * BLOCK_M if BLOCK_M >= BLOCK_N else 2 * BLOCK_N
+        relative_source = tl.make_tensor_descriptor(
+            relative_head, shape=[n_relative, HEAD_DIM_K], strides=[stride_rh_row, 1], block_shape=[WINDOW, DK_PAD]
+        )
+    else:
+        relative_source = relative_head
     if HAS_BIAS:
         bias_row = (row_query // BIAS_TILE).to(tl.int64)
         bias_rows = Bias + batch * stride_bb + row_head * stride_bh + bias_row * stride_bq
@@ -553,7 +566,7 @@ def _attention_dense_fwd(
                 BIAS_TILE,
                 FIXED_MAX or (BOUNDED and attempt == 0),
                 q_position,
-                relative_head,
+                relative_source,
                 RelPositionBias,
                 stride_rh_row,
                 stride_rh_d,
@@ -600,7 +613,7 @@ def _attention_dense_fwd(
                 BIAS_TILE,
                 FIXED_MAX or (BOUNDED and attempt == 0),
                 q_position,
-                relative_head,
+                relative_source,
                 RelPositionBias,
                 stride_rh_row,
                 stride_rh_d,
@@ -786,7 +799,9 @@ def attention_dense_fwd(
         key_norms(k) if bounded else None,
         *plan.scalar_args,
     )
-    use_tma = tma_ready(k, v)
+    # The relative keys' windows are read through a descriptor too (RELATIVE = 1), so they must allow one.
+    window_keys = relative_runs is None and relative_keys is not None and not halves
+    use_tma = tma_ready(k, v, *((relative_keys,) if window_keys else ()))
     if before_launch is not None:
         before_launch()
     if config is None and plan.launch is not None:
