@@ -48,16 +48,24 @@ def largest_magnitude(t: torch.Tensor) -> torch.Tensor:
 def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``largest_magnitude`` of each of ``tensors`` (floating, one device), as one float64 tensor ``[len(tensors)]``.
 
-    One multi-tensor call (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN) and one
-    stack, instead of a Python-level reduction and cast per tensor: a patched model layer checks six tensors per
-    call, and on a GPU at batch 1 the host cost of those calls is what the layer waits for. What it saves is host
-    dispatch: on the H200 (torch 2.11) the infinity norm still ran one reduction kernel per tensor. Each norm is
-    taken in its tensor's own dtype (the largest magnitude is one of the values, so it cannot overflow); the stack
-    widens them to their common dtype, then to float64, which keeps every finite value finite."""
+    One multi-tensor call per dtype (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN)
+    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer checks six tensors
+    per call (q, k, v and the relative keys in bfloat16, the two biases in float32), and on a GPU at batch 1 the host
+    cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
+    order (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes
+    one reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
+    magnitude is one of the values, so it cannot overflow); the stack widens them to their common dtype, then to
+    float64, which keeps every finite value finite."""
     if not tensors:
         raise ValueError("largest_magnitudes: expected at least one tensor, got none")
     if len({t.device for t in tensors}) == 1:
-        peaks = torch._foreach_norm(tensors, math.inf)
+        groups: dict[torch.dtype, list[int]] = {}
+        for index, t in enumerate(tensors):
+            groups.setdefault(t.dtype, []).append(index)
+        peaks: list[torch.Tensor] = [tensors[0]] * len(tensors)
+        for indices in groups.values():
+            for index, peak in zip(indices, torch._foreach_norm([tensors[i] for i in indices], math.inf), strict=True):
+                peaks[index] = peak
     else:
         peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in tensors]
     return torch.stack(peaks).to(torch.float64)
