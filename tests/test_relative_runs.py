@@ -358,3 +358,28 @@ def test_expanding_keys_one_row_per_run_checks_the_runs():
     with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows"):
         relative_position_attention(q, q, q, keys, torch.zeros(2, 4), torch.zeros(2, 4), scale=0.5, backend="eager",
                                     relative_runs=torch.tensor([0, 2, 2]))  # fmt: skip
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("heads_split", [True, False])
+def test_run_table_is_float32_under_autocast_and_any_query_layout(autocast, heads_split):
+    """The kernel's per-run table (``kvbound.attention._run_table``) against the float64 formula
+    ``(scale q + w) . R[run]``: float32 and exact to float32 rounding, also under bfloat16 autocast (which would round
+    a plain product to bfloat16) and for a heads-split query view as the patched layers pass it."""
+    from kvbound.attention import _run_table
+
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d, runs = 2, 3, 41, 16, 9
+    base = torch.randn(b, n, h * d, generator=g).bfloat16()
+    q = base.view(b, n, h, d).transpose(1, 2)
+    if not heads_split:
+        q = q.contiguous()
+    first = torch.randn(h, runs, d, generator=g).bfloat16()
+    w = torch.randn(h, d, generator=g)
+    scale = 0.125
+    expected = torch.einsum("bhnd,hrd->bhnr", q.double() * scale + w.double()[None, :, None, :], first.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        table = _run_table(q, first, w, scale)
+    assert table.dtype == torch.float32 and table.shape == (b, h, n, runs) and table.is_contiguous()
+    err = (table.double() - expected).abs().max().item()
+    assert err <= 1e-5 * expected.abs().max().item(), err

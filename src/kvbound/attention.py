@@ -583,6 +583,24 @@ def _derive_run_layout(
     return starts, run_of_row, buffer, conditions
 
 
+def _run_table(q: torch.Tensor, first: torch.Tensor, position_bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dense kernel's table of relative logits per run: ``table[b, h, i, r] = (scale q_i + position_bias[h]) .
+    first[h, r]``, float32 ``[B, H, Nq, R]`` contiguous, whatever autocast is active (under bfloat16 autocast a plain
+    product would round it to bfloat16).
+
+    Computed as ``scale (q_i . first[h, r]) + position_bias[h] . first[h, r]``: one batched float32 product over the
+    heads, ``[H, B Nq, Dk] @ [H, Dk, R]``, which reads a heads-split view of a projection (``[B, Nq, H Dk]``) in place,
+    its per-run constant added by the same call, then one copy into the kernel's layout. 16-bit q and keys widen to
+    float32 exactly (also to TF32 where that is allowed), so the products are those of the float32 formula."""
+    b, h, n, d = q.shape
+    runs = first.shape[1]
+    with torch.autocast(q.device.type, enabled=False):
+        offset = torch.einsum("hd,hrd->hr", position_bias.float(), first.float())[:, None, :]  # [H, 1, R]
+        queries = q.transpose(0, 1).reshape(h, b * n, d).float()  # a view before the cast for heads-split q
+        table = torch.baddbmm(offset, queries, first.float().transpose(1, 2), alpha=scale)  # [H, B Nq, R]
+    return table.view(h, b, n, runs).transpose(0, 1).contiguous()
+
+
 def _attention_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -624,9 +642,7 @@ def _attention_dense(
                 ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
                  "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
             )  # fmt: skip
-        q_position = q.float() * scale + relative_position_bias[None, :, None, :]
-        table = torch.einsum("bhnd,hrd->bhnr", q_position, first.float()).contiguous()
-        runs = (table, buffer, relative_content_bias)
+        runs = (_run_table(q, first, relative_position_bias, scale), buffer, relative_content_bias)
     read = _queue_checks(
         (
             ("q", q),
