@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if before_launch is not None:
             before_launch()
         if relative_runs is not None:
-            seen["launch"] = f"runs {relative_runs[0].shape[-1]}"
+            seen["launch"] = f"runs {relative_runs[0].shape[-2]}"
         elif relative is not None:
             seen["launch"] = f"keys {relative[0].shape[1]}"
         return empty_output(q, v.shape[3]), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -130,7 +130,7 @@ def compile_one(compiled: list, layer: str, variant: str, tile: str) -> dict:
         keys = torch.zeros(heads, 2 * n - 1, dk, dtype=torch.bfloat16)
         relative = (keys, torch.zeros(heads, dk), torch.zeros(heads, dk))
     elif variant == "runs":  # the launcher's arguments as kvbound.attention builds them (values do not matter here)
-        table = torch.zeros(batch, heads, n, RUNS, dtype=torch.float32)
+        table = torch.zeros(batch, heads, RUNS, n, dtype=torch.float32)  # runs-major
         layout = torch.zeros(RUNS + 1 + 2 * n - 1, dtype=torch.int32)
         runs = (table, layout, torch.zeros(heads, dk))
     compiled.clear()

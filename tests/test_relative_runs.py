@@ -197,7 +197,7 @@ def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused():
     logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n_q)
     expected = torch.softmax(logits, dim=-1) @ v.double()
     assert (runs.double() - expected).abs().max().item() < 1e-5
-    table = torch.zeros(1, 1, 8, 16)
+    table = torch.zeros(1, 1, 16, 8)
     buffer = torch.zeros(16 + 1 + 15, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^config: with run_span a tile spans at most 127 distances"):
         attention_dense_fwd(q[:, :, :8], k[:, :, :8], v[:, :, :8], None, 0.5, False, None,
@@ -363,9 +363,10 @@ def test_expanding_keys_one_row_per_run_checks_the_runs():
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("heads_split", [True, False])
 def test_run_table_is_float32_under_autocast_and_any_query_layout(autocast, heads_split):
-    """The kernel's per-run table (``kvbound.attention._run_table``) against the float64 formula
-    ``(scale q + w) . R[run]``: float32 and exact to float32 rounding, also under bfloat16 autocast (which would round
-    a plain product to bfloat16) and for a heads-split query view as the patched layers pass it."""
+    """The kernel's per-run table (``kvbound.attention._run_table``, runs-major ``[B, H, R, Nq]``) against the
+    float64 formula ``(scale q + w) . R[run]``: float32 and exact to float32 rounding, also under bfloat16 autocast
+    (which would round a plain product to bfloat16) and for a heads-split query view as the patched layers pass
+    it."""
     from kvbound.attention import _run_table
 
     g = torch.Generator().manual_seed(5)
@@ -377,9 +378,9 @@ def test_run_table_is_float32_under_autocast_and_any_query_layout(autocast, head
     first = torch.randn(h, runs, d, generator=g).bfloat16()
     w = torch.randn(h, d, generator=g)
     scale = 0.125
-    expected = torch.einsum("bhnd,hrd->bhnr", q.double() * scale + w.double()[None, :, None, :], first.double())
+    expected = torch.einsum("bhnd,hrd->bhrn", q.double() * scale + w.double()[None, :, None, :], first.double())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         table = _run_table(q, first, w, scale)
-    assert table.dtype == torch.float32 and table.shape == (b, h, n, runs) and table.is_contiguous()
+    assert table.dtype == torch.float32 and table.shape == (b, h, runs, n) and table.is_contiguous()
     err = (table.double() - expected).abs().max().item()
     assert err <= 1e-5 * expected.abs().max().item(), err

@@ -191,6 +191,65 @@ def softmax_step(
     return p, alpha, new_max, new_sum
 
 
+@triton.jit
+def softmax_step_shifted(
+    x,
+    row_shift,
+    row_mult,
+    running_max,
+    running_sum,
+    bias_rows,
+    start_n,
+    offs_n,
+    stride_bias_key,
+    row_query,
+    row_valid,
+    N_K,
+    bias_mult,
+    softcap_log2,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+    BIAS_TILE: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
+):
+    """``softmax_step`` of the raw dot products ``x + row_shift[:, None]`` (``row_shift``: one value per row, in the
+    units of ``x``). On a plain tile the shift enters only per-row terms, the maximum and the value each row
+    subtracts, not each element; with a bias, soft-cap or mask it is added to ``x`` first."""
+    if HAS_BIAS or SOFTCAP or MASK:
+        return softmax_step(
+            x + row_shift[:, None],
+            row_mult,
+            running_max,
+            running_sum,
+            bias_rows,
+            start_n,
+            offs_n,
+            stride_bias_key,
+            row_query,
+            row_valid,
+            N_K,
+            bias_mult,
+            softcap_log2,
+            HAS_BIAS,
+            SOFTCAP,
+            CAUSAL,
+            MASK,
+            BIAS_TILE,
+            FIXED_MAX,
+        )
+    shift = row_shift * row_mult
+    if FIXED_MAX:
+        p = tl.math.exp2(x * row_mult[:, None] - (running_max - shift)[:, None])
+        return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
+    new_max = tl.maximum(running_max, tl.max(x, 1) * row_mult + shift)
+    p = tl.math.exp2(x * row_mult[:, None] - (new_max - shift)[:, None])
+    alpha = tl.math.exp2(running_max - new_max)
+    new_sum = running_sum * alpha + tl.sum(p, 1)
+    return p, alpha, new_max, new_sum
+
+
 # How a tile's relative logits are skewed into place (relative_logits_tile), read once per process from
 # KVBOUND_RELATIVE_SKEW: "gather" (tl.gather along the window, lowered to warp shuffles and selects), "shared" (the
 # window product stored row-major to shared memory and read back at each logit's address: one load per logit, its
@@ -356,12 +415,21 @@ def relative_runs_bounds(runs, start_m, start_n, N_Q, N_K, N_RUNS, BLOCK_M: tl.c
 
 
 @triton.jit
+def relative_runs_first(table_head, stride_table_run, first_run, start_m, N_Q, BLOCK_M: tl.constexpr):
+    """``table[first_run, a]`` for the tile's query rows ``start_m + a`` (float32 ``[BLOCK_M]``; 0 for padding rows):
+    the relative logit of every distance of the tile's first run (``relative_runs_tile``'s ``table_head``)."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    return tl.load(table_head + first_run * stride_table_run + rows, mask=rows < N_Q, other=0.0)
+
+
+@triton.jit
 def relative_runs_tile(
     table_head,
-    stride_table_row,
+    stride_table_run,
     runs,
     first_run,
     last_run,
+    first_value,
     start_m,
     start_n,
     N_Q,
@@ -370,35 +438,39 @@ def relative_runs_tile(
     RUN_SPAN: tl.constexpr,
 ):
     """Relative-position logits ``[BLOCK_M, BLOCK_N]`` (float32) when the relative keys are constant over runs of
-    distances: ``table[a, r]`` for the run ``r`` holding ``d = (start_n + c) - (start_m + a)``.
+    distances, less the logit of the tile's first run per row (``first_value``, ``relative_runs_first``; the caller
+    adds it back as a per-row shift of the softmax, ``softmax_step_shifted``): ``table[r, a] - table[first_run, a]``
+    for the run ``r`` holding ``d = (start_n + c) - (start_m + a)``. A tile within one run (most tiles far from the
+    diagonal) is all zeros and costs no compare, select or load here.
 
-    ``table_head``: pointer to this (batch, head)'s ``[N_Q, N_RUNS]`` float32 table (row stride
-    ``stride_table_row``, runs contiguous). ``runs``: int32, the ``N_RUNS + 1`` run starts (distances, increasing,
-    run ``r`` holding ``[runs[r], runs[r + 1])``, the last entry past every distance), then the run of each
-    distance ``-(N_Q - 1) .. N_K - 1``. ``first_run`` / ``last_run``: the runs of the tile's smallest and largest
-    distance (``relative_runs_bounds``). Each run fills the distances from its start on with one compare and select
+    ``table_head``: pointer to this (batch, head)'s ``[N_RUNS, N_Q]`` float32 table (runs-major: a run's logits of
+    consecutive queries are adjacent, so a tile's ``BLOCK_M`` values of one run are one coalesced load; run stride
+    ``stride_table_run``). ``runs``: int32, the ``N_RUNS + 1`` run starts (distances, increasing, run ``r`` holding
+    ``[runs[r], runs[r + 1])``, the last entry past every distance), then the run of each distance ``-(N_Q - 1) ..
+    N_K - 1``. ``first_run`` / ``last_run``: the runs of the tile's smallest and largest distance
+    (``relative_runs_bounds``). Each later run fills the distances from its start on with one compare and select
     per element. ``RUN_SPAN`` > 0: no tile spans more runs than that (``kvbound::attention_dense`` checks it
     against the layout; ``attention_dense_fwd`` refuses a pinned tile wider than the window it was counted for),
     and the runs after the first are unrolled, each behind a uniform branch: the key loop then holds no inner
     loop, which is what lets Triton pipeline its K/V loads. 0: an inner loop over any number of runs (the loads
     are not pipelined)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = start_m + offs_m
-    distance = (start_n + tl.arange(0, BLOCK_N))[None, :] - rows[:, None]
-    row_ptrs = table_head + rows.to(tl.int64) * stride_table_row
-    row_ok = rows < N_Q
-    # Runs in increasing order, each from its start on: a later run overwrites the distances past its start.
-    first_value = tl.load(row_ptrs + first_run, mask=row_ok, other=0.0)
-    relative = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + first_value[:, None]
-    if RUN_SPAN > 0:
-        for step in tl.static_range(1, RUN_SPAN):
-            if first_run + step <= last_run:
-                value = tl.load(row_ptrs + (first_run + step), mask=row_ok, other=0.0)
-                relative = tl.where(distance >= tl.load(runs + (first_run + step)), value[:, None], relative)
-    else:
-        for run in range(first_run + 1, last_run + 1):
-            value = tl.load(row_ptrs + run, mask=row_ok, other=0.0)
-            relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
+    relative = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if first_run < last_run:
+        rows = start_m + tl.arange(0, BLOCK_M)
+        distance = (start_n + tl.arange(0, BLOCK_N))[None, :] - rows[:, None]
+        row_ptrs = table_head + rows
+        row_ok = rows < N_Q
+        # Runs in increasing order, each from its start on: a later run overwrites the distances past its start.
+        if RUN_SPAN > 0:
+            for step in tl.static_range(1, RUN_SPAN):
+                if first_run + step <= last_run:
+                    run = first_run + step
+                    value = tl.load(row_ptrs + run * stride_table_run, mask=row_ok, other=0.0) - first_value
+                    relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
+        else:
+            for run in range(first_run + 1, last_run + 1):
+                value = tl.load(row_ptrs + run * stride_table_run, mask=row_ok, other=0.0) - first_value
+                relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
     return relative
 
 

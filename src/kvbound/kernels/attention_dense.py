@@ -39,10 +39,12 @@ from kvbound.kernels._common import (
     relative_logits_tile,
     relative_logits_tile_tma,
     relative_runs_bounds,
+    relative_runs_first,
     relative_runs_tile,
     relative_skew_halves,
     relative_window_half,
     softmax_step,
+    softmax_step_shifted,
     tma_ready,
 )
 
@@ -163,12 +165,15 @@ def _attention_dense_inner(
                     relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
                 )
                 next_first, next_last = first_run, last_run
+            # The first run's logit of each row is the softmax's row shift; the tile holds the other runs' excess.
+            row_shift = relative_runs_first(relative_head, stride_rel_row, first_run, row_start, N_Q, q.shape[0])
             relative = relative_runs_tile(
                 relative_head,
                 stride_rel_row,
                 relative_runs,
                 first_run,
                 last_run,
+                row_shift,
                 row_start,
                 start_n,
                 N_Q,
@@ -216,27 +221,51 @@ def _attention_dense_inner(
             x = tl.dot(q, k, relative, input_precision=PRECISION)
         else:
             x = tl.dot(q, k, input_precision=PRECISION)
-        p, alpha, running_max, running_sum = softmax_step(
-            x,
-            row_mult,
-            running_max,
-            running_sum,
-            bias_rows,
-            start_n,
-            offs_n,
-            stride_bias_key,
-            row_query,
-            row_valid,
-            N_K,
-            bias_mult,
-            softcap_log2,
-            HAS_BIAS,
-            SOFTCAP,
-            CAUSAL,
-            MASK,
-            BIAS_TILE,
-            FIXED_MAX,
-        )
+        if RELATIVE == 2:
+            p, alpha, running_max, running_sum = softmax_step_shifted(
+                x,
+                row_shift,
+                row_mult,
+                running_max,
+                running_sum,
+                bias_rows,
+                start_n,
+                offs_n,
+                stride_bias_key,
+                row_query,
+                row_valid,
+                N_K,
+                bias_mult,
+                softcap_log2,
+                HAS_BIAS,
+                SOFTCAP,
+                CAUSAL,
+                MASK,
+                BIAS_TILE,
+                FIXED_MAX,
+            )
+        else:
+            p, alpha, running_max, running_sum = softmax_step(
+                x,
+                row_mult,
+                running_max,
+                running_sum,
+                bias_rows,
+                start_n,
+                offs_n,
+                stride_bias_key,
+                row_query,
+                row_valid,
+                N_K,
+                bias_mult,
+                softcap_log2,
+                HAS_BIAS,
+                SOFTCAP,
+                CAUSAL,
+                MASK,
+                BIAS_TILE,
+                FIXED_MAX,
+            )
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         else:
@@ -453,7 +482,7 @@ def _attention_dense_fwd(
     if RELATIVE:
         # Transformer-XL's two query forms, rounded once to the operand dtype: q_content = scale q + u reads the
         # keys, q_position = scale q + v the relative keys; the logit scale is already in them (logit_mult).
-        # With RELATIVE == 2 the position query is already in the run table (RelKeys, [B * H, N_Q, runs]) and
+        # With RELATIVE == 2 the position query is already in the run table (RelKeys, [B * H, runs, N_Q]) and
         # RelPositionBias holds the runs' starts (int32); stride_rh_d is the number of runs.
         head_bias = kv_head * HEAD_DIM_K + offs_dk
         bias_ok = offs_dk < HEAD_DIM_K
@@ -691,8 +720,8 @@ def attention_dense_fwd(
     ``before_launch``: called once after all host-side preparation, right before the launch (``kvbound.attention``
     reads its input checks there, so that the preparation overlaps the device work queued before it).
     ``relative_runs``: instead of ``relative``, the same relative term when the relative keys are constant over runs
-    of distances: ``(table [B, H, Nq, R] float32 contiguous, run_starts [R + 1] int32, content_bias [H, Dk]
-    float32)``, ``table[b, h, i, r] = (scale q_i + position_bias) . relative_keys[Nq - 1 + run_starts[r]]`` and run
+    of distances: ``(table [B, H, R, Nq] float32 contiguous, run_starts [R + 1] int32, content_bias [H, Dk]
+    float32)``, ``table[b, h, r, i] = (scale q_i + position_bias) . relative_keys[Nq - 1 + run_starts[r]]`` and run
     ``r`` holding the distances ``j - i`` in ``[run_starts[r], run_starts[r + 1])``; ``run_starts`` is followed by
     the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32). ``run_span``: with
     ``relative_runs``, ``relative_run_span(run_starts)`` (the kernel then unrolls the runs of a tile and pipelines
@@ -852,9 +881,9 @@ def _plan(
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
     relative_strides = relative[0].stride() if relative is not None else (None, None, None)
-    if runs:  # the run table [B, H, Nq, R] as [B * H, Nq, R]; the third value is the number of runs R
-        n_runs = relative[0].shape[-1]
-        relative_strides = (n_q * n_runs, n_runs, n_runs)
+    if runs:  # the run table [B, H, R, Nq] as [B * H, R, Nq]: (head stride, run stride, number of runs R)
+        n_runs = relative[0].shape[-2]
+        relative_strides = (n_q * n_runs, n_q, n_runs)
 
     def grid(meta):
         return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
