@@ -277,6 +277,35 @@ def test_models_table():
     assert rows[6]["status"] == "error" and "out of memory" in rows[6]["note / reason"]
 
 
+def test_models_table_lists_repeated_runs_with_their_own_unpatched_forward():
+    """Two runs of the newest commit (each its own command line) are both listed, each patched forward divided by
+    the unpatched forward of its own run; a variant measured only at an older commit (an alternative) keeps its row,
+    divided by its own run's unpatched forward, or by the latest one (marked ``*``) where its run had none."""
+    old = {"commit": "aaaaaaa", "date": "2026-12-01"}
+    first = {"commit": "bbbbbbb", "date": "2026-12-02", "command": "bench --out run1.csv"}
+    second = {"commit": "bbbbbbb", "date": "2026-12-02", "command": "bench --out run2.csv"}
+    rows = [
+        _model("enformer", 1, "unpatched", 26.0, 7.0, 2.0, **old, command="bench --out old.csv"),
+        _model("enformer", 1, "sdpa-built-bias", 23.0, 4.0, 2.0, **old, command="bench --out old.csv"),
+        _model("enformer", 1, "flex-built-table", 23.5, 4.0, 2.0, **old, command="bench --out old-flex.csv"),
+        _model("enformer", 1, "unpatched", 39.0, 18.0, 2.0, **first),
+        _model("enformer", 1, "patch-dense", 40.0, 5.0, 2.0, **first),
+        _model("enformer", 1, "unpatched", 26.0, 7.0, 2.0, **second),
+        _model("enformer", 1, "patch-dense", 21.5, 2.3, 2.0, **second),
+    ]
+    headers, body = tables.models_table(rows)
+    got = [dict(zip(headers, r, strict=True)) for r in body]
+    assert [(r["variant"], r["commit"], r["vs unpatched"]) for r in got] == [
+        ("unpatched", "bbbbbbb", "1.00x"),
+        ("patch-dense", "bbbbbbb", f"{26.0 / 21.5:.2f}x"),
+        ("sdpa-built-bias", "aaaaaaa", f"{26.0 / 23.0:.2f}x"),
+        ("flex-built-table", "aaaaaaa", f"{26.0 / 23.5:.2f}x*"),
+        ("unpatched", "bbbbbbb", "1.00x"),
+        ("patch-dense", "bbbbbbb", f"{39.0 / 40.0:.2f}x"),
+    ]
+    assert [r["forward p50 ms"] for r in got][:2] == ["26", "21.5"] and got[5]["forward p50 ms"] == "40"
+
+
 def test_ring_table():
     headers, body = tables.ring_table(suite_rows())
     rows = [dict(zip(headers, r, strict=True)) for r in body]

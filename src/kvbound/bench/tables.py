@@ -437,27 +437,48 @@ def _gib(n: float | None) -> str:
 
 
 def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """``--suite models``: whole forwards per (model, batch, variant)."""
+    """``--suite models``: whole forwards per (model, batch, variant), the latest run of each variant. Where the
+    newest commit of a (model, batch) was measured more than once (repeated runs, each its own process), every run
+    of that commit is listed, one row per variant and run: a model forward at batch 1 waits on the host, and its time
+    can vary between runs far beyond one run's p20-p80. ``vs unpatched`` divides by the unpatched forward of the same
+    run (same command line) where that run has one, else by the latest unpatched row, marked ``*``."""
     headers = ["model", "batch", "variant", "status", "forward p50 ms", "p20-p80 ms", "vs unpatched",
                "attention p50 ms", "attention share", "peak GiB", "peak above baseline GiB", "K+V ratio",
-               "max abs diff", "rel diff", "calibration s", "encode ms / forward", "note / reason"]
+               "max abs diff", "rel diff", "calibration s", "encode ms / forward", "commit", "note / reason"]
+    every = [r for r in rows if r["mode"] == "model"]
     latest = latest_rows(rows, "model", ("provider", "shape", "batch"))
+    unpatched = {(r["shape"], r["batch"], r.get("command")): r for r in every
+                 if r["provider"] == "unpatched" and r.get("ms_p50")}
+
+    def order(r: dict) -> int:
+        return MODEL_VARIANTS.index(r["provider"]) if r["provider"] in MODEL_VARIANTS else 9
+
     table = []
     for model, batch in dict.fromkeys((r["shape"], r["batch"]) for r in latest):
-        mine = sorted((r for r in latest if r["shape"] == model and r["batch"] == batch),
-                      key=lambda r: MODEL_VARIANTS.index(r["provider"]) if r["provider"] in MODEL_VARIANTS else 9)
+        mine = sorted((r for r in latest if r["shape"] == model and r["batch"] == batch), key=order)
         base = next((r for r in mine if r["provider"] == "unpatched" and r.get("ms_p50")), None)
-        for r in mine:
+        shown = list(mine)
+        if base is not None:  # the newest commit's other runs of this (model, batch), in the order read
+            shown_ids = {id(r) for r in mine}
+            runs = dict.fromkeys(r.get("command") for r in every if r["shape"] == model and r["batch"] == batch
+                                 and r.get("commit") == base.get("commit") and id(r) not in shown_ids
+                                 and r.get("command") != base.get("command"))
+            for command in runs:
+                shown += sorted((r for r in every if r["shape"] == model and r["batch"] == batch
+                                 and r.get("command") == command and id(r) not in shown_ids), key=order)
+        for r in shown:
             ms, att = r.get("ms_p50"), r.get("attention_ms_p50")
+            own = unpatched.get((model, batch, r.get("command")))
+            ref, mark = (own, "") if own is not None else (base, "*")
             above = (None if r.get("peak_bytes") is None or r.get("baseline_bytes") is None
                      else r["peak_bytes"] - r["baseline_bytes"])
             table.append([
                 model, str(batch), r["provider"], r["status"], _f(ms, ".4g"), _spread(r),
-                "-" if not base or not ms else f"{base['ms_p50'] / ms:.2f}x", _f(att, ".4g"),
+                "-" if not ref or not ms else f"{ref['ms_p50'] / ms:.2f}x{mark}", _f(att, ".4g"),
                 "-" if not ms or att is None else f"{att / ms:.0%}", _gib(r.get("peak_bytes")), _gib(above),
                 _f(r.get("compression_ratio"), ".2f"), _f(r.get("diff_max_abs"), ".2e"), _f(r.get("diff_rel"), ".2e"),
                 "-" if r.get("calibration_ms") is None else f"{r['calibration_ms'] / 1e3:.3f}",
-                _f(r.get("compress_ms"), ".3g"), _why(r, 90)])
+                _f(r.get("compress_ms"), ".3g"), r.get("commit") or "-", _why(r, 90)])
     return headers, table
 
 
