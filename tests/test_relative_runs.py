@@ -59,6 +59,30 @@ def test_runs_match_the_relative_keys_and_float64(b, h, n, dk, dv, dtype, starts
     assert errors[0] <= 2 * errors[2] + 1e-6
 
 
+@pytest.mark.parametrize("unrolled", [True, False])
+def test_runs_with_run_logits_far_beyond_the_exponent_range(unrolled):
+    """Run logits of about +-400 (relative keys 60x larger): each row's first run enters the softmax as a shift of
+    its maximum, so nothing overflows (``exp2`` of the unshifted logits would). Unrolled runs and the inner loop,
+    against float64, output and log-sum-exp."""
+    n, dk = 70, 16
+    starts = [0, 20, 50, 69, 70, 90, 120] if unrolled else list(range(2 * n - 1))
+    assert (relative_run_span(starts, 2 * n - 1) > 0) == unrolled  # unrolled runs, or the kernel's inner loop
+    q, k, v, keys, u, w = _case(1, 2, n, n, dk, dk, starts, 21)
+    keys = keys * 60.0
+    common = dict(scale=dk**-0.5, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    out, lse = attention(q, k, v, relative_runs=starts, return_lse=True, **common)
+    expected = relative_position_attention_reference(
+        q, k, v, keys, u.reshape(1, 2, 1, dk), w.reshape(1, 2, 1, dk), scale=dk**-0.5
+    )
+    qs = q.double() * dk**-0.5
+    logits = (qs + u.double()[None, :, None]) @ k.double().transpose(-1, -2)
+    logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n)
+    assert logits.abs().max().item() > 200
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (out.double() - expected).abs().max().item() < 1e-4
+    assert (lse.double() - torch.logsumexp(logits, dim=-1)).abs().max().item() < 1e-3
+
+
 def test_runs_compose_with_bias_softcap_causal_and_cross_lengths():
     n_q, n_k, dk, dv = 21, 45, 40, 24
     starts = [0, 10, 20, 21, 30, 64]

@@ -441,13 +441,13 @@ def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     newest commit of a (model, batch) was measured more than once (repeated runs, each its own process), every run
     of that commit is listed, one row per variant and run: a model forward at batch 1 waits on the host, and its time
     can vary between runs far beyond one run's p20-p80. ``vs unpatched`` divides by the unpatched forward of the same
-    run (same command line) where that run has one, else by the latest unpatched row, marked ``*``."""
+    run (same commit and command line) where that run has one, else by the latest unpatched row, marked ``*``."""
     headers = ["model", "batch", "variant", "status", "forward p50 ms", "p20-p80 ms", "vs unpatched",
                "attention p50 ms", "attention share", "peak GiB", "peak above baseline GiB", "K+V ratio",
                "max abs diff", "rel diff", "calibration s", "encode ms / forward", "commit", "note / reason"]
     every = [r for r in rows if r["mode"] == "model"]
     latest = latest_rows(rows, "model", ("provider", "shape", "batch"))
-    unpatched = {(r["shape"], r["batch"], r.get("command")): r for r in every
+    unpatched = {(r["shape"], r["batch"], r.get("commit"), r.get("command")): r for r in every
                  if r["provider"] == "unpatched" and r.get("ms_p50")}
 
     def order(r: dict) -> int:
@@ -465,10 +465,11 @@ def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                                  and r.get("command") != base.get("command"))
             for command in runs:
                 shown += sorted((r for r in every if r["shape"] == model and r["batch"] == batch
-                                 and r.get("command") == command and id(r) not in shown_ids), key=order)
+                                 and r.get("commit") == base.get("commit") and r.get("command") == command
+                                 and id(r) not in shown_ids), key=order)
         for r in shown:
             ms, att = r.get("ms_p50"), r.get("attention_ms_p50")
-            own = unpatched.get((model, batch, r.get("command")))
+            own = unpatched.get((model, batch, r.get("commit"), r.get("command")))
             ref, mark = (own, "") if own is not None else (base, "*")
             above = (None if r.get("peak_bytes") is None or r.get("baseline_bytes") is None
                      else r["peak_bytes"] - r["baseline_bytes"])

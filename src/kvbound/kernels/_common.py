@@ -419,7 +419,7 @@ def relative_runs_first(table_head, stride_table_run, first_run, start_m, N_Q, B
     """``table[first_run, a]`` for the tile's query rows ``start_m + a`` (float32 ``[BLOCK_M]``; 0 for padding rows):
     the relative logit of every distance of the tile's first run (``relative_runs_tile``'s ``table_head``)."""
     rows = start_m + tl.arange(0, BLOCK_M)
-    return tl.load(table_head + first_run * stride_table_run + rows, mask=rows < N_Q, other=0.0)
+    return tl.load(table_head + tl.cast(first_run, tl.int64) * stride_table_run + rows, mask=rows < N_Q, other=0.0)
 
 
 @triton.jit
@@ -464,12 +464,13 @@ def relative_runs_tile(
         if RUN_SPAN > 0:
             for step in tl.static_range(1, RUN_SPAN):
                 if first_run + step <= last_run:
-                    run = first_run + step
+                    run = tl.cast(first_run + step, tl.int64)
                     value = tl.load(row_ptrs + run * stride_table_run, mask=row_ok, other=0.0) - first_value
                     relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
         else:
             for run in range(first_run + 1, last_run + 1):
-                value = tl.load(row_ptrs + run * stride_table_run, mask=row_ok, other=0.0) - first_value
+                offset = tl.cast(run, tl.int64) * stride_table_run
+                value = tl.load(row_ptrs + offset, mask=row_ok, other=0.0) - first_value
                 relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
     return relative
 
