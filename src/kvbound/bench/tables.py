@@ -458,15 +458,12 @@ def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         mine = sorted((r for r in latest if r["shape"] == model and r["batch"] == batch), key=order)
         base = next((r for r in mine if r["provider"] == "unpatched" and r.get("ms_p50")), None)
         shown = list(mine)
-        if base is not None:  # the newest commit's other runs of this (model, batch), in the order read
+        if base is not None:  # the newest commit's other runs of this (model, batch), run by run in the order read
             shown_ids = {id(r) for r in mine}
-            runs = dict.fromkeys(r.get("command") for r in every if r["shape"] == model and r["batch"] == batch
-                                 and r.get("commit") == base.get("commit") and id(r) not in shown_ids
-                                 and r.get("command") != base.get("command"))
-            for command in runs:
-                shown += sorted((r for r in every if r["shape"] == model and r["batch"] == batch
-                                 and r.get("commit") == base.get("commit") and r.get("command") == command
-                                 and id(r) not in shown_ids), key=order)
+            extra = [r for r in every if r["shape"] == model and r["batch"] == batch and id(r) not in shown_ids
+                     and r.get("commit") == base.get("commit") and r.get("command") != base.get("command")]
+            commands = list(dict.fromkeys(r.get("command") for r in extra))
+            shown += sorted(extra, key=lambda r: (commands.index(r.get("command")), order(r)))
         for r in shown:
             ms, att = r.get("ms_p50"), r.get("attention_ms_p50")
             own = unpatched.get((model, batch, r.get("commit"), r.get("command")))

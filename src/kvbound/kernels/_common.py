@@ -143,9 +143,14 @@ def softmax_step(
     MASK: tl.constexpr,
     BIAS_TILE: tl.constexpr,
     FIXED_MAX: tl.constexpr,
+    row_shift=None,
+    SHIFTED: tl.constexpr = False,
 ):
     """One online-softmax step over a tile of raw dot products ``x`` [BLOCK_M, BLOCK_N] (``row_mult >= 0``: the
-    launchers fold a negative scale into ``q``, ``fold_scale_sign``).
+    launchers fold a negative scale into ``q``, ``fold_scale_sign``). With ``SHIFTED`` the raw dot products are
+    ``x + row_shift[:, None]`` (one value per row, in the units of ``x``): on a plain tile the shift enters only
+    per-row terms, the maximum and the value each row subtracts, not each element; with a bias, soft-cap or mask it
+    is added to ``x`` first.
 
     Returns ``(p, alpha, new_max, new_sum)``: ``p = exp2(logits - new_max)`` (float32) and the factor
     ``alpha`` that rescales what was accumulated under the previous maximum. With ``FIXED_MAX`` the maximum
@@ -153,6 +158,8 @@ def softmax_step(
     each row's logits), ``alpha`` is 1 and callers skip the rescaling.
     """
     if HAS_BIAS or SOFTCAP or MASK:
+        if SHIFTED:
+            x = x + row_shift[:, None]
         x = finish_logits(
             x,
             row_mult,
@@ -179,75 +186,27 @@ def softmax_step(
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         p = tl.math.exp2(x - safe_max[:, None])
     else:
-        # Plain tile: fold the row multiplier into the subtraction (one FMA per element).
+        # Plain tile: fold the row multiplier (and the row shift) into the subtraction (one FMA per element).
+        subtract = running_max
+        if SHIFTED:
+            shift = row_shift * row_mult
+            subtract = running_max - shift
         if FIXED_MAX:
-            p = tl.math.exp2(x * row_mult[:, None] - running_max[:, None])
+            p = tl.math.exp2(x * row_mult[:, None] - subtract[:, None])
             return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
-        new_max = tl.maximum(running_max, tl.max(x, 1) * row_mult)
+        row_max = tl.max(x, 1) * row_mult
+        if SHIFTED:
+            row_max = row_max + shift
+        new_max = tl.maximum(running_max, row_max)
         safe_max = new_max
-        p = tl.math.exp2(x * row_mult[:, None] - safe_max[:, None])
+        subtract = new_max
+        if SHIFTED:
+            subtract = new_max - shift
+        p = tl.math.exp2(x * row_mult[:, None] - subtract[:, None])
     alpha = tl.math.exp2(running_max - safe_max)
     new_sum = running_sum * alpha + tl.sum(p, 1)
     return p, alpha, new_max, new_sum
 
-
-@triton.jit
-def softmax_step_shifted(
-    x,
-    row_shift,
-    row_mult,
-    running_max,
-    running_sum,
-    bias_rows,
-    start_n,
-    offs_n,
-    stride_bias_key,
-    row_query,
-    row_valid,
-    N_K,
-    bias_mult,
-    softcap_log2,
-    HAS_BIAS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    MASK: tl.constexpr,
-    BIAS_TILE: tl.constexpr,
-    FIXED_MAX: tl.constexpr,
-):
-    """``softmax_step`` of the raw dot products ``x + row_shift[:, None]`` (``row_shift``: one value per row, in the
-    units of ``x``). On a plain tile the shift enters only per-row terms, the maximum and the value each row
-    subtracts, not each element; with a bias, soft-cap or mask it is added to ``x`` first."""
-    if HAS_BIAS or SOFTCAP or MASK:
-        return softmax_step(
-            x + row_shift[:, None],
-            row_mult,
-            running_max,
-            running_sum,
-            bias_rows,
-            start_n,
-            offs_n,
-            stride_bias_key,
-            row_query,
-            row_valid,
-            N_K,
-            bias_mult,
-            softcap_log2,
-            HAS_BIAS,
-            SOFTCAP,
-            CAUSAL,
-            MASK,
-            BIAS_TILE,
-            FIXED_MAX,
-        )
-    shift = row_shift * row_mult
-    if FIXED_MAX:
-        p = tl.math.exp2(x * row_mult[:, None] - (running_max - shift)[:, None])
-        return p, tl.zeros_like(running_sum) + 1.0, running_max, running_sum + tl.sum(p, 1)
-    new_max = tl.maximum(running_max, tl.max(x, 1) * row_mult + shift)
-    p = tl.math.exp2(x * row_mult[:, None] - (new_max - shift)[:, None])
-    alpha = tl.math.exp2(running_max - new_max)
-    new_sum = running_sum * alpha + tl.sum(p, 1)
-    return p, alpha, new_max, new_sum
 
 
 # How a tile's relative logits are skewed into place (relative_logits_tile), read once per process from
@@ -439,9 +398,9 @@ def relative_runs_tile(
 ):
     """Relative-position logits ``[BLOCK_M, BLOCK_N]`` (float32) when the relative keys are constant over runs of
     distances, less the logit of the tile's first run per row (``first_value``, ``relative_runs_first``; the caller
-    adds it back as a per-row shift of the softmax, ``softmax_step_shifted``): ``table[r, a] - table[first_run, a]``
-    for the run ``r`` holding ``d = (start_n + c) - (start_m + a)``. A tile within one run (most tiles far from the
-    diagonal) is all zeros and costs no compare, select or load here.
+    adds it back as the softmax's per-row shift, ``softmax_step(..., row_shift, SHIFTED)``): ``table[r, a] -
+    table[first_run, a]`` for the run ``r`` holding ``d = (start_n + c) - (start_m + a)``. A tile within one run
+    (most tiles far from the diagonal) is all zeros and costs no compare, select or load here.
 
     ``table_head``: pointer to this (batch, head)'s ``[N_RUNS, N_Q]`` float32 table (runs-major: a run's logits of
     consecutive queries are adjacent, so a tile's ``BLOCK_M`` values of one run are one coalesced load; run stride

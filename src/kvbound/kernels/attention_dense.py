@@ -44,7 +44,6 @@ from kvbound.kernels._common import (
     relative_skew_halves,
     relative_window_half,
     softmax_step,
-    softmax_step_shifted,
     tma_ready,
 )
 
@@ -138,6 +137,7 @@ def _attention_dense_inner(
     dv_ok = offs_dv < HEAD_DIM_V
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
+        row_shift = row_mult  # unused placeholder; the runs' first logit per row with RELATIVE == 2
         key_base = start_n.to(tl.int64)
         key_ok = (start_n + offs_n) < N_K
         if USE_TMA:
@@ -221,51 +221,29 @@ def _attention_dense_inner(
             x = tl.dot(q, k, relative, input_precision=PRECISION)
         else:
             x = tl.dot(q, k, input_precision=PRECISION)
-        if RELATIVE == 2:
-            p, alpha, running_max, running_sum = softmax_step_shifted(
-                x,
-                row_shift,
-                row_mult,
-                running_max,
-                running_sum,
-                bias_rows,
-                start_n,
-                offs_n,
-                stride_bias_key,
-                row_query,
-                row_valid,
-                N_K,
-                bias_mult,
-                softcap_log2,
-                HAS_BIAS,
-                SOFTCAP,
-                CAUSAL,
-                MASK,
-                BIAS_TILE,
-                FIXED_MAX,
-            )
-        else:
-            p, alpha, running_max, running_sum = softmax_step(
-                x,
-                row_mult,
-                running_max,
-                running_sum,
-                bias_rows,
-                start_n,
-                offs_n,
-                stride_bias_key,
-                row_query,
-                row_valid,
-                N_K,
-                bias_mult,
-                softcap_log2,
-                HAS_BIAS,
-                SOFTCAP,
-                CAUSAL,
-                MASK,
-                BIAS_TILE,
-                FIXED_MAX,
-            )
+        p, alpha, running_max, running_sum = softmax_step(
+            x,
+            row_mult,
+            running_max,
+            running_sum,
+            bias_rows,
+            start_n,
+            offs_n,
+            stride_bias_key,
+            row_query,
+            row_valid,
+            N_K,
+            bias_mult,
+            softcap_log2,
+            HAS_BIAS,
+            SOFTCAP,
+            CAUSAL,
+            MASK,
+            BIAS_TILE,
+            FIXED_MAX,
+            row_shift,
+            RELATIVE == 2,
+        )
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         else:
