@@ -1,0 +1,216 @@
+"""Where a whole forward's time goes on the GPU: busy, idle, and which kernels, unpatched and patched (dense K/V).
+
+For each port at its full config (random weights, the models suite's inputs, bf16 autocast, ``no_grad``), one
+forward is traced by ``torch.profiler`` after warm-up. From the trace:
+
+- ``forward_ms``: CUDA events around the forward (median of ``--repeats``), ``host_ms``: the Python call's wall time
+  to its return (before the final synchronisation; when it is close to ``forward_ms`` the forward is bound by the
+  host), ``syncs``: the host waits for the device during the traced forward (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and device-to-host ``cudaMemcpy*``).
+- ``busy_ms``: the union of the kernel and copy intervals on the device; ``idle_ms``: the traced span (first
+  kernel start to last kernel end) minus it.
+- The same over the transformer's span (``tower_*``: from the first to the last kernel of the attention modules,
+  found by forward hooks that mark each module's calls with ``record_function``), where a patched layer's host path
+  could leave the device waiting.
+- One ``kernels`` row per (variant, kernel category) with the device time of the traced forward.
+
+    python benchmarks/forward_timeline.py OUT.csv [--models enformer borzoi] [--batches 8 4] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FIELDS = ["model", "batch", "variant", "row", "name", "calls", "ms", "commit"]
+VARIANTS = ("unpatched", "patch-dense")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+CATEGORIES = (
+    ("attention kernel", r"^_attention|^_fused|kvbound"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|gemv|sm90_"),
+    ("convolution", r"conv|implicit|winograd|fft|cudnn"),
+    ("softmax", r"softmax"),
+    ("norm", r"norm|welford"),
+    ("copy / cast", r"copy|Memcpy|cast|transpose|cat|Memset|Fill"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce"),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Total length (ms) of the union of ``(start_us, end_us)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def mark_modules(modules):
+    """Forward hooks that open ``record_function('kvbound.tower')`` around each call of ``modules``."""
+    handles, open_ = [], []
+
+    def before(module, args):
+        ctx = torch.profiler.record_function("kvbound.tower")
+        ctx.__enter__()
+        open_.append(ctx)
+
+    def after(module, args, output):
+        open_.pop().__exit__(None, None, None)
+
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    return handles
+
+
+def trace_rows(prof, spec_name: str, batch: int, variant: str, commit: str) -> list[dict]:
+    events = prof.profiler.kineto_results.events()
+    device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+    host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    intervals = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in device]
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3 if intervals else 0.0
+    busy = union_ms(intervals)
+    syncs = sum(1 for e in host if e.name() in SYNC_CALLS)
+    dtoh = sum(1 for e in device if "DtoH" in e.name())
+    # Device work launched inside the attention modules' record_function ranges (the launching runtime call, found
+    # by correlation id, starts within one); the tower's span is from the first to the last of it, and every device
+    # interval inside that span counts as the tower's (the layers' other kernels run between the modules).
+    marks = [(e.start_ns(), e.end_ns()) for e in host if e.name() == "kvbound.tower"]
+    launches = {e.correlation_id(): e.start_ns() for e in host if e.name().startswith(("cuda", "cu"))}
+    inside = [
+        e for e in device if (t := launches.get(e.correlation_id())) is not None and any(s <= t <= f for s, f in marks)
+    ]
+    tower = []
+    if inside:
+        first, last = min(e.start_ns() for e in inside), max(e.end_ns() for e in inside)
+        tower = [(max(s, first / 1e3), min(f, last / 1e3)) for s, f in intervals if f * 1e3 > first and s * 1e3 < last]
+    tower_span = (max(e for _, e in tower) - min(s for s, _ in tower)) / 1e3 if tower else 0.0
+    tower_busy = union_ms(tower)
+    base = {"model": spec_name, "batch": batch, "variant": variant, "commit": commit}
+    rows = [
+        {**base, "row": "timeline", "name": "span_ms", "ms": f"{span:.3f}"},
+        {**base, "row": "timeline", "name": "busy_ms", "ms": f"{busy:.3f}"},
+        {**base, "row": "timeline", "name": "idle_ms", "ms": f"{span - busy:.3f}"},
+        {**base, "row": "timeline", "name": "tower_span_ms", "ms": f"{tower_span:.3f}"},
+        {**base, "row": "timeline", "name": "tower_busy_ms", "ms": f"{tower_busy:.3f}"},
+        {**base, "row": "timeline", "name": "tower_idle_ms", "ms": f"{tower_span - tower_busy:.3f}"},
+        {
+            **base,
+            "row": "timeline",
+            "name": "attention_launched_ms",
+            "calls": len(inside),
+            "ms": f"{sum(e.end_ns() - e.start_ns() for e in inside) / 1e6:.3f}",
+        },
+        {**base, "row": "timeline", "name": "syncs", "calls": syncs + dtoh, "ms": ""},
+    ]
+    sums: dict[str, tuple[int, float]] = {}
+    for e in device:
+        label = category(e.name())
+        calls, total = sums.get(label, (0, 0.0))
+        sums[label] = (calls + 1, total + (e.end_ns() - e.start_ns()) / 1e6)
+    for label, (calls, total) in sorted(sums.items(), key=lambda kv: -kv[1][1]):
+        rows.append({**base, "row": "kernels", "name": label, "calls": calls, "ms": f"{total:.3f}"})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--models", nargs="+", default=["enformer", "borzoi"])
+    parser.add_argument("--batches", nargs="+", type=int, default=None, help="one per model (default: its largest)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--commit", default="unknown")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    from torch.profiler import ProfilerActivity, profile
+
+    import kvbound
+    from kvbound.bench.ports import PORT_MODELS
+
+    device = torch.device("cuda")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    specs = [s for s in PORT_MODELS if s.name in args.models]
+    batches = args.batches or [max(s.batches) for s in specs]
+    with args.out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for spec, batch in zip(specs, batches, strict=True):
+            torch.manual_seed(0)
+            model = spec.build().to(device).eval()
+            cls = spec.attention_class()
+            modules = [m for m in model.modules() if type(m) is cls]
+            inputs = spec.make_input(batch, 0, device)
+
+            def forward(model=model, inputs=inputs):
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    return model(*inputs.args, **inputs.kwargs)
+
+            for variant in args.variants:
+                handle = kvbound.patch(model, compress=False) if variant == "patch-dense" else None
+                try:
+                    for _ in range(2):
+                        forward()
+                    torch.cuda.synchronize()
+                    times, hosts = [], []
+                    for _ in range(args.repeats):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        t0 = time.perf_counter()
+                        forward()
+                        hosts.append((time.perf_counter() - t0) * 1e3)
+                        end.record()
+                        torch.cuda.synchronize()
+                        times.append(start.elapsed_time(end))
+                    hooks = mark_modules(modules)
+                    try:
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            forward()
+                            torch.cuda.synchronize()
+                    finally:
+                        for h in hooks:
+                            h.remove()
+                finally:
+                    if handle is not None:
+                        handle.undo()
+                base = {"model": spec.name, "batch": batch, "variant": variant, "commit": args.commit}
+                rows = [
+                    {**base, "row": "timeline", "name": "forward_ms", "ms": f"{statistics.median(times):.3f}"},
+                    {**base, "row": "timeline", "name": "host_ms", "ms": f"{statistics.median(hosts):.3f}"},
+                    *trace_rows(prof, spec.name, batch, variant, args.commit),
+                ]
+                writer.writerows(rows)
+                f.flush()
+                for r in rows:
+                    print(
+                        f"{spec.name} b{batch} {variant:12s} {r['row']:8s} {r['name']:18s} "
+                        f"{r.get('calls', '') or '':>6} {r['ms']}",
+                        flush=True,
+                    )
+            del model, inputs, forward
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
