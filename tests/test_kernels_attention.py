@@ -11,7 +11,7 @@ import torch
 from kvbound import CompressionConfig, calibrate, compress_kv, reference_attention
 from kvbound.kernels._common import tma_ready
 from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd, block_runs
-from kvbound.kernels.attention_dense import attention_dense_fwd
+from kvbound.kernels.attention_dense import attention_dense_fwd, dv_parts
 from test_attention import check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
 
 
@@ -166,6 +166,71 @@ def test_dense_explicit_tile_shape():
     ref = reference_attention(q, k, v, scale=0.1)
     check_against_reference(out, q, k, v, scale=0.1)
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_dv_parts():
+    """The value columns in power-of-two parts: split where two parts pad less than one."""
+    assert dv_parts(192) == (128, 64)
+    assert dv_parts(160) == (128, 32)
+    assert dv_parts(40) == (32, 16)
+    assert dv_parts(72) == (64, 16)
+    for whole in (16, 64, 128, 256):  # powers of two stay whole
+        assert dv_parts(whole) == (whole, 0)
+    assert dv_parts(24) == (32, 0)  # 16 + 16 is not narrower than 32
+    assert dv_parts(200) == (256, 0)  # 128 + 128 neither
+    assert dv_parts(8) == (16, 0)
+    assert dv_parts(192, split=False) == (256, 0)
+
+
+@pytest.mark.parametrize(
+    "dv, dk, causal, relative",
+    [
+        (192, 16, False, None),
+        (40, 36, True, None),
+        (48, 16, False, "keys"),
+        (40, 36, False, "runs"),
+        (192, 16, False, "runs"),
+    ],
+)
+def test_split_value_columns_match_whole(monkeypatch, dv, dk, causal, relative):
+    """Value head dims run as two power-of-two parts (``dv_parts``, ``KVBOUND_DV_SPLIT``) give the outputs of the
+    whole padded width, and those of the float64 reference, through tensor descriptors and through pointers (dk 36
+    in float16: rows of 72 bytes, not 16-byte aligned), plain and with relative positions (keys, runs)."""
+    from kvbound import attention
+    from kvbound.models.reference import relative_position_attention_reference
+    from test_relative_runs import _run_keys
+
+    g = torch.Generator().manual_seed(dv + dk + causal)
+    h, n = 2, 45
+    q = torch.randn(1, h, n, dk, generator=g).to(torch.float16)
+    k = torch.randn(1, h, n, dk, generator=g).to(torch.float16)
+    v = torch.randn(1, h, n, dv, generator=g).to(torch.float16)
+    assert tma_ready(k, v) == (dk % 8 == 0)
+    kwargs = {}
+    if relative is not None:
+        starts = [0, 30, 44, 50, 60]
+        keys = (
+            _run_keys(h, 2 * n - 1, dk, starts, g) if relative == "runs" else torch.randn(h, 2 * n - 1, dk, generator=g)
+        )
+        u, w = torch.randn(h, dk, generator=g) * 0.5, torch.randn(h, dk, generator=g) * 0.5
+        kwargs = dict(relative_keys=keys.to(torch.float16), relative_content_bias=u, relative_position_bias=w)
+        if relative == "runs":
+            kwargs["relative_runs"] = starts
+    outs = {}
+    for split in ("1", "0"):
+        monkeypatch.setenv("KVBOUND_DV_SPLIT", split)
+        outs[split] = attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+    assert outs["1"][0].shape == (1, h, n, dv)
+    torch.testing.assert_close(outs["1"][0], outs["0"][0], atol=2e-3, rtol=0)
+    torch.testing.assert_close(outs["1"][1], outs["0"][1], atol=1e-5, rtol=0)
+    if relative is None:
+        check_against_reference(outs["1"][0], q, k, v, causal=causal)
+    else:
+        scale = dk**-0.5
+        expected = relative_position_attention_reference(
+            q, k, v, kwargs["relative_keys"], u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk), scale=scale
+        )
+        assert (outs["1"][0].double() - expected).abs().max() < 1e-2
 
 
 @pytest.mark.parametrize("compressed", [False, True])

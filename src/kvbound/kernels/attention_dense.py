@@ -13,6 +13,7 @@ a small soft-cap a fixed maximum instead of the running one (``_common.fixed_sof
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -53,6 +54,7 @@ __all__ = ["attention_dense_fwd", "dense_configs"]
 @triton.jit
 def _attention_dense_inner(
     accumulator,
+    accumulator_hi,
     running_sum,
     running_max,
     q,
@@ -60,6 +62,7 @@ def _attention_dense_inner(
     v_head,
     k_desc,
     v_desc,
+    v_desc_hi,
     bias_rows,
     stride_kn,
     stride_kd,
@@ -78,6 +81,7 @@ def _attention_dense_inner(
     HEAD_DIM_V: tl.constexpr,
     DK_PAD: tl.constexpr,
     DV_PAD: tl.constexpr,
+    DV_HI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -106,7 +110,9 @@ def _attention_dense_inner(
     (``_common.relative_runs_tile``; ``N_REL`` is then the number of runs, ``RUN_SPAN`` the most runs a tile
     spans or 0); 3, as 1, but with square tiles (``BLOCK_M == BLOCK_N``) each tile multiplies only the upper half of
     its window and carries it to the next tile as that tile's lower half (``attention_dense_fwd``'s
-    ``relative_halves``)."""
+    ``relative_halves``). With ``DV_HI > 0`` the value columns are two parts, ``[0, DV_PAD)`` into ``accumulator``
+    and ``[DV_PAD, DV_PAD + DV_HI)`` into ``accumulator_hi`` (``dv_parts``); else ``accumulator_hi`` is passed
+    through untouched."""
     offs_n = tl.arange(0, BLOCK_N)
     first_run = 0
     last_run = 0
@@ -135,6 +141,8 @@ def _attention_dense_inner(
     offs_dv = tl.arange(0, DV_PAD)
     dk_ok = offs_dk < HEAD_DIM_K
     dv_ok = offs_dv < HEAD_DIM_V
+    offs_dv_hi = DV_PAD + tl.arange(0, DV_HI if DV_HI > 0 else 16)
+    dv_hi_ok = offs_dv_hi < HEAD_DIM_V
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         row_shift = row_mult  # unused placeholder; the runs' first logit per row with RELATIVE == 2
@@ -250,14 +258,28 @@ def _attention_dense_inner(
             v_ptrs = v_head + key_base * stride_vn + (offs_n * stride_vn)[:, None] + (offs_dv * stride_vd)[None, :]
             if MASK:
                 v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
-            elif DV_PAD != HEAD_DIM_V:
-                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-            else:
+            elif DV_PAD <= HEAD_DIM_V:
                 v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         if not FIXED_MAX:
             accumulator = accumulator * alpha[:, None]
         accumulator = tl.dot(p.to(v.dtype), v, accumulator, input_precision=PRECISION)
-    return accumulator, running_sum, running_max
+        if DV_HI > 0:
+            if USE_TMA:
+                v_hi = v_desc_hi.load([start_n, DV_PAD])
+            else:
+                v_hi_ptrs = (
+                    v_head + key_base * stride_vn + (offs_n * stride_vn)[:, None] + (offs_dv_hi * stride_vd)[None, :]
+                )
+                if MASK:
+                    v_hi = tl.load(v_hi_ptrs, mask=key_ok[:, None] & dv_hi_ok[None, :], other=0.0)
+                else:
+                    v_hi = tl.load(v_hi_ptrs, mask=dv_hi_ok[None, :], other=0.0)
+            if not FIXED_MAX:
+                accumulator_hi = accumulator_hi * alpha[:, None]
+            accumulator_hi = tl.dot(p.to(v_hi.dtype), v_hi, accumulator_hi, input_precision=PRECISION)
+    return accumulator, accumulator_hi, running_sum, running_max
 
 
 # ----------------------------------------------------------------------------------------------- autotune
@@ -285,6 +307,29 @@ def relative_run_span(starts: Sequence[int], rows: int) -> int:
     ends = np.minimum(np.arange(rows) + (_RELATIVE_WINDOW - 1), rows - 1)
     span = int((run_of[ends] - run_of).max()) + 1 if rows else 1
     return 0 if span > MAX_RUN_SPAN else max(2, next_power_of_2(span))
+
+
+def dv_parts(head_dim_v: int, split: bool = True) -> tuple[int, int]:
+    """The value columns as the kernel's two parts ``(DV_PAD, DV_HI)``: the first padded to a power of two (at least
+    16), the second ``DV_HI`` wide or 0. Split (``split``): the largest power of two not above ``head_dim_v``, then
+    the rest padded to a power of two, where the two together are narrower than ``head_dim_v`` padded whole (192:
+    128 + 64 against 256, a third fewer value columns in the value product, its accumulator and its tiles). Else
+    ``(next power of two, 0)``."""
+    whole = max(16, next_power_of_2(head_dim_v))
+    if not split or head_dim_v <= 16 or whole == head_dim_v:
+        return whole, 0
+    low = whole // 2
+    high = max(16, next_power_of_2(head_dim_v - low))
+    return (low, high) if low + high < whole else (whole, 0)
+
+
+def dv_split_default() -> bool:
+    """``KVBOUND_DV_SPLIT``: ``0`` pads the value head dim whole to a power of two (one value product per key tile);
+    ``1`` or unset: split it in two parts where that pads less (``dv_parts``). Read at each launch; empty is unset."""
+    value = os.environ.get("KVBOUND_DV_SPLIT", "").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KVBOUND_DV_SPLIT: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def dense_configs(interpret: bool) -> list[triton.Config]:
@@ -322,7 +367,7 @@ _SHARED_MEMORY_BYTES = 227 * 1024
 
 def _prune_dense_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    dv_pad, dk_pad = args["DV_PAD"], args["DK_PAD"]
+    dv_pad, dk_pad = args["DV_PAD"] + args.get("DV_HI", 0), args["DK_PAD"]
     element = args["Q"].element_size() if hasattr(args.get("Q"), "element_size") else 2
     keep = []
     for config in configs:
@@ -417,6 +462,7 @@ def _attention_dense_fwd(
     HEAD_DIM_V: tl.constexpr,
     DK_PAD: tl.constexpr,
     DV_PAD: tl.constexpr,
+    DV_HI: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BIAS_TILE: tl.constexpr,
@@ -489,9 +535,16 @@ def _attention_dense_fwd(
         v_desc = tl.make_tensor_descriptor(
             v_head, shape=[N_K, HEAD_DIM_V], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV_PAD]
         )
+        if DV_HI > 0:
+            v_desc_hi = tl.make_tensor_descriptor(
+                v_head, shape=[N_K, HEAD_DIM_V], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV_HI]
+            )
+        else:
+            v_desc_hi = v_desc  # unused placeholder
     else:
         k_desc = k_head  # unused placeholders
         v_desc = v_head
+        v_desc_hi = v_head
     if RELATIVE == 1 and USE_TMA:
         # The relative keys' windows through a tensor descriptor too (relative_logits_tile_tma).
         WINDOW: tl.constexpr = 2 * BLOCK_M if BLOCK_M >= BLOCK_N else 2 * BLOCK_N
@@ -521,6 +574,8 @@ def _attention_dense_fwd(
     running_max = start_max
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    # The value columns past DV_PAD (dv_parts); else an unused placeholder.
+    accumulator_hi = tl.zeros([BLOCK_M, DV_HI], dtype=tl.float32) if DV_HI > 0 else accumulator
     # With BOUNDED a second attempt, with the running maximum, for a program in which some row's sum ended below
     # BOUND_RETRY_SUM (the bound overshot the true maximum so far that terms of P could be lost).
     for attempt in tl.static_range(1 + BOUNDED):
@@ -535,9 +590,12 @@ def _attention_dense_fwd(
                 running_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
             accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+            if DV_HI > 0:
+                accumulator_hi = tl.zeros([BLOCK_M, DV_HI], dtype=tl.float32)
             unmasked_end, end = key_loop_bounds(row_start, N_Q, N_K, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
-            accumulator, running_sum, running_max = _attention_dense_inner(
+            accumulator, accumulator_hi, running_sum, running_max = _attention_dense_inner(
                 accumulator,
+                accumulator_hi,
                 running_sum,
                 running_max,
                 q,
@@ -545,6 +603,7 @@ def _attention_dense_fwd(
                 v_head,
                 k_desc,
                 v_desc,
+                v_desc_hi,
                 bias_rows,
                 stride_kn,
                 stride_kd,
@@ -563,6 +622,7 @@ def _attention_dense_fwd(
                 HEAD_DIM_V,
                 DK_PAD,
                 DV_PAD,
+                DV_HI,
                 BLOCK_N,
                 HAS_BIAS,
                 SOFTCAP,
@@ -583,8 +643,9 @@ def _attention_dense_fwd(
                 RELATIVE,
                 RUN_SPAN,
             )
-            accumulator, running_sum, running_max = _attention_dense_inner(
+            accumulator, accumulator_hi, running_sum, running_max = _attention_dense_inner(
                 accumulator,
+                accumulator_hi,
                 running_sum,
                 running_max,
                 q,
@@ -592,6 +653,7 @@ def _attention_dense_fwd(
                 v_head,
                 k_desc,
                 v_desc,
+                v_desc_hi,
                 bias_rows,
                 stride_kn,
                 stride_kd,
@@ -610,6 +672,7 @@ def _attention_dense_fwd(
                 HEAD_DIM_V,
                 DK_PAD,
                 DV_PAD,
+                DV_HI,
                 BLOCK_N,
                 HAS_BIAS,
                 SOFTCAP,
@@ -643,6 +706,13 @@ def _attention_dense_fwd(
         out.to(Out.dtype.element_ty),
         mask=row_valid[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
     )
+    if DV_HI > 0:
+        offs_dv_hi = DV_PAD + tl.arange(0, DV_HI)
+        tl.store(
+            out_rows[:, None] + (offs_dv_hi * stride_od)[None, :],
+            (accumulator_hi / running_sum[:, None]).to(Out.dtype.element_ty),
+            mask=row_valid[:, None] & (offs_dv_hi < HEAD_DIM_V)[None, :],
+        )
     lse = (running_max + tl.math.log2(running_sum)) * LN2
     lse_ptrs = Lse + (batch * (H_KV * GROUP) + row_head) * N_Q + row_query
     tl.store(lse_ptrs, lse, mask=row_valid)
@@ -685,6 +755,7 @@ def attention_dense_fwd(
     run_span: int = 0,
     bounded_max: bool | None = None,
     relative_halves: bool | None = None,
+    dv_split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -713,7 +784,9 @@ def attention_dense_fwd(
     ``relative_halves``: with ``relative`` and square tiles, compute half of each tile's window product and carry the
     other half from the tile before (``RELATIVE = 3``; the same values, column by column); None:
     ``KVBOUND_RELATIVE_HALVES`` (``_common.relative_halves_default``, off unless set to 1; measured slower on the
-    H200)."""
+    H200).
+    ``dv_split``: a value head dim that is not a power of two runs as two power-of-two parts where that pads less
+    (``dv_parts``: 192 as 128 + 64, not 256); None: ``KVBOUND_DV_SPLIT`` (``dv_split_default``, on unless 0)."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     wanted = bounded_max if bounded_max is not None else bounded_by_default(k_shape[-2], BOUNDED_MIN_KEYS)
@@ -734,6 +807,7 @@ def attention_dense_fwd(
             f"config: with run_span a tile spans at most {_RELATIVE_WINDOW} distances (BLOCK_M + BLOCK_N - 1), got "
             f"{config['BLOCK_M']} x {config['BLOCK_N']}"
         )
+    split = dv_split_default() if dv_split is None else bool(dv_split)
     halves = False
     if relative_runs is not None:
         if relative is not None:
@@ -768,6 +842,7 @@ def attention_dense_fwd(
         fixed_max,
         float32_dot_precision() if q.dtype == torch.float32 else None,
         bounded,
+        split,
     )
     plan = _PLANS.get(plan_key) if config is None else None
     if plan is None:
@@ -785,6 +860,7 @@ def attention_dense_fwd(
             run_span if relative_runs is not None else None,
             bounded,
             halves,
+            split,
         )
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -846,7 +922,7 @@ class _Plan:
 
 def _plan(
     q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None,
-    bounded: bool = False, halves: bool = False,
+    bounded: bool = False, halves: bool = False, dv_split: bool = True,
 ) -> _Plan:  # fmt: skip
     runs = run_span is not None
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -858,6 +934,7 @@ def _plan(
     # With relative positions the scale is applied to q in the kernel, before the two biases.
     logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
+    dv_pad, dv_hi = dv_parts(head_dim_v, split=dv_split)
     relative_strides = relative[0].stride() if relative is not None else (None, None, None)
     if runs:  # the run table [B, H, R, Nq] as [B * H, R, Nq]: (head stride, run stride, number of runs R)
         n_runs = relative[0].shape[-2]
@@ -888,7 +965,8 @@ def _plan(
         HEAD_DIM_K=head_dim_k,
         HEAD_DIM_V=head_dim_v,
         DK_PAD=max(16, next_power_of_2(head_dim_k)),
-        DV_PAD=max(16, next_power_of_2(head_dim_v)),
+        DV_PAD=dv_pad,
+        DV_HI=dv_hi,
         GROUP=group,
         HAS_BIAS=bias is not None,
         BIAS_TILE=bias_tile if bias is not None else 1,
