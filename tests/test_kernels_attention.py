@@ -11,7 +11,7 @@ import torch
 from kvbound import CompressionConfig, calibrate, compress_kv, reference_attention
 from kvbound.kernels._common import tma_ready
 from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd, block_runs
-from kvbound.kernels.attention_dense import attention_dense_fwd, dv_parts
+from kvbound.kernels.attention_dense import attention_dense_fwd, dv_parts, dv_split_default
 from test_attention import check_against_reference, structured  # tests/ is on sys.path (rootdir conftest)
 
 
@@ -180,6 +180,19 @@ def test_dv_parts():
     assert dv_parts(200) == (256, 0)  # 128 + 128 neither
     assert dv_parts(8) == (16, 0)
     assert dv_parts(192, split=False) == (256, 0)
+
+
+def test_dv_split_setting(monkeypatch):
+    """``KVBOUND_DV_SPLIT``: auto (unset) splits except with the relative keys' window; 0 / 1 force it; else raises."""
+    monkeypatch.delenv("KVBOUND_DV_SPLIT", raising=False)
+    assert dv_split_default(False) and not dv_split_default(True)
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "1")
+    assert dv_split_default(False) and dv_split_default(True)
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "0")
+    assert not dv_split_default(False) and not dv_split_default(True)
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "yes")
+    with pytest.raises(ValueError, match="KVBOUND_DV_SPLIT: expected 0, 1 or auto, got 'yes'"):
+        dv_split_default(False)
 
 
 @pytest.mark.parametrize(
