@@ -83,7 +83,15 @@ def mark_modules(modules):
 
 def trace_rows(prof, spec_name: str, batch: int, variant: str, commit: str) -> list[dict]:
     events = prof.profiler.kineto_results.events()
-    device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+    # Device-side events, without the device-side copies of the record_function marks (user annotations), which span
+    # whole modules and would hide their gaps.
+    device = [
+        e
+        for e in events
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+        and not e.is_user_annotation()
+        and e.name() != "kvbound.tower"
+    ]
     host = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
     intervals = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in device]
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3 if intervals else 0.0
