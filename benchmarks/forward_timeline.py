@@ -15,6 +15,7 @@ forward is traced by ``torch.profiler`` after warm-up. From the trace:
 - One ``kernels`` row per (variant, kernel category) with the device time of the traced forward.
 
     python benchmarks/forward_timeline.py OUT.csv [--models enformer borzoi] [--batches 8 4] [--commit SHA]
+    python benchmarks/forward_timeline.py OUT.csv --replot      # only redraw OUT.png from OUT.csv
 """
 
 from __future__ import annotations
@@ -139,6 +140,42 @@ def trace_rows(prof, spec_name: str, batch: int, variant: str, commit: str) -> l
     return rows
 
 
+def plot(csv_path: Path) -> Path:
+    """A bar per (model, batch, variant) from ``csv_path``'s timeline rows: the device time of the work launched in
+    the attention modules, the rest of the device's busy time and its idle time in the traced forward, with the
+    untraced forward's median above each bar. Written next to the CSV (``.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values: dict[tuple, dict[str, float]] = {}
+    for row in csv.DictReader(csv_path.open()):
+        if row["row"] == "timeline" and row["ms"]:
+            values.setdefault((row["model"], row["batch"], row["variant"]), {})[row["name"]] = float(row["ms"])
+    keys = list(values)
+    attention = [values[k].get("attention_launched_ms", 0.0) for k in keys]
+    other = [values[k].get("busy_ms", 0.0) - a for k, a in zip(keys, attention, strict=True)]
+    idle = [values[k].get("idle_ms", 0.0) for k in keys]
+    fig, ax = plt.subplots(figsize=(1.6 * len(keys) + 2, 4.5))
+    x = range(len(keys))
+    ax.bar(x, attention, label="attention modules (device)", color="tab:red")
+    ax.bar(x, other, bottom=attention, label="rest of the forward (device)", color="tab:blue")
+    ax.bar(x, idle, bottom=[a + o for a, o in zip(attention, other, strict=True)], label="device idle", color="0.8")
+    for i, k in enumerate(keys):
+        top = attention[i] + other[i] + idle[i]
+        ax.text(i, top, f"{values[k].get('forward_ms', 0.0):.1f} ms", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f"{m} b{b}\n{v}" for m, b, v in keys], fontsize=8)
+    ax.set_ylabel("ms (one traced forward)")
+    ax.set_title("Whole forward on the device: attention modules, the rest, idle")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = csv_path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -147,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--replot", action="store_true", help="only redraw OUT's plot (OUT with .png) from OUT")
     args = parser.parse_args(argv)
+    if args.replot:
+        print(plot(args.out))
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -217,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             del model, inputs, forward
             torch.cuda.empty_cache()
+    print(plot(args.out))
     return 0
 
 

@@ -427,3 +427,28 @@ def test_report_shows_relative_ncu_rows(tmp_path):
             "102.1 | long_scoreboard=3.29, barrier=1.73, wait=1.28 | 2.003e-02 | af59b50 |  |") in section  # fmt: skip
     assert "| borzoi-b4 | runs | 64x64x8x3 | - | error | - |" in section and "| af59b50 | boom |" in section
     assert "relative_ncu.csv` (2 rows of `benchmarks/relative_ncu.py`)" in text and "Triton 3.6.0" in text
+
+
+def test_report_shows_forward_timelines(tmp_path):
+    """benchmarks/forward_timeline.py's CSV is recognised by its columns: one row per (model, batch, variant) from its
+    timeline rows, with the patched forward's speed-up and its bound without attention against the same file's
+    unpatched forward."""
+    header = "model,batch,variant,row,name,calls,ms,commit"
+    rows = []
+    for variant, forward, attention in (("unpatched", "190.0", "50.0"), ("patch-dense", "150.0", "10.0")):
+        rows += [
+            f"enformer,8,{variant},timeline,forward_ms,,{forward},abc1234",
+            f"enformer,8,{variant},timeline,busy_ms,,149.5,abc1234",
+            f"enformer,8,{variant},timeline,idle_ms,,0.5,abc1234",
+            f"enformer,8,{variant},timeline,tower_busy_ms,,16.0,abc1234",
+            f"enformer,8,{variant},timeline,tower_idle_ms,,0.25,abc1234",
+            f"enformer,8,{variant},timeline,attention_launched_ms,330,{attention},abc1234",
+            f"enformer,8,{variant},kernels,matmul,100,80.0,abc1234",
+        ]
+    text = _report_of_one_file(tmp_path, "forward_timeline.csv", header, rows, "forward-timeline")
+    section = text.split("### Where a whole forward's device time goes")[1].split("\n## ")[0]
+    assert "| enformer | 8 | unpatched | 190.00 | - | - | 149.5 | 0.5 | 50.00 | 16.0 / 0.2 | abc1234 |" in section
+    # 190 / 150 and 190 / (150 - 10)
+    patched = "| enformer | 8 | patch-dense | 150.00 | 1.27x | 1.36x | 149.5 | 0.5 | 10.00 | 16.0 / 0.2 | abc1234 |"
+    assert patched in section
+    assert "forward_timeline.csv` (14 rows of `benchmarks/forward_timeline.py`)" in text

@@ -184,6 +184,8 @@ def read_results(results: Path) -> list[ResultFile]:
             out.append(ResultFile(path, "largest-batch", raw=raw, columns=columns))
         elif set(RELATIVE_NCU_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "relative-ncu", raw=raw, columns=columns))
+        elif set(FORWARD_TIMELINE_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "forward-timeline", raw=raw, columns=columns))
         elif set(tables.LEGACY_ENCODER_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "legacy-encoder", raw=raw, columns=columns))
         elif set(tables.LEGACY_PUBLIC_API_COLUMNS) <= set(columns):
@@ -278,11 +280,45 @@ def _relative_ncu_section(files: list[ResultFile]) -> str:
     return tables.to_markdown(headers, body) if body else "_(none)_\n"
 
 
+# benchmarks/forward_timeline.py's CSV (where a whole forward's device time goes)
+FORWARD_TIMELINE_COLUMNS = ("model", "batch", "variant", "row", "name", "calls", "ms", "commit")
+
+
+def _forward_timeline_section(files: list[ResultFile]) -> str:
+    """One row per (file, model, batch, variant) of every forward_timeline CSV, from its ``timeline`` rows; a patched
+    row also gets its speed-up over the file's unpatched forward and the speed-up it would have if its attention
+    modules took no device time."""
+    headers = ["model", "batch", "variant", "forward ms", "vs unpatched", "bound without attention", "device busy ms",
+               "device idle ms", "attention modules ms", "transformer busy / idle ms", "commit"]  # fmt: skip
+    body = []
+    for item in files:
+        runs: dict[tuple, dict[str, str]] = {}
+        for r in item.raw:
+            if r.get("row") == "timeline":
+                runs.setdefault((r["model"], r["batch"], r["variant"]), {"commit": r.get("commit") or "-"})[
+                    r["name"]
+                ] = r.get("ms") or ""
+        for (model, batch, variant), v in runs.items():
+            base = runs.get((model, batch, "unpatched"), {}).get("forward_ms")
+            forward, attention = v.get("forward_ms"), v.get("attention_launched_ms")
+            ratio = bound = "-"
+            if base and forward and variant != "unpatched":
+                ratio = f"{float(base) / float(forward):.2f}x"
+                if attention and float(forward) > float(attention):
+                    bound = f"{float(base) / (float(forward) - float(attention)):.2f}x"
+            tower = f"{_fmt_text(v.get('tower_busy_ms'), '.1f')} / {_fmt_text(v.get('tower_idle_ms'), '.1f')}"
+            body.append([model, batch, variant, _fmt_text(forward, ".2f"), ratio, bound,
+                         _fmt_text(v.get("busy_ms"), ".1f"), _fmt_text(v.get("idle_ms"), ".1f"),
+                         _fmt_text(attention, ".2f"), tower, v["commit"]])  # fmt: skip
+    return tables.to_markdown(headers, body) if body else "_(none)_\n"
+
+
 # Side scripts whose CSVs the report reads: kind -> (script, whether their rows record a date, and a Triton version)
 _SCRIPT_OF_KIND = {
     "trained-kv": ("benchmarks/trained_kv.py", True, True),
     "largest-batch": ("benchmarks/largest_batch.py", False, False),
     "relative-ncu": ("benchmarks/relative_ncu.py", False, True),
+    "forward-timeline": ("benchmarks/forward_timeline.py", False, False),
 }
 
 
@@ -477,6 +513,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "### The largest batch that fits\n",
         _LARGEST_BATCH_METHOD,
         _largest_batch_section([f for f in other_files if f.kind == "largest-batch"]),
+        "### Where a whole forward's device time goes\n",
+        _FORWARD_TIMELINE_METHOD,
+        _forward_timeline_section([f for f in other_files if f.kind == "forward-timeline"]),
         "## Relative-position attention against what a user could build\n",
         _RELATIVE_METHOD,
         tables.to_markdown(*tables.relative_table(rows)),
@@ -514,6 +553,19 @@ relative` times it (`kvbound/bench/relative.py`): the ports' eager math; SDPA an
 term built for them in each call (a `[B, H, N, N]` bias, or a `[B, H, N, 2N - 1]` table read in `score_mod`); kvbound's
 fused call on exact K/V, and on compressed K/V with this forward's encoding included (`compress ms`: the encoding
 alone). `vs best alternative` is against the faster of SDPA and FlexAttention. `bash benchmarks/h200.sh relative`.
+"""
+
+_FORWARD_TIMELINE_METHOD = """\
+`python benchmarks/forward_timeline.py OUT.csv` (full configs, random weights, the models suite's inputs, bf16
+autocast, `no_grad`; unpatched and `kvbound.patch(model, compress=False)`): `forward ms` is the median of 5 untraced
+forwards (CUDA events); the other columns come from one forward traced by `torch.profiler`. Device busy: the union of
+kernel and copy intervals; idle: the traced span less that. Attention modules: the device time of the work launched
+inside the attention modules (found by `record_function` marks around each module's call). `bound without
+attention`: the unpatched forward over the patched forward less its attention modules, the speed-up if they took no
+device time at all (the ceiling the attention-only targets can reach). Transformer: from the first to the last
+kernel launched in an attention module. Each CSV has a plot of the same next to it (`.png`). Files recorded before
+9567d8e counted the marks' device-side ranges as device work (their READMEs say so): their busy time cannot show
+gaps inside a module.
 """
 
 _RELATIVE_NCU_METHOD = """`python benchmarks/relative_ncu.py OUT.csv` (`bash benchmarks/h200.sh relative-ncu`): one
