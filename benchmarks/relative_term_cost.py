@@ -120,7 +120,8 @@ def _shape_rows(variant: str, layer: str, n: int, batch: int, shift: str) -> lis
         if tile is None:  # plain attention without the relative term, autotuned
 
             def call():
-                return attention_dense_fwd(q, k, v, None, scale, False, None)[0]
+                # the value columns whole, as the relative keys run them (dv_split_default)
+                return attention_dense_fwd(q, k, v, None, scale, False, None, dv_split=False)[0]
 
             label = "plain-autotuned"
         else:

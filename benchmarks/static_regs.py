@@ -8,7 +8,9 @@ CPU tensors of the layer's shape (bf16, 8 heads, dk 64, dv 192; Enformer N = 153
 batch 4) and the tile pinned, but instead of launching, Triton's ``JITFunction.run`` compiles the kernel for
 ``GPUTarget("cuda", 90, 32)`` as it would for that launch on an H200 (the same binder, specialisation and
 constexprs; the launcher is told that the device has tensor descriptors, as a Hopper GPU has, so that K and V are
-read through them as there: ``use_tma``). Triton's own ``cuobjdump`` then reads the cubin: registers per thread,
+read through them as there: ``use_tma``; ``dv_parts``: the value columns' parts ``DV_PAD+DV_HI`` it compiled, as
+``kvbound.kernels.attention_dense.dv_parts`` and ``KVBOUND_DV_SPLIT`` chose them). Triton's own ``cuobjdump``
+then reads the cubin: registers per thread,
 stack bytes (spilled registers live there), the shared memory Triton allocates per program (``shared_bytes``; with
 the registers it sets how many programs fit on one SM; a tile above the 227 KB a program may use is an error row,
 since it cannot launch) and what ptxas reserves (``shared_static_bytes``), and in the SASS the instruction count
@@ -46,8 +48,9 @@ VARIANTS = ("plain", "keys", "runs")
 # Borzoi's runs of equal relative keys at N = 4096 (31) and the most runs one tile spans (the kernel's unrolling)
 RUNS, RUN_SPAN = 31, 16
 TILES = ("64x64x4x1", "64x64x4x2", "64x64x8x3")
-FIELDS = ["layer", "N", "B", "variant", "tile", "status", "use_tma", "registers", "stack_bytes", "shared_bytes",
-          "shared_static_bytes", "sass_instructions", "ldl", "stl", "hgmma", "reason", "triton", "commit"]  # fmt: skip
+FIELDS = ["layer", "N", "B", "variant", "tile", "status", "use_tma", "dv_parts", "registers", "stack_bytes",
+          "shared_bytes", "shared_static_bytes", "sass_instructions", "ldl", "stl", "hgmma", "reason", "triton",
+          "commit"]  # fmt: skip
 TARGET_ARCH = 90
 # Shared memory a program may use on an sm_90 SM (227 KB); Triton only checks it when a kernel is loaded.
 SHARED_LIMIT = 232448
@@ -140,7 +143,8 @@ def compile_one(compiled: list, layer: str, variant: str, tile: str) -> dict:
         raise RuntimeError(f"expected one compiled kernel for this launch, got {len(compiled)}")
     kernel, constexprs = compiled[0]
     row = {**cubin_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
-           "use_tma": int(bool(constexprs.get("USE_TMA")))}  # fmt: skip
+           "use_tma": int(bool(constexprs.get("USE_TMA"))),
+           "dv_parts": f"{constexprs.get('DV_PAD')}+{constexprs.get('DV_HI', 0)}"}  # fmt: skip
     if row["shared_bytes"] > SHARED_LIMIT:
         row.update(status="error", reason=f"needs {row['shared_bytes']} bytes of shared memory per program; an sm_90 "
                                           f"SM gives a program at most {SHARED_LIMIT}: it cannot launch")  # fmt: skip
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.update({"status": "ok", **compile_one(compiled, layer, variant, tile)})
                 except Exception as error:  # noqa: BLE001 - a row with its reason (a tile that does not compile)
                     row.update(status="error", reason=f"{type(error).__name__}: {error}"[:300].replace("\n", " "))
-                print(" ".join(f"{k}={row.get(k, '')}" for k in FIELDS[:16]), flush=True)
+                print(" ".join(f"{k}={row.get(k, '')}" for k in FIELDS[:17]), flush=True)
                 rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:

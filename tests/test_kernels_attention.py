@@ -195,6 +195,87 @@ def test_dv_split_setting(monkeypatch):
         dv_split_default(False)
 
 
+def _spy_plans(monkeypatch) -> list[tuple[int, int, tuple]]:
+    """``(DV_PAD, DV_HI, tune key)`` of every launch plan the dense launcher builds, from an empty plan cache."""
+    from kvbound.kernels import attention_dense
+
+    seen = []
+    build = attention_dense._plan
+
+    def spy(*args, **kwargs):
+        plan = build(*args, **kwargs)
+        seen.append((plan.constexprs["DV_PAD"], plan.constexprs["DV_HI"], plan.tune_key))
+        return plan
+
+    monkeypatch.setattr(attention_dense, "_plan", spy)
+    monkeypatch.setattr(attention_dense, "_PLANS", {})
+    return seen
+
+
+def test_split_and_whole_are_tuned_apart(monkeypatch):
+    """A tile tuned for the value columns in two parts may not fit them whole (shared memory): the autotuner's key and
+    the launcher's cache of winners tell the two apart."""
+    seen = _spy_plans(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 2, 40, 16, generator=g).half() for _ in range(2))
+    v = torch.randn(1, 2, 40, 48, generator=g).half()
+    for split in (True, False):
+        attention_dense_fwd(q, k, v, None, 0.25, False, None, dv_split=split)
+    assert seen[0][:2] == (32, 16) and seen[1][:2] == (64, 0)
+    assert seen[0][2] != seen[1][2]
+
+
+@pytest.mark.parametrize("dv", [40, 80])
+def test_split_value_columns_with_the_bounded_maximum_and_its_retry(monkeypatch, dv):
+    """The bounded maximum (float32 here) with the value columns in two parts: a program whose bound overshoots by far
+    redoes its keys with the running maximum, resetting both accumulators; the outputs match float64 and the whole
+    width. With the retry disabled the same call is wrong, so the case does retry."""
+    from kvbound import attention
+    from kvbound.kernels import attention_dense
+
+    g = torch.Generator().manual_seed(23)
+    n, d = 48, 32
+    q = torch.zeros(1, 1, n, d)
+    q[..., :2] = torch.randn(1, 1, n, 2, generator=g)
+    q[0, 0, 0, 5] = 1.0  # row 0 sees the huge key: its bound is tight, the others' far too high
+    k = torch.zeros(1, 1, n, d)
+    k[..., :2] = torch.randn(1, 1, n, 2, generator=g)
+    k[0, 0, 7, 5] = 2000.0
+    v = torch.randn(1, 1, n, dv, generator=g)
+    seen = _spy_plans(monkeypatch)
+    monkeypatch.setenv("KVBOUND_BOUNDED_MAX", "on")
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "1")
+    out = attention(q, k, v)
+    check_against_reference(out, q, k, v)
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "0")
+    whole = attention(q, k, v)
+    assert seen[0][1] > 0 and seen[1][1] == 0
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=0)
+    monkeypatch.setattr(attention_dense, "BOUND_RETRY_SUM", 0.0)
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "1")
+    assert not torch.allclose(attention(q, k, v), out, atol=1e-2)
+
+
+@pytest.mark.parametrize("dv", [40, 72])
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_value_columns_padded_second_part_with_softcap(monkeypatch, dv, causal):
+    """A second part wider than the columns left (40 -> 32 + 16, 72 -> 64 + 16) through tensor descriptors, causal or
+    not, with and without a soft-cap (its fixed maximum: no rescaling), split and whole, against float64."""
+    from kvbound import attention
+
+    g = torch.Generator().manual_seed(dv)
+    q, k = (torch.randn(1, 2, 45, 16, generator=g).half() for _ in range(2))
+    v = torch.randn(1, 2, 45, dv, generator=g).half()
+    assert tma_ready(k, v)
+    seen = _spy_plans(monkeypatch)
+    for split in ("1", "0"):
+        monkeypatch.setenv("KVBOUND_DV_SPLIT", split)
+        for softcap in (None, 5.0):
+            out = attention(q, k, v, causal=causal, softcap=softcap)
+            check_against_reference(out, q, k, v, causal=causal, softcap=softcap)
+    assert [hi > 0 for _, hi, _ in seen] == [True, True, False, False]
+
+
 @pytest.mark.parametrize(
     "dv, dk, causal, relative",
     [
@@ -229,10 +310,13 @@ def test_split_value_columns_match_whole(monkeypatch, dv, dk, causal, relative):
         kwargs = dict(relative_keys=keys.to(torch.float16), relative_content_bias=u, relative_position_bias=w)
         if relative == "runs":
             kwargs["relative_runs"] = starts
+    seen = _spy_plans(monkeypatch)
     outs = {}
     for split in ("1", "0"):
         monkeypatch.setenv("KVBOUND_DV_SPLIT", split)
         outs[split] = attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+    # each setting built its own plan: two parts, then one
+    assert [(pad, hi) for pad, hi, _ in seen] == [dv_parts(dv), dv_parts(dv, split=False)]
     assert outs["1"][0].shape == (1, h, n, dv)
     torch.testing.assert_close(outs["1"][0], outs["0"][0], atol=2e-3, rtol=0)
     torch.testing.assert_close(outs["1"][1], outs["0"][1], atol=1e-5, rtol=0)

@@ -381,11 +381,11 @@ def _prune_dense_configs(configs, named_args, **kwargs):
         # A float32 accumulator of BLOCK_M x DV_PAD over 4 warps spills from 128 x 128 on (Triton 3.6, sm_90).
         if block_m * dv_pad >= 128 * 128 and config.num_warps < 8 and not args["RELATIVE"]:
             continue
-        # Large V tiles times deep pipelines exceed shared memory.
+        # Large V tiles times deep pipelines exceed shared memory (dv_pad: both parts' width).
         if dv_pad >= 256 and block_n >= 128 and config.num_stages > 2:
             continue
-        # Wide key tiles on 3+ stages (128 x 128 / 8 / 3, for bf16 at d = 128): their pipelined K and V tiles and the
-        # Q tile must fit the SM's shared memory (227 KiB on Hopper); not float32, nor Dk or Dv above 128.
+        # Wide key tiles on 3+ stages (128 x 128 / 8 / 3, for bf16 at d = 128, or dk 64 with dv 192 in two parts):
+        # their pipelined K and V tiles and the Q tile must fit the SM's shared memory (227 KiB on Hopper).
         too_big = (config.num_stages * block_n * (dk_pad + dv_pad) + block_m * dk_pad) * element > _SHARED_MEMORY_BYTES
         if block_n >= 128 and config.num_stages > 2 and too_big:
             continue
@@ -399,6 +399,8 @@ DENSE_TUNE_KEY = [
     "TUNE_N_K",
     "HEAD_DIM_K",
     "HEAD_DIM_V",
+    # the value columns' parts (dv_parts): a tile that fits split may not fit whole, so each is tuned on its own
+    "DV_HI",
     "GROUP",
     "HAS_BIAS",
     "BIAS_TILE",
