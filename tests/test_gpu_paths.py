@@ -120,6 +120,27 @@ def test_gpu_plan_cache_with_other_strides_bf16():
     check_against_reference(second[:, :, :64].contiguous(), q[:, :, :64].contiguous(), k, v)
 
 
+def test_gpu_value_columns_split_then_whole_in_one_process_bf16(monkeypatch):
+    """The value columns in two parts (dv 192 as 128 + 64), then whole, at one shape in one process: each is tuned on
+    its own (a tile tuned split, 128 x 128 on 3 stages, needs more shared memory than a program has when whole), and
+    the two give the same outputs, within float32 summation order, near float64."""
+    from kvbound.kernels import attention_dense
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k = (torch.randn(2, 8, 16384, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(2, 8, 16384, 192, device="cuda", generator=g).bfloat16()
+    monkeypatch.setattr(attention_dense, "_PLANS", {})
+    monkeypatch.setattr(attention_dense, "_TUNED", {})
+    outs = []
+    for split in ("1", "0"):
+        monkeypatch.setenv("KVBOUND_DV_SPLIT", split)
+        outs.append(attention(q, k, v))
+        torch.cuda.synchronize()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=2e-2)
+    check_against_reference(outs[0][:, :, :64].contiguous(), q[:, :, :64].contiguous(), k, v)
+    check_against_reference(outs[1][:, :, :64].contiguous(), q[:, :, :64].contiguous(), k, v)
+
+
 def test_gpu_deferred_checks_raise_at_the_end():
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v = (torch.randn(1, 8, 2048, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
