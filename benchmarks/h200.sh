@@ -86,14 +86,18 @@
 #                         compressed), and the ports with their attention core replaced by what a user could assemble
 #                         (SDPA with a built position bias, compiled FlexAttention over a built table;
 #                         kvbound/bench/alternatives.py): FlexAttention compiles per shape (untimed)
+#   timeline    ~6 min    benchmarks/forward_timeline.py: one traced whole forward of Enformer (batch 8, then 1),
+#                         Borzoi (4, then 1) and AlphaGenome (1), unpatched and patch-dense: device busy and idle
+#                         time, the attention modules' device time, the transformer's span, a plot (GPU only: the
+#                         smoke runs nothing)
 #
-# models, models2, alphagenome, halves, largest and alternatives install the ports' wheels from .whl/
+# models, models2, alphagenome, halves, largest, alternatives and timeline install the ports' wheels from .whl/
 # (benchmarks/wheels.sh; carry `.whl`).
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1), whatever the caller's environment says.
 set -uo pipefail
 
-PARTS="verify attention traffic sweep sweep-d128 share bounded relative relative-ncu asm models models2 alphagenome halves largest largest-alphagenome alternatives ring"
+PARTS="verify attention traffic sweep sweep-d128 share bounded relative relative-ncu asm models models2 alphagenome halves largest largest-alphagenome alternatives timeline ring"
 PART="${1:-}"
 if [[ "$PART" == "list" || "$PART" == "-h" || "$PART" == "--help" ]]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -351,6 +355,19 @@ alternatives)
     step alternatives-enformer 260 "$RES/models_alternatives_enformer.csv" "${CMD[@]}"
     bench "$RES/models_alternatives_borzoi.csv" --suite models --only 'borzoi*' --batches 1 4 --alternatives
     step alternatives-borzoi 260 "$RES/models_alternatives_borzoi.csv" "${CMD[@]}"
+    ;;
+timeline)
+    install_wheels
+    if [[ "$SMOKE" == "1" ]]; then
+        echo "== timeline: GPU only (it traces CUDA kernels), not run in the smoke"
+    else
+        timeline=("$PY" benchmarks/forward_timeline.py)
+        step timeline 220 "$RES/forward_timeline.csv" "${timeline[@]}" "$RES/forward_timeline.csv" --commit "$COMMIT"
+        step timeline-b1 130 "$RES/forward_timeline_b1.csv" "${timeline[@]}" "$RES/forward_timeline_b1.csv" \
+            --batches 1 1 --commit "$COMMIT"
+        step timeline-alphagenome 160 "$RES/forward_timeline_alphagenome.csv" "${timeline[@]}" \
+            "$RES/forward_timeline_alphagenome.csv" --models alphagenome --batches 1 --commit "$COMMIT"
+    fi
     ;;
 largest | largest-alphagenome)
     install_wheels

@@ -27,6 +27,7 @@ PARTS = (
     "largest",
     "largest-alphagenome",
     "alternatives",
+    "timeline",
     "ring",
 )
 
@@ -229,3 +230,17 @@ def test_relative_ncu_part_command_line(tmp_path, smoke):
         assert call.endswith("--tiles autotuned --cpu-smoke")
     else:
         assert call.endswith("--tiles autotuned 64x64x4x2 64x64x8x3 64x32x4x1 64x16x4x1 64x16x4x2")
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_timeline_part_traces_the_forwards_on_the_gpu_only(tmp_path, smoke):
+    proc, out, _ = _run("timeline", tmp_path, smoke=smoke)
+    calls = [c for c in _calls(tmp_path) if c.startswith("benchmarks/forward_timeline.py ")]
+    status = (out / "status.txt").read_text()
+    if smoke:
+        assert calls == [] and "GPU only" in proc.stdout
+        return
+    assert len(calls) == 3 and all("--commit abc1234" in c for c in calls)
+    assert calls[0].split()[1].endswith("/timeline/forward_timeline.csv") and "--batches" not in calls[0]
+    assert "--batches 1 1" in calls[1] and "--models alphagenome --batches 1" in calls[2]
+    assert all(f"{name} 0" in status for name in ("timeline", "timeline-b1", "timeline-alphagenome"))

@@ -143,9 +143,10 @@ recorded in every row:
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh sweep-d128  # (rank, bits) sweep, d = 128
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh models      # model shapes (all providers), Enformer / Borzoi forwards
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh models2     # AlphaGenome forwards, larger batches
+    KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh timeline    # whole forwards traced: device busy / idle, attention
     KVBOUND_COMMIT=<sha> bash benchmarks/h200.sh ring        # context-parallel ring, 1 and 2 GPUs
 
-`models` and `models2` install the ports' wheels from `.whl/` (`benchmarks/wheels.sh`). Each part writes
+`models`, `models2` and `timeline` install the ports' wheels from `.whl/` (`benchmarks/wheels.sh`). Each part writes
 `PART_<sha>.tar.gz` holding `benchmarks/results/h200_<date>_<sha>/PART/*.csv`; unpacked at the repository root,
 `python -m kvbound.bench.report` rebuilds this file and the plots from every CSV present.
 `KVBOUND_SMOKE=1 bash benchmarks/h200.sh PART` runs the same steps at tiny sizes on the CPU.
