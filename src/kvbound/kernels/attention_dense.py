@@ -313,7 +313,7 @@ def dv_parts(head_dim_v: int, split: bool = True) -> tuple[int, int]:
     """The value columns as the kernel's two parts ``(DV_PAD, DV_HI)``: the first padded to a power of two (at least
     16), the second ``DV_HI`` wide or 0. Split (``split``): the largest power of two not above ``head_dim_v``, then
     the rest padded to a power of two, where the two together are narrower than ``head_dim_v`` padded whole (192:
-    128 + 64 against 256, a third fewer value columns in the value product, its accumulator and its tiles). Else
+    128 + 64 against 256, a quarter fewer value columns in the value product, its accumulator and its tiles). Else
     ``(next power of two, 0)``."""
     whole = max(16, next_power_of_2(head_dim_v))
     if not split or head_dim_v <= 16 or whole == head_dim_v:
