@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     import kvbound
-    from kvbound.bench.ports import PORT_MODELS
+    from kvbound.bench.ports import PORT_MODELS, _forward
 
     device = torch.device("cuda")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -211,9 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             modules = [m for m in model.modules() if type(m) is cls]
             inputs = spec.make_input(batch, 0, device)
 
-            def forward(model=model, inputs=inputs):
-                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                    return model(*inputs.args, **inputs.kwargs)
+            def forward(spec=spec, model=model, inputs=inputs):  # the models suite's forward (bf16 autocast, no_grad)
+                return _forward(spec, model, inputs, device)
 
             for variant in args.variants:
                 handle = kvbound.patch(model, compress=False) if variant == "patch-dense" else None

@@ -208,7 +208,6 @@ def softmax_step(
     return p, alpha, new_max, new_sum
 
 
-
 # How a tile's relative logits are skewed into place (relative_logits_tile), read once per process from
 # KVBOUND_RELATIVE_SKEW: "gather" (tl.gather along the window, lowered to warp shuffles and selects), "shared" (the
 # window product stored row-major to shared memory and read back at each logit's address: one load per logit, its

@@ -255,7 +255,8 @@ def _attention_dense_inner(
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         else:
-            v_ptrs = v_head + key_base * stride_vn + (offs_n * stride_vn)[:, None] + (offs_dv * stride_vd)[None, :]
+            v_rows = v_head + key_base * stride_vn + (offs_n * stride_vn)[:, None]
+            v_ptrs = v_rows + (offs_dv * stride_vd)[None, :]
             if MASK:
                 v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
             elif DV_PAD <= HEAD_DIM_V:
@@ -269,9 +270,7 @@ def _attention_dense_inner(
             if USE_TMA:
                 v_hi = v_desc_hi.load([start_n, DV_PAD])
             else:
-                v_hi_ptrs = (
-                    v_head + key_base * stride_vn + (offs_n * stride_vn)[:, None] + (offs_dv_hi * stride_vd)[None, :]
-                )
+                v_hi_ptrs = v_rows + (offs_dv_hi * stride_vd)[None, :]
                 if MASK:
                     v_hi = tl.load(v_hi_ptrs, mask=key_ok[:, None] & dv_hi_ok[None, :], other=0.0)
                 else:
