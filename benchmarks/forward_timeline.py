@@ -13,6 +13,8 @@ forward is traced by ``torch.profiler`` after warm-up. From the trace:
   found by forward hooks that mark each module's calls with ``record_function``), where a patched layer's host path
   could leave the device waiting.
 - One ``kernels`` row per (variant, kernel category) with the device time of the traced forward.
+- ``module`` rows: what runs inside the attention modules, by kernel name (the ten longest and the rest in one row):
+  the attention kernel, projections, casts, checks.
 
     python benchmarks/forward_timeline.py OUT.csv [--models enformer borzoi] [--batches 8 4] [--commit SHA]
     python benchmarks/forward_timeline.py OUT.csv --replot      # only redraw OUT.png from OUT.csv
@@ -32,6 +34,9 @@ import torch
 
 FIELDS = ["model", "batch", "variant", "row", "name", "calls", "ms", "commit"]
 VARIANTS = ("unpatched", "patch-dense")
+# Kernels listed per variant in the ``module`` rows (the rest summed in one row), and the characters of a name kept.
+MODULE_KERNELS = 10
+KERNEL_NAME_CHARS = 90
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 CATEGORIES = (
     ("attention kernel", r"^_attention|^_fused|kvbound"),
@@ -137,6 +142,25 @@ def trace_rows(prof, spec_name: str, batch: int, variant: str, commit: str) -> l
         sums[label] = (calls + 1, total + (e.end_ns() - e.start_ns()) / 1e6)
     for label, (calls, total) in sorted(sums.items(), key=lambda kv: -kv[1][1]):
         rows.append({**base, "row": "kernels", "name": label, "calls": calls, "ms": f"{total:.3f}"})
+    rows += module_kernel_rows(inside, base)
+    return rows
+
+
+def module_kernel_rows(inside, base: dict, top: int = MODULE_KERNELS) -> list[dict]:
+    """``module`` rows: the device work launched inside the attention modules by kernel name (its first
+    ``KERNEL_NAME_CHARS`` characters), the ``top`` longest, then one ``other`` row for the rest."""
+    sums: dict[str, tuple[int, float]] = {}
+    for e in inside:
+        name = e.name()[:KERNEL_NAME_CHARS]
+        calls, total = sums.get(name, (0, 0.0))
+        sums[name] = (calls + 1, total + (e.end_ns() - e.start_ns()) / 1e6)
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1][1])
+    rows = [{**base, "row": "module", "name": name, "calls": calls, "ms": f"{total:.3f}"}
+            for name, (calls, total) in ranked[:top]]  # fmt: skip
+    rest = ranked[top:]
+    if rest:
+        rows.append({**base, "row": "module", "name": f"other ({len(rest)} kernels)",
+                     "calls": sum(c for _, (c, _) in rest), "ms": f"{sum(t for _, (_, t) in rest):.3f}"})  # fmt: skip
     return rows
 
 

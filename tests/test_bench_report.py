@@ -452,3 +452,22 @@ def test_report_shows_forward_timelines(tmp_path):
     patched = "| enformer | 8 | patch-dense | 150.00 | 1.27x | 1.36x | 149.5 | 0.5 | 10.00 | 16.0 / 0.2 | abc1234 |"
     assert patched in section
     assert "forward_timeline.csv` (14 rows of `benchmarks/forward_timeline.py`)" in text
+    assert "Inside the attention modules" not in section  # no module rows in this file
+
+
+def test_report_lists_the_kernels_inside_the_attention_modules(tmp_path):
+    """A forward_timeline CSV with ``module`` rows gets a second table: per forward, its longest kernels inside the
+    attention modules with their share of all of them (the ``other`` row included in the total)."""
+    header = "model,batch,variant,row,name,calls,ms,commit"
+    rows = [
+        "alphagenome,1,patch-dense,timeline,forward_ms,,430.0,abc1234",
+        "alphagenome,1,patch-dense,module,_attention_dense_fwd,9,6.000,abc1234",
+        "alphagenome,1,patch-dense,module,elementwise_kernel<float>,90,3.000,abc1234",
+        "alphagenome,1,patch-dense,module,other (5 kernels),20,1.000,abc1234",
+    ]
+    text = _report_of_one_file(tmp_path, "forward_timeline.csv", header, rows, "forward-timeline")
+    section = text.split("### Where a whole forward's device time goes")[1].split("\n## ")[0]
+    assert "Inside the attention modules" in section
+    assert "| alphagenome | 1 | patch-dense | `_attention_dense_fwd` | 9 | 6.000 | 60% | abc1234 |" in section
+    assert "| alphagenome | 1 | patch-dense | `elementwise_kernel<float>` | 90 | 3.000 | 30% | abc1234 |" in section
+    assert "| alphagenome | 1 | patch-dense | `other (5 kernels)` | 20 | 1.000 | 10% | abc1234 |" in section

@@ -32,3 +32,40 @@ def test_a_trace_without_device_work_reads_as_zeros():
     values = {r["name"]: r["ms"] for r in rows if r["row"] == "timeline"}
     assert values["busy_ms"] == values["tower_busy_ms"] == "0.000"
     assert values["syncs"] == "" and not [r for r in rows if r["row"] == "kernels"]
+
+
+class _Event:
+    def __init__(self, name: str, start_ns: int, end_ns: int) -> None:
+        self._name, self._start, self._end = name, start_ns, end_ns
+
+    def name(self) -> str:
+        return self._name
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def end_ns(self) -> int:
+        return self._end
+
+
+def test_module_rows_rank_kernels_and_sum_the_rest():
+    """The kernels launched inside the attention modules by name, longest first, names cut to KERNEL_NAME_CHARS,
+    calls counted; past ``top`` one ``other`` row holds the rest's calls and time."""
+    timeline = load("forward_timeline")
+    long_name = "nvjet_" + "x" * 200
+    inside = [
+        _Event("_attention_dense_fwd", 0, 2_000_000),
+        _Event("_attention_dense_fwd", 5_000_000, 7_500_000),
+        _Event(long_name, 2_000_000, 2_300_000),
+        _Event("copy", 3_000_000, 3_100_000),
+        _Event("norm", 4_000_000, 4_050_000),
+    ]
+    base = {"model": "m", "batch": 1, "variant": "v", "commit": "abc1234"}
+    rows = timeline.module_kernel_rows(inside, base, top=2)
+    assert [(r["name"], r["calls"], r["ms"]) for r in rows] == [
+        ("_attention_dense_fwd", 2, "4.500"),
+        (long_name[: timeline.KERNEL_NAME_CHARS], 1, "0.300"),
+        ("other (2 kernels)", 2, "0.150"),
+    ]
+    assert all(r["row"] == "module" and r["model"] == "m" for r in rows)
+    assert timeline.module_kernel_rows([], base) == []

@@ -311,7 +311,33 @@ def _forward_timeline_section(files: list[ResultFile]) -> str:
             body.append([model, batch, variant, _fmt_text(forward, ".2f"), ratio, bound,
                          _fmt_text(v.get("busy_ms"), ".1f"), _fmt_text(v.get("idle_ms"), ".1f"),
                          _fmt_text(attention, ".2f"), tower, v["commit"]])  # fmt: skip
-    return tables.to_markdown(headers, body) if body else "_(none)_\n"
+    if not body:
+        return "_(none)_\n"
+    return tables.to_markdown(headers, body) + _forward_timeline_modules(files)
+
+
+def _forward_timeline_modules(files: list[ResultFile], top: int = 6) -> str:
+    """The ``module`` rows of the forward_timeline CSVs that have them: per (model, batch, variant), the ``top``
+    kernels launched inside the attention modules, with their share of the modules' device time."""
+    groups: dict[tuple, list[dict]] = {}
+    for item in files:
+        for r in item.raw:
+            if r.get("row") == "module":
+                groups.setdefault((r["model"], r["batch"], r["variant"], r.get("commit") or "-"), []).append(r)
+    if not groups:
+        return ""
+    headers = ["model", "batch", "variant", "kernel", "calls", "ms", "share of the modules", "commit"]
+    body = []
+    for (model, batch, variant, commit), rows in groups.items():
+        total = sum(float(r["ms"] or 0) for r in rows)
+        for r in rows[:top]:
+            share = f"{float(r['ms']) / total:.0%}" if total > 0 and r["ms"] else "-"
+            body.append([model, batch, variant, f"`{r['name']}`", r.get("calls") or "-", _fmt_text(r["ms"], ".3f"),
+                         share, commit])  # fmt: skip
+    return (
+        "\nInside the attention modules (`module` rows, from files recorded since they exist): the device time of "
+        f"each kernel launched there, the {top} longest per forward.\n\n" + tables.to_markdown(headers, body)
+    )
 
 
 # Side scripts whose CSVs the report reads: kind -> (script, whether their rows record a date, and a Triton version)
