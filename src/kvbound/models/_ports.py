@@ -171,6 +171,113 @@ def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def fused_norm_enabled() -> bool:
+    """``KVBOUND_FUSED_NORM``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
+    (``false``, ``off``, ``no``); other values raise. On: patched AlphaGenome attention blocks on CUDA normalise,
+    rotate and cast their projected q, k and v in one kernel each (:func:`kvbound.kernels.norm_rope.norm_rope`)
+    where the port's own LayerNorm and RoPE would run about twenty kernels per tensor. Read at each call."""
+    value = os.environ.get("KVBOUND_FUSED_NORM", "").strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"KVBOUND_FUSED_NORM: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
+
+
+def _fused_norm_device(x: torch.Tensor) -> bool:
+    """Where the fused norm runs: CUDA tensors (on the CPU the port's own modules are faster than the interpreter)."""
+    return x.is_cuda
+
+
+def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``norm(x)`` may run in :func:`~kvbound.kernels.norm_rope.norm_rope`: a CUDA input of a 16/32-bit float
+    dtype, ``norm`` exactly the port's centring, affine ``LayerNorm`` over the last dimension, with no hooks that
+    the kernel would skip, and no autograd to feed (the kernel has no backward)."""
+    layer_norm = lookup_class("alphagenome_pytorch.layers", "LayerNorm")
+    if layer_norm is None or type(norm) is not layer_norm or not _fused_norm_device(x) or not x.is_contiguous():
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() != 4:
+        return False
+    c = x.shape[-1]
+    weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    if getattr(norm, "rms_norm", True) or not getattr(norm, "elementwise_affine", False):
+        return False
+    if not isinstance(getattr(norm, "eps", None), float):
+        return False
+    if tuple(getattr(norm, "normalized_shape", ())) != (c,) or not isinstance(weight, torch.Tensor):
+        return False
+    if not isinstance(bias, torch.Tensor) or tuple(weight.shape) != (c,) or tuple(bias.shape) != (c,):
+        return False
+    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16) or bias.dtype != weight.dtype:
+        return False
+    if weight.device != x.device or bias.device != x.device:
+        return False
+    if norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks:
+        return False
+    if nn.modules.module._global_forward_pre_hooks:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
+
+
+def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
+    """``(cos, sin)``, each ``[s, c / 2]`` float32, of the port's ``apply_rope`` on a ``[1, s, 1, c]`` tensor of
+    ``dtype`` under the autocast state of this call, read off the port's own function: on pairs ``(1, 0)`` it
+    returns ``(cos, sin)`` and on ``(0, 1)`` ``(-sin, cos)`` (each product with 0 or 1 exact). Cached per handle
+    with that state. None where the two readings disagree (a rotation this kernel does not model)."""
+    autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+
+    def compute() -> torch.Tensor:
+        first = torch.zeros(1, s, 1, c, dtype=dtype, device=device)
+        first[..., 0::2] = 1
+        second = torch.zeros(1, s, 1, c, dtype=dtype, device=device)
+        second[..., 1::2] = 1
+        a, b = port.apply_rope(first)[0, :, 0], port.apply_rope(second)[0, :, 0]
+        cos, sin = a[:, 0::2].float(), a[:, 1::2].float()
+        if not (torch.equal(cos, b[:, 1::2].float()) and torch.equal(sin, -b[:, 0::2].float())):
+            return torch.empty(0, device=device)
+        return torch.stack([cos, sin]).contiguous()
+
+    tables = handle._positional_features((port.apply_rope, "rope-tables", s, c, dtype, device, autocast), compute)
+    return (tables[0], tables[1]) if tables.numel() else None
+
+
+def _operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``_matmul_dtype`` of a floating tensor of ``dtype`` on ``device``."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
+
+
+def _alphagenome_qkv(module, handle, port, h, b: int, s: int, dk: int, dv: int):
+    """The port's normalised q, k (rotated) and v as ``[B, S, H, D]`` in the attention's operand dtype: one fused
+    kernel per tensor where ``_fusable_norm`` allows it (and ``KVBOUND_FUSED_NORM`` is on), else the port's
+    modules and ``apply_rope``, then the cast."""
+    from kvbound.kernels.norm_rope import norm_rope
+
+    projected = (
+        (module.q_proj(h).view(b, s, -1, dk), module.norm_q, True),
+        (module.k_proj(h).view(b, s, -1, dk), module.norm_k, True),
+        (module.v_proj(h).view(b, s, -1, dv), module.norm_v, False),
+    )
+    fused = fused_norm_enabled() and all(_fusable_norm(norm, t) for t, norm, _ in projected)
+    norm_dtypes = {torch.promote_types(t.dtype, norm.weight.dtype) for t, norm, _ in projected} if fused else set()
+    tables = None
+    if len(norm_dtypes) == 1:  # q and k share their width (dk), hence one pair of tables
+        (norm_dtype,) = norm_dtypes
+        tables = _rope_tables(handle, port, s, dk, norm_dtype, h.device)
+    if tables is not None:
+        operand = _operand_dtype(norm_dtype, h.device)
+        return tuple(
+            norm_rope(t, norm.weight, norm.bias, norm.eps, rope=tables if rope else None, out_dtype=operand)
+            for t, norm, rope in projected
+        )
+    q, k, v = (norm(t) for t, norm, _ in projected)
+    q = port.apply_rope(q, inplace=True)
+    k = port.apply_rope(k, inplace=True)
+    # The port's two products are torch.matmul calls: under autocast they multiply bfloat16 (or float16) copies
+    # of q, k, v and the weights, accumulating in float32; the fused kernel takes the same operands.
+    operand = _matmul_dtype(q)
+    return q.to(operand), k.to(operand), v.to(operand)
+
+
 def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_dtype=None):
     b, s, _ = x.shape
     compute_dtype = x.dtype if compute_dtype is None else compute_dtype
@@ -179,16 +286,7 @@ def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_
     h = module.norm(x)
     dk = module.norm_q.normalized_shape[0]
     dv = module.norm_v.normalized_shape[0]
-    q = module.norm_q(module.q_proj(h).view(b, s, -1, dk))
-    k = module.norm_k(module.k_proj(h).view(b, s, -1, dk))
-    v = module.norm_v(module.v_proj(h).view(b, s, -1, dv))
-    q = port.apply_rope(q, inplace=True).permute(0, 2, 1, 3)
-    k = port.apply_rope(k, inplace=True).permute(0, 2, 1, 3)
-    v = v.permute(0, 2, 1, 3)
-    # The port's two products are torch.matmul calls: under autocast they multiply bfloat16 (or float16) copies
-    # of q, k, v and the weights, accumulating in float32; the fused kernel takes the same operands.
-    operand = _matmul_dtype(q)
-    q, k, v = q.to(operand), k.to(operand), v.to(operand)
+    q, k, v = (t.permute(0, 2, 1, 3) for t in _alphagenome_qkv(module, handle, port, h, b, s, dk, dv))
     k, v = handle._prepare_kv(record, k, v)
     y = tile_bias_attention(
         q,
