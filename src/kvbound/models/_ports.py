@@ -109,6 +109,17 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     return module.to_out(out)
 
 
+def _switch(name: str) -> bool:
+    """An on-by-default environment switch: unset, empty, ``1``, ``true``, ``on``, ``yes`` -> True; ``0``,
+    ``false``, ``off``, ``no`` -> False; anything else raises."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
+
+
 def relative_runs_enabled() -> bool:
     """``KVBOUND_RELATIVE_RUNS``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
     (``false``, ``off``, ``no``); other values raise. On: patched Enformer/Borzoi layers with dense K/V pass the runs
@@ -119,12 +130,7 @@ def relative_runs_enabled() -> bool:
     (h200_2026-12-02_5d68a9b). In whole forwards the runs are faster at every batch measured, batch 1 included:
     23.6 / 44.8 / 85.2 ms at batch 1 / 2 / 4 against 24.2 / 47.1 / 89.7 ms with the keys (h200_2026-12-02_a8e9727),
     so there is no batch below which the keys are chosen."""
-    value = os.environ.get("KVBOUND_RELATIVE_RUNS", "").strip().lower()
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"KVBOUND_RELATIVE_RUNS: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
+    return _switch("KVBOUND_RELATIVE_RUNS")
 
 
 def _enformer_features(module, handle, n: int, device: torch.device) -> torch.Tensor:
@@ -176,12 +182,7 @@ def fused_norm_enabled() -> bool:
     (``false``, ``off``, ``no``); other values raise. On: patched AlphaGenome attention blocks on CUDA normalise,
     rotate and cast their projected q, k and v in one kernel each (:func:`kvbound.kernels.norm_rope.norm_rope`)
     where the port's own LayerNorm and RoPE would run about twenty kernels per tensor. Read at each call."""
-    value = os.environ.get("KVBOUND_FUSED_NORM", "").strip().lower()
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"KVBOUND_FUSED_NORM: expected one of 1, true, on, yes, 0, false, off, no, got {value!r}")
+    return _switch("KVBOUND_FUSED_NORM")
 
 
 def _fused_norm_device(x: torch.Tensor) -> bool:
