@@ -86,10 +86,11 @@
 #                         compressed), and the ports with their attention core replaced by what a user could assemble
 #                         (SDPA with a built position bias, compiled FlexAttention over a built table;
 #                         kvbound/bench/alternatives.py): FlexAttention compiles per shape (untimed)
-#   timeline    ~6 min    benchmarks/forward_timeline.py: one traced whole forward of Enformer (batch 8, then 1),
+#   timeline    ~8 min    benchmarks/forward_timeline.py: one traced whole forward of Enformer (batch 8, then 1),
 #                         Borzoi (4, then 1) and AlphaGenome (1), unpatched and patch-dense: device busy and idle
-#                         time, the attention modules' device time, the transformer's span, a plot (GPU only: the
-#                         smoke runs nothing)
+#                         time, the attention modules' device time, the transformer's span, a plot; then
+#                         benchmarks/fused_norm_ab.py: AlphaGenome patched with and without its q, k, v norms fused
+#                         (GPU only: the smoke runs nothing)
 #
 # models, models2, alphagenome, halves, largest, alternatives and timeline install the ports' wheels from .whl/
 # (benchmarks/wheels.sh; carry `.whl`).
@@ -367,6 +368,8 @@ timeline)
             --batches 1 1 --commit "$COMMIT"
         step timeline-alphagenome 160 "$RES/forward_timeline_alphagenome.csv" "${timeline[@]}" \
             "$RES/forward_timeline_alphagenome.csv" --models alphagenome --batches 1 --commit "$COMMIT"
+        step fused-norm 120 "$RES/fused_norm_ab.csv" "$PY" benchmarks/fused_norm_ab.py "$RES/fused_norm_ab.csv" \
+            --commit "$COMMIT"
     fi
     ;;
 largest | largest-alphagenome)

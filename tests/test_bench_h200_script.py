@@ -239,8 +239,11 @@ def test_timeline_part_traces_the_forwards_on_the_gpu_only(tmp_path, smoke):
     status = (out / "status.txt").read_text()
     if smoke:
         assert calls == [] and "GPU only" in proc.stdout
+        assert not [c for c in _calls(tmp_path) if "fused_norm_ab.py" in c]
         return
     assert len(calls) == 3 and all("--commit abc1234" in c for c in calls)
     assert calls[0].split()[1].endswith("/timeline/forward_timeline.csv") and "--batches" not in calls[0]
     assert "--batches 1 1" in calls[1] and "--models alphagenome --batches 1" in calls[2]
-    assert all(f"{name} 0" in status for name in ("timeline", "timeline-b1", "timeline-alphagenome"))
+    (ab,) = [c for c in _calls(tmp_path) if c.startswith("benchmarks/fused_norm_ab.py ")]
+    assert ab.split()[1].endswith("/timeline/fused_norm_ab.csv") and ab.endswith("--commit abc1234")
+    assert all(f"{name} 0" in status for name in ("timeline", "timeline-b1", "timeline-alphagenome", "fused-norm"))

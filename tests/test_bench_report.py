@@ -471,3 +471,20 @@ def test_report_lists_the_kernels_inside_the_attention_modules(tmp_path):
     assert "| alphagenome | 1 | patch-dense | `_attention_dense_fwd` | 9 | 6.000 | 60% | abc1234 |" in section
     assert "| alphagenome | 1 | patch-dense | `elementwise_kernel<float>` | 90 | 3.000 | 30% | abc1234 |" in section
     assert "| alphagenome | 1 | patch-dense | `other (5 kernels)` | 20 | 1.000 | 10% | abc1234 |" in section
+
+
+def test_report_shows_the_fused_norm_comparison(tmp_path):
+    """benchmarks/fused_norm_ab.py's CSV: its rows with their speed-ups over the same file's unpatched row."""
+    header = "model,batch,variant,repeat,forward_ms,attention_ms,max_abs_diff,rel_diff,commit"
+    rows = [
+        "alphagenome,1,unpatched,1,570.00,150.000,,,abc1234",
+        "alphagenome,1,patch-dense,1,420.00,13.500,9.382e-02,3.700e-03,abc1234",
+        "alphagenome,1,patch-dense-port-norms,1,435.00,18.000,9.382e-02,3.700e-03,abc1234",
+    ]
+    text = _report_of_one_file(tmp_path, "fused_norm_ab.csv", header, rows, "fused-norm")
+    section = text.split("### AlphaGenome's q, k, v norms fused")[1].split("\n## ")[0]
+    assert "| alphagenome | 1 | unpatched | 1 | 570.0 | - | 150.00 | - | - | - | abc1234 |" in section
+    # 570 / 420 and 150 / 13.5; 570 / 435 and 150 / 18
+    assert "| alphagenome | 1 | patch-dense | 1 | 420.0 | 1.357x | 13.50 | 11.1x | 9.382e-02 | 3.700e-03 |" in section
+    assert "| alphagenome | 1 | patch-dense-port-norms | 1 | 435.0 | 1.310x | 18.00 | 8.3x |" in section
+    assert "fused_norm_ab.csv` (3 rows of `benchmarks/fused_norm_ab.py`)" in text

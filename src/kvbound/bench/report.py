@@ -187,6 +187,8 @@ def read_results(results: Path) -> list[ResultFile]:
             out.append(ResultFile(path, "relative-ncu", raw=raw, columns=columns))
         elif set(FORWARD_TIMELINE_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "forward-timeline", raw=raw, columns=columns))
+        elif set(FUSED_NORM_COLUMNS) <= set(columns):
+            out.append(ResultFile(path, "fused-norm", raw=raw, columns=columns))
         elif set(tables.LEGACY_ENCODER_COLUMNS) <= set(columns):
             out.append(ResultFile(path, "legacy-encoder", raw=raw, columns=columns))
         elif set(tables.LEGACY_PUBLIC_API_COLUMNS) <= set(columns):
@@ -340,12 +342,46 @@ def _forward_timeline_modules(files: list[ResultFile], top: int = 6) -> str:
     )
 
 
+# benchmarks/fused_norm_ab.py's CSV (patched AlphaGenome with and without the fused norm, one process)
+FUSED_NORM_COLUMNS = ("model", "batch", "variant", "repeat", "forward_ms", "attention_ms", "max_abs_diff", "rel_diff",
+                      "commit")  # fmt: skip
+
+
+def _fused_norm_section(files: list[ResultFile]) -> str:
+    """Every row of every fused_norm_ab CSV, with the forward's and the attention modules' speed-up over the same
+    file's unpatched row."""
+    headers = ["model", "batch", "variant", "repeat", "forward ms", "vs unpatched", "attention modules ms",
+               "attention vs unpatched", "max abs diff", "rel diff", "commit"]  # fmt: skip
+    body = []
+    for item in files:
+        base = next((r for r in item.raw if r.get("variant") == "unpatched"), None)
+        for r in item.raw:
+            ratio = attention = "-"
+            if base is not None and r is not base and r.get("forward_ms") and r.get("attention_ms"):
+                ratio = f"{float(base['forward_ms']) / float(r['forward_ms']):.3f}x"
+                attention = f"{float(base['attention_ms']) / float(r['attention_ms']):.1f}x"
+            body.append([r["model"], r["batch"], r["variant"], r["repeat"], _fmt_text(r.get("forward_ms"), ".1f"),
+                         ratio, _fmt_text(r.get("attention_ms"), ".2f"), attention, r.get("max_abs_diff") or "-",
+                         r.get("rel_diff") or "-", r.get("commit") or "-"])  # fmt: skip
+    return tables.to_markdown(headers, body) if body else "_(none)_\n"
+
+
+_FUSED_NORM_METHOD = """`python benchmarks/fused_norm_ab.py OUT.csv` (part of `bash benchmarks/h200.sh timeline`):
+AlphaGenome at full size (1 Mbp, random weights, bf16 autocast, `no_grad`) in one process, unpatched, then patched
+with dense K/V: with the q, k, v LayerNorm, RoPE and cast fused in one kernel each (`patch-dense`, the default),
+with the port's own LayerNorm and `apply_rope` (`patch-dense-port-norms`, `KVBOUND_FUSED_NORM=0`), and fused again
+(repeat 2). Forward: median of 5 (CUDA events); attention modules: their forwards summed by hooks (median of 3);
+diff: the output against the unpatched one.
+"""
+
+
 # Side scripts whose CSVs the report reads: kind -> (script, whether their rows record a date, and a Triton version)
 _SCRIPT_OF_KIND = {
     "trained-kv": ("benchmarks/trained_kv.py", True, True),
     "largest-batch": ("benchmarks/largest_batch.py", False, False),
     "relative-ncu": ("benchmarks/relative_ncu.py", False, True),
     "forward-timeline": ("benchmarks/forward_timeline.py", False, False),
+    "fused-norm": ("benchmarks/fused_norm_ab.py", False, False),
 }
 
 
@@ -543,6 +579,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "### Where a whole forward's device time goes\n",
         _FORWARD_TIMELINE_METHOD,
         _forward_timeline_section([f for f in other_files if f.kind == "forward-timeline"]),
+        "### AlphaGenome's q, k, v norms fused\n",
+        _FUSED_NORM_METHOD,
+        _fused_norm_section([f for f in other_files if f.kind == "fused-norm"]),
         "## Relative-position attention against what a user could build\n",
         _RELATIVE_METHOD,
         tables.to_markdown(*tables.relative_table(rows)),
