@@ -238,3 +238,30 @@ def test_gpu_norm_rope_equals_the_port_modules_bf16(c, rope):
     share = (diff > 0).float().mean().item()
     print(f"norm_rope on the GPU, C={c}: {share:.2e} of the elements differ from the port's, by at most one ulp")
     assert (diff <= ulp).all() and share <= 1e-3
+
+
+@pytest.mark.parametrize("autocast", [None, torch.float16])
+def test_patched_block_casts_once_and_skips_exact_round_trips(mha, autocast):
+    """The patched block casts the normalised input once for its three projections and, under autocast in the
+    attention output's dtype, hands that output to linear_embedding without widening it to the float32 compute
+    dtype (which the layer would narrow back): the projections and linear_embedding then see 16-bit inputs, and the
+    output equals that of a block whose inputs are widened to float32 again before each of those layers."""
+    module, _ = mha
+    x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(12))
+    tiles = torch.randn(1, 8, 2, 2, generator=torch.Generator().manual_seed(13))
+    layers = (module.q_proj, module.k_proj, module.v_proj, module.linear_embedding)
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype)) for m in layers]
+    try:
+        got = _run(module, x, tiles, autocast=autocast)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [autocast or torch.float32] * 4
+    hooks = [m.register_forward_pre_hook(lambda m, args: (args[0].float(), *args[1:])) for m in layers]
+    try:
+        widened = _run(module, x, tiles, autocast=autocast)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.equal(got, widened)

@@ -285,6 +285,8 @@ def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_
     port = sys.modules[type(module).__module__]
     x = x.to(compute_dtype)
     h = module.norm(x)
+    # Under autocast each of the three projections would cast h to the autocast dtype; one cast, the same values.
+    h = h.to(_matmul_dtype(h))
     dk = module.norm_q.normalized_shape[0]
     dv = module.norm_v.normalized_shape[0]
     q, k, v = (t.permute(0, 2, 1, 3) for t in _alphagenome_qkv(module, handle, port, h, b, s, dk, dv))
@@ -299,7 +301,11 @@ def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_
         query_chunk=handle.query_chunk,
         backend=handle.backend,
     )
-    y = y.to(compute_dtype).permute(0, 2, 1, 3).reshape(b, s, -1)
+    if not (compute_dtype == torch.float32 and _operand_dtype(torch.float32, y.device) == y.dtype):
+        # (Under autocast in y's dtype, widening y to float32 for linear_embedding, which narrows it back, is an
+        # exact round trip of two copies: skipped.)
+        y = y.to(compute_dtype)
+    y = y.permute(0, 2, 1, 3).reshape(b, s, -1)
     return module.final_norm(module.linear_embedding(y))
 
 
