@@ -72,13 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         forward, attention, reference = measure()
         rows = [("unpatched", 1, forward, attention, None)]
         handle = kvbound.patch(model, compress=False)
+        previous = os.environ.get("KVBOUND_FUSED_NORM")
         try:
             for variant, repeat, setting in (("patch-dense", 1, "1"), ("patch-dense-port-norms", 1, "0"),
                                              ("patch-dense", 2, "1")):  # fmt: skip
                 os.environ["KVBOUND_FUSED_NORM"] = setting
                 rows.append((variant, repeat, *measure()))
         finally:
-            os.environ.pop("KVBOUND_FUSED_NORM", None)
+            if previous is None:
+                os.environ.pop("KVBOUND_FUSED_NORM", None)
+            else:
+                os.environ["KVBOUND_FUSED_NORM"] = previous
             handle.undo()
         for variant, repeat, forward, attention, out in rows:
             diff = {} if out is None else {

@@ -16,10 +16,10 @@ from kvbound.kernels.norm_rope import norm_rope  # noqa: E402
 alphagenome_pytorch = pytest.importorskip("alphagenome_pytorch", reason="pip install kvbound[models]")
 
 
-def _layer_norm(c: int, seed: int):
+def _layer_norm(c: int, seed: int, dtype: torch.dtype = torch.float32):
     from alphagenome_pytorch import layers
 
-    norm = layers.LayerNorm(c)
+    norm = layers.LayerNorm(c).to(dtype)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(c, generator=gen))
@@ -38,16 +38,21 @@ def _tables(s: int, c: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize(
-    "in_dtype, c, rope, out_dtype",
+    "in_dtype, param_dtype, c, rope, out_dtype",
     [
-        (torch.float16, 128, True, torch.float16),  # AlphaGenome's q and k under float16 autocast
-        (torch.float16, 192, False, torch.float16),  # its v: a width that is not a power of two, no rotation
-        (torch.float16, 128, True, torch.float32),
-        (torch.float32, 128, True, torch.float32),  # a float32 model without autocast
-        (torch.float32, 24, True, torch.float16),
+        # float16 projections, float32 norm parameters: AlphaGenome's q and k under float16 autocast
+        (torch.float16, torch.float32, 128, True, torch.float16),
+        # its v: a width that is not a power of two, no rotation
+        (torch.float16, torch.float32, 192, False, torch.float16),
+        (torch.float16, torch.float32, 128, True, torch.float32),
+        (torch.float32, torch.float32, 128, True, torch.float32),  # a float32 model without autocast
+        (torch.float32, torch.float32, 24, True, torch.float16),
+        # a float16 model: the affine step and the rotation round to float16 too
+        (torch.float16, torch.float16, 128, True, torch.float16),
+        (torch.float16, torch.float16, 192, False, torch.float16),
     ],
 )
-def test_norm_rope_equals_the_port_modules(in_dtype, c, rope, out_dtype):
+def test_norm_rope_equals_the_port_modules(in_dtype, param_dtype, c, rope, out_dtype):
     """The kernel against the port's own LayerNorm and in-place apply_rope, then the cast: with a 16-bit input
     the centred values and the inverse deviation are rounded to it at the same points, so the outputs are equal
     (a row sum in another order may flip a rounding: at most one unit in the last place, rarely); in float32 they
@@ -57,7 +62,7 @@ def test_norm_rope_equals_the_port_modules(in_dtype, c, rope, out_dtype):
     b, s, h = 2, 40, 3
     gen = torch.Generator().manual_seed(c)
     x = (torch.randn(b, s, h, c, generator=gen) * 3 + 0.7).to(in_dtype)
-    norm = _layer_norm(c, seed=c + 1)
+    norm = _layer_norm(c, seed=c + 1, dtype=param_dtype)
     with torch.no_grad():
         expected = norm(x)
         norm_dtype = expected.dtype
@@ -109,6 +114,8 @@ def test_norm_rope_refuses_bad_input():
         norm_rope(x, torch.ones(7), bias, 1e-5, rope=None, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"bias: expected shape \[8\]"):
         norm_rope(x, w, torch.zeros(8, dtype=torch.float64), 1e-5, rope=None, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"bias: expected weight's dtype \(torch.float32\), got torch.float16"):
+        norm_rope(x, w, torch.zeros(8, dtype=torch.float16), 1e-5, rope=None, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"rope cos: expected a float32 tensor of shape \[4, 4\]"):
         norm_rope(x, w, bias, 1e-5, rope=(torch.ones(4, 3), torch.ones(4, 4)), out_dtype=torch.float32)
     with pytest.raises(ValueError, match="rotary embedding needs an even last dimension, got C=7"):
@@ -140,13 +147,16 @@ def mha(monkeypatch):
     import kvbound.kernels.norm_rope as kernel
 
     calls = []  # one entry per kernel call: whether it rotated
+    dtypes = []  # and the operand dtype it wrote
     real = kernel.norm_rope
 
     def spy(*args, **kwargs):
         calls.append(kwargs["rope"] is not None)
+        dtypes.append(kwargs["out_dtype"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "norm_rope", spy)
+    module.operand_dtypes = dtypes  # read by the tests below
     return module, calls
 
 
@@ -160,20 +170,23 @@ def _run(module, x, tiles, *, autocast: torch.dtype | None):
 
 @pytest.mark.parametrize("autocast", [None, torch.float16])
 def test_patched_block_fuses_its_norms_and_matches_the_port_path(mha, monkeypatch, autocast):
-    """With the fused norm the patched block runs one kernel for each of q, k (rotated) and v and gives the
-    outputs of the port's modules (KVBOUND_FUSED_NORM=0): equal up to float32 sums under float16 autocast, where
-    the operands are rounded to float16 at the same points, and to float32 rounding without autocast."""
+    """With the fused norm the patched block runs one kernel for each of q, k (rotated) and v, writing the operand
+    dtype, and gives the outputs of the port's modules (KVBOUND_FUSED_NORM=0): equal under float16 autocast, where
+    the operands are rounded to float16 at the same points, and equal up to float32 sums without autocast."""
     module, calls = mha
     x = torch.randn(1, 48, 64, generator=torch.Generator().manual_seed(5))
     tiles = torch.randn(1, 8, 3, 3, generator=torch.Generator().manual_seed(6))
     fused = _run(module, x, tiles, autocast=autocast)
-    assert calls == [True, True, False]
+    assert calls == [True, True, False] and module.operand_dtypes == [autocast or torch.float32] * 3
     monkeypatch.setenv("KVBOUND_FUSED_NORM", "0")
     plain = _run(module, x, tiles, autocast=autocast)
     assert len(calls) == 3
     err = (fused.float() - plain.float()).abs().max().item()
     print(f"patched AlphaGenome block, fused norm vs the port's modules ({autocast}): max diff {err:.2e}")
-    assert err <= (1e-3 if autocast else 1e-5) * plain.float().abs().max().item()
+    if autocast:  # every rounding of q, k, v is a float16 one, at the same points: the same operands
+        assert torch.equal(fused, plain)
+    else:
+        assert err <= 1e-5 * plain.float().abs().max().item()
     monkeypatch.setenv("KVBOUND_FUSED_NORM", "sometimes")
     with pytest.raises(ValueError, match="KVBOUND_FUSED_NORM: expected one of"):
         _run(module, x, tiles, autocast=autocast)
@@ -201,14 +214,58 @@ def test_patched_block_keeps_the_port_modules_where_the_kernel_would_change_beha
     assert module.norm_q.weight.grad is not None and module.q_proj.weight.grad is not None
     module.zero_grad(set_to_none=True)
 
-    module.norm_v.rms_norm = True
-    try:
-        _run(module, x, tiles, autocast=None)
-    finally:
-        module.norm_v.rms_norm = False
-    assert calls == []
+    for name, value in (("rms_norm", True), ("elementwise_affine", False)):
+        setattr(module.norm_v, name, value)
+        try:
+            _run(module, x, tiles, autocast=None)
+        finally:
+            setattr(module.norm_v, name, not value)
+        assert calls == [], name
+    hooks = [
+        module.norm_q.register_forward_pre_hook(lambda m, args: None),
+        torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None),
+        torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: None),
+    ]
+    for hook in hooks:
+        try:
+            _run(module, x, tiles, autocast=None)
+        finally:
+            hook.remove()
+        assert calls == []
     _run(module, x, tiles, autocast=None)
     assert calls == [True, True, False]
+
+
+def test_patched_block_keeps_the_port_rope_when_its_tables_do_not_read_as_a_rotation(mha, monkeypatch):
+    """A rotation whose (1, 0) and (0, 1) readings disagree (here: the pairs swapped, not rotated) is not one the
+    kernel models: the port's function runs instead, and its result is what the block uses."""
+    import alphagenome_pytorch.attention as port
+
+    module, calls = mha
+    monkeypatch.setattr(port, "apply_rope", lambda x, inplace=False, **kw: x.flip(-1) if not inplace else
+                        x.copy_(x.flip(-1)))  # fmt: skip
+    x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(14))
+    tiles = torch.randn(1, 8, 2, 2, generator=torch.Generator().manual_seed(15))
+    got = _run(module, x, tiles, autocast=None)
+    assert calls == []
+    monkeypatch.setenv("KVBOUND_FUSED_NORM", "0")
+    assert torch.equal(got, _run(module, x, tiles, autocast=None))
+
+
+def test_float64_block_under_autocast_runs_in_float64(mha):
+    """Autocast never casts float64: a float64 block under bfloat16 autocast keeps float64 operands, as the port
+    does, and gives the port's output (up to the float32 logits both take: the port's ``.float()``)."""
+    module, calls = mha
+    module.double()
+    x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    tiles = torch.randn(1, 8, 2, 2, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    from kvbound.models import TileBias
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        port = module(x, TileBias(tiles, 16, 32, 32).expand())
+    got = _run(module, x, tiles, autocast=torch.bfloat16)
+    assert got.dtype == torch.float64
+    assert (got - port).abs().max().item() <= 1e-6 * port.abs().max().item()
 
 
 @pytest.mark.gpu

@@ -108,8 +108,9 @@ def norm_rope(
 
     Args:
         x: ``[B, S, H, C]`` contiguous, float32 / float16 / bfloat16 (a projection's output split into heads).
-        weight, bias: ``[C]``; the normalised values are in ``torch.promote_types`` of x's, weight's and bias's
-            dtypes (float32 for bfloat16 activations with float32 parameters), as ``x_norm * weight + bias`` is.
+        weight, bias: ``[C]``, of one dtype; the normalised values are in ``torch.promote_types`` of x's and the
+            parameters' dtypes (float32 for bfloat16 activations with float32 parameters), as
+            ``x_norm * weight + bias`` is.
         eps: added to the variance.
         rope: ``(cos, sin)``, each ``[S, C / 2]`` float32 holding values of the normalised dtype: pair ``i`` of a row
             at position ``s`` becomes ``(e cos[s, i] - o sin[s, i], e sin[s, i] + o cos[s, i])``; None: no rotation.
@@ -137,7 +138,9 @@ def norm_rope(
     b, s, h, c = x.shape
     weight = _check_vector(weight, "weight", c, x.device)
     bias = _check_vector(bias, "bias", c, x.device)
-    norm_dtype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), bias.dtype)
+    if bias.dtype != weight.dtype:
+        raise ValueError(f"bias: expected weight's dtype ({weight.dtype}), got {bias.dtype}")
+    norm_dtype = torch.promote_types(x.dtype, weight.dtype)
     if rope is None:
         cos = sin = weight  # unread (ROPE is off)
     else:

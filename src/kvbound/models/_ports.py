@@ -170,11 +170,9 @@ def _relative_head_dims(module) -> tuple[int, int]:
 
 def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype ``torch.matmul`` multiplies ``t`` in at this point: the autocast dtype where autocast is on for
-    ``t``'s device (the port's products then run on those operands, with float32 accumulation), else its own."""
-    kind = t.device.type
-    if t.is_floating_point() and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return t.dtype
+    ``t``'s device (the port's products then run on those operands, with float32 accumulation), else its own.
+    Autocast leaves float64 alone, and so does this."""
+    return _operand_dtype(t.dtype, t.device) if t.is_floating_point() else t.dtype
 
 
 def fused_norm_enabled() -> bool:
@@ -221,8 +219,8 @@ def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
-    """``(cos, sin)``, each ``[s, c / 2]`` float32, of the port's ``apply_rope`` on a ``[1, s, 1, c]`` tensor of
-    ``dtype`` under the autocast state of this call, read off the port's own function: on pairs ``(1, 0)`` it
+    """``(cos, sin)``, each ``[s, c / 2]`` float32, of the port's ``apply_rope`` (in place, as ``MHABlock`` calls it)
+    on a ``[1, s, 1, c]`` tensor of ``dtype`` under the autocast state of this call: on pairs ``(1, 0)`` it
     returns ``(cos, sin)`` and on ``(0, 1)`` ``(-sin, cos)`` (each product with 0 or 1 exact). Cached per handle
     with that state. None where the two readings disagree (a rotation this kernel does not model)."""
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
@@ -232,7 +230,8 @@ def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch
         first[..., 0::2] = 1
         second = torch.zeros(1, s, 1, c, dtype=dtype, device=device)
         second[..., 1::2] = 1
-        a, b = port.apply_rope(first)[0, :, 0], port.apply_rope(second)[0, :, 0]
+        # The in-place form, as MHABlock calls it (it writes into the pattern, in the pattern's dtype).
+        a, b = port.apply_rope(first, inplace=True)[0, :, 0], port.apply_rope(second, inplace=True)[0, :, 0]
         cos, sin = a[:, 0::2].float(), a[:, 1::2].float()
         if not (torch.equal(cos, b[:, 1::2].float()) and torch.equal(sin, -b[:, 0::2].float())):
             return torch.empty(0, device=device)
@@ -243,8 +242,11 @@ def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch
 
 
 def _operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """``_matmul_dtype`` of a floating tensor of ``dtype`` on ``device``."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
+    """The dtype autocast gives a floating operand of ``dtype`` on ``device``: the autocast dtype where autocast is
+    on there, except for float64, which it never casts; else ``dtype``."""
+    if dtype != torch.float64 and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
 
 
 def _alphagenome_qkv(module, handle, port, h, b: int, s: int, dk: int, dv: int):
@@ -285,7 +287,8 @@ def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_
     port = sys.modules[type(module).__module__]
     x = x.to(compute_dtype)
     h = module.norm(x)
-    # Under autocast each of the three projections would cast h to the autocast dtype; one cast, the same values.
+    # Under autocast each of the three projections would cast h to the autocast dtype; one cast, the same values
+    # (forward hooks on the projections see it in that dtype).
     h = h.to(_matmul_dtype(h))
     dk = module.norm_q.normalized_shape[0]
     dv = module.norm_v.normalized_shape[0]
