@@ -391,12 +391,9 @@ def relative_runs_tile(
     start_m,
     start_n,
     N_Q,
-    N_K,
-    N_RUNS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RUN_SPAN: tl.constexpr,
-    RUN_GATHER: tl.constexpr = False,
 ):
     """Relative-position logits ``[BLOCK_M, BLOCK_N]`` (float32) when the relative keys are constant over runs of
     distances, less the logit of the tile's first run per row (``first_value``, ``relative_runs_first``; the caller
@@ -414,14 +411,7 @@ def relative_runs_tile(
     against the layout; ``attention_dense_fwd`` refuses a pinned tile wider than the window it was counted for),
     and the runs after the first are unrolled, each behind a uniform branch: the key loop then holds no inner
     loop, which is what lets Triton pipeline its K/V loads. 0: an inner loop over any number of runs (the loads
-    are not pipelined).
-
-    ``RUN_GATHER``: a tile spanning up to ``RUN_SPAN`` runs is filled as above (unrolled); a tile spanning more
-    gathers each element's value instead, whatever the number of runs: the run of its distance (``runs``' table of
-    the run of each distance, ``N_RUNS`` runs, distances ``-(N_Q - 1) .. N_K - 1``; clamped there for padding rows
-    and keys), then that run's logit of its row, two loads per element from small L1/L2-resident tables. The
-    values are the same as the unrolled fill's (``table[r, a] - first_value[a]``), so is the tile. No tile shape
-    or layout limits it: the key loop has no inner loop and no unrolling beyond ``RUN_SPAN``."""
+    are not pipelined)."""
     relative = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if first_run < last_run:
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -429,12 +419,7 @@ def relative_runs_tile(
         row_ptrs = table_head + rows
         row_ok = rows < N_Q
         # Runs in increasing order, each from its start on: a later run overwrites the distances past its start.
-        if RUN_GATHER and last_run - first_run >= RUN_SPAN:
-            clamped = tl.minimum(tl.maximum(distance, -(N_Q - 1)), N_K - 1)
-            run_of = tl.load(runs + (N_RUNS + 1) + (N_Q - 1) + clamped)
-            value_ptrs = row_ptrs[:, None] + tl.cast(run_of, tl.int64) * stride_table_run
-            relative = tl.load(value_ptrs, mask=row_ok[:, None], other=0.0) - first_value[:, None]
-        elif RUN_SPAN > 0:
+        if RUN_SPAN > 0:
             for step in tl.static_range(1, RUN_SPAN):
                 if first_run + step <= last_run:
                     run = tl.cast(first_run + step, tl.int64)

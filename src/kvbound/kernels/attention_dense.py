@@ -101,7 +101,6 @@ def _attention_dense_inner(
     N_REL,
     RELATIVE: tl.constexpr,
     RUN_SPAN: tl.constexpr,
-    RUN_GATHER: tl.constexpr,
 ):
     """Key tiles ``[lo, hi)``; ``MASK`` selects the masked variant (ragged last tile, causal diagonal).
     With ``USE_TMA`` the K/V tiles come through tensor descriptors (bulk copies that zero-fill rows past
@@ -186,12 +185,9 @@ def _attention_dense_inner(
                 row_start,
                 start_n,
                 N_Q,
-                N_K,
-                N_REL,
                 q.shape[0],
                 BLOCK_N,
                 RUN_SPAN,
-                RUN_GATHER,
             )
             first_run, last_run = next_first, next_last
             x = tl.dot(q, k, relative, input_precision=PRECISION)
@@ -312,24 +308,6 @@ def relative_run_span(starts: Sequence[int], rows: int) -> int:
     return 0 if span > MAX_RUN_SPAN else max(2, next_power_of_2(span))
 
 
-def runs_gather_default() -> int:
-    """``KVBOUND_RUNS_GATHER``: how the runs variant (``relative_runs``) fills a key tile that spans several runs.
-    ``0``: every run after the tile's first with one compare and select per element, unrolled up to the call's
-    ``run_span`` (tiles no wider than ``relative_window()``). ``n`` (1 to ``MAX_RUN_SPAN``): tiles spanning up to
-    ``n`` runs as with ``0``, tiles spanning more by two gathered loads per element (``_common.relative_runs_tile``);
-    then any layout and any tile shape of the plain variant's list run unrolled to ``n`` only. Unset or empty:
-    ``RUNS_GATHER_DEFAULT``. Read at each launch."""
-    value = os.environ.get("KVBOUND_RUNS_GATHER", "").strip()
-    if not value:
-        return RUNS_GATHER_DEFAULT
-    if not value.isdigit() or int(value) > MAX_RUN_SPAN:
-        raise ValueError(f"KVBOUND_RUNS_GATHER: expected an integer from 0 to {MAX_RUN_SPAN}, got {value!r}")
-    return int(value)
-
-
-RUNS_GATHER_DEFAULT = 0
-
-
 def dv_parts(head_dim_v: int, split: bool = True) -> tuple[int, int]:
     """The value columns as the kernel's two parts ``(DV_PAD, DV_HI)``: the first padded to a power of two (at least
     16), the second ``DV_HI`` wide or 0. Split (``split``): the largest power of two not above ``head_dim_v``, then
@@ -395,9 +373,8 @@ def _prune_dense_configs(configs, named_args, **kwargs):
     element = args["Q"].element_size() if hasattr(args.get("Q"), "element_size") else 2
     keep = []
     for config in configs:
-        # Each variant gets its own tile list (see dense_configs); the runs with gathered tiles take either.
-        gathered_runs = args["RELATIVE"] == 2 and args.get("RUN_GATHER", False)
-        if not gathered_runs and (_shape_of(config) in _RELATIVE_SHAPES) != bool(args["RELATIVE"]):
+        # Each variant gets its own tile list (see dense_configs).
+        if (_shape_of(config) in _RELATIVE_SHAPES) != bool(args["RELATIVE"]):
             continue
         block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
         # A float32 accumulator of BLOCK_M x DV_PAD over 4 warps spills from 128 x 128 on (Triton 3.6, sm_90).
@@ -432,7 +409,6 @@ DENSE_TUNE_KEY = [
     "CAUSAL",
     "RELATIVE",
     "RUN_SPAN",
-    "RUN_GATHER",
 ]
 
 
@@ -500,7 +476,6 @@ def _attention_dense_fwd(
     CAUSAL: tl.constexpr,
     RELATIVE: tl.constexpr,
     RUN_SPAN: tl.constexpr,
-    RUN_GATHER: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -671,7 +646,6 @@ def _attention_dense_fwd(
                 n_relative,
                 RELATIVE,
                 RUN_SPAN,
-                RUN_GATHER,
             )
             accumulator, accumulator_hi, running_sum, running_max = _attention_dense_inner(
                 accumulator,
@@ -722,7 +696,6 @@ def _attention_dense_fwd(
                 n_relative,
                 RELATIVE,
                 RUN_SPAN,
-                RUN_GATHER,
             )
 
     # Epilogue: every valid row saw key 0, so running_sum >= 1 there (>= 2**-14 with the soft-cap's fixed maximum,
@@ -787,7 +760,6 @@ def attention_dense_fwd(
     bounded_max: bool | None = None,
     relative_halves: bool | None = None,
     dv_split: bool | None = None,
-    runs_gather: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -819,10 +791,7 @@ def attention_dense_fwd(
     H200).
     ``dv_split``: a value head dim that is not a power of two runs as two power-of-two parts where that pads less
     (``dv_parts``: 192 as 128 + 64, not 256); None: ``KVBOUND_DV_SPLIT`` (``dv_split_default``: split except with
-    the relative keys).
-    ``runs_gather``: with ``relative_runs``, tiles spanning more than this many runs gather their values (then
-    ``run_span`` is not used and any tile shape may be pinned); 0: the unrolled fill up to ``run_span``; None:
-    ``KVBOUND_RUNS_GATHER`` (``runs_gather_default``)."""
+    the relative keys)."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     wanted = bounded_max if bounded_max is not None else bounded_by_default(k_shape[-2], BOUNDED_MIN_KEYS)
@@ -837,13 +806,7 @@ def attention_dense_fwd(
     )
     if run_span and (run_span > MAX_RUN_SPAN or run_span & (run_span - 1)):
         raise ValueError(f"run_span: expected 0 or a power of two <= {MAX_RUN_SPAN}, got {run_span}")
-    gather = runs_gather_default() if runs_gather is None else int(runs_gather)
-    if not 0 <= gather <= MAX_RUN_SPAN:
-        raise ValueError(f"runs_gather: expected an integer from 0 to {MAX_RUN_SPAN}, got {runs_gather}")
-    gather = gather if relative_runs is not None else 0
-    if gather:
-        run_span = gather
-    if run_span and not gather and config is not None and config["BLOCK_M"] + config["BLOCK_N"] - 1 > _RELATIVE_WINDOW:
+    if run_span and config is not None and config["BLOCK_M"] + config["BLOCK_N"] - 1 > _RELATIVE_WINDOW:
         # relative_run_span counts the runs of windows of _RELATIVE_WINDOW distances; a wider tile could span more.
         raise ValueError(
             f"config: with run_span a tile spans at most {_RELATIVE_WINDOW} distances (BLOCK_M + BLOCK_N - 1), got "
@@ -858,7 +821,7 @@ def attention_dense_fwd(
         table, run_starts, content_bias = relative_runs
         relative_keys, position_bias = table, run_starts
         relative = (table, content_bias, run_starts)
-        relative_layout = ("runs", table.shape, table.dtype, run_span, gather)
+        relative_layout = ("runs", table.shape, table.dtype, run_span)
     elif relative is not None:
         relative_keys, content_bias, position_bias = relative
         halves = relative_halves_default() if relative_halves is None else bool(relative_halves)
@@ -904,7 +867,6 @@ def attention_dense_fwd(
             bounded,
             halves,
             split,
-            bool(gather),
         )
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -966,7 +928,7 @@ class _Plan:
 
 def _plan(
     q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None,
-    bounded: bool = False, halves: bool = False, dv_split: bool = True, runs_gather: bool = False,
+    bounded: bool = False, halves: bool = False, dv_split: bool = True,
 ) -> _Plan:  # fmt: skip
     runs = run_span is not None
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -1020,7 +982,6 @@ def _plan(
         CAUSAL=causal,
         RELATIVE=2 if runs else (3 if halves else 1) if relative is not None else 0,
         RUN_SPAN=run_span if runs else 0,
-        RUN_GATHER=runs and runs_gather,
         PRECISION=float32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
     bias_dtype = q.dtype if bias is None else bias.dtype
