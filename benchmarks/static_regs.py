@@ -133,9 +133,9 @@ def compile_one(compiled: list, layer: str, variant: str, tile: str) -> dict:
         keys = torch.zeros(heads, 2 * n - 1, dk, dtype=torch.bfloat16)
         relative = (keys, torch.zeros(heads, dk), torch.zeros(heads, dk))
     elif variant == "runs":  # the launcher's arguments as kvbound.attention builds them (values do not matter here)
-        table = torch.zeros(batch, heads, RUNS, n, dtype=torch.float32)  # runs-major
+        run_keys = torch.zeros(heads, RUNS, dk, dtype=torch.bfloat16)  # the kernel writes its table of run logits
         layout = torch.zeros(RUNS + 1 + 2 * n - 1, dtype=torch.int32)
-        runs = (table, layout, torch.zeros(heads, dk))
+        runs = (run_keys, layout, torch.zeros(heads, dk), torch.zeros(heads, dk))
     compiled.clear()
     attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, config=parse_tile(tile), relative=relative,
                         relative_runs=runs, run_span=RUN_SPAN if runs is not None else 0)  # fmt: skip

@@ -221,11 +221,11 @@ def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused():
     logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n_q)
     expected = torch.softmax(logits, dim=-1) @ v.double()
     assert (runs.double() - expected).abs().max().item() < 1e-5
-    table = torch.zeros(1, 1, 16, 8)
+    run_keys = torch.zeros(1, 16, dk)
     buffer = torch.zeros(16 + 1 + 15, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^config: with run_span a tile spans at most 127 distances"):
         attention_dense_fwd(q[:, :, :8], k[:, :, :8], v[:, :, :8], None, 0.5, False, None,
-                            relative_runs=(table, buffer, u.float()), run_span=16,
+                            relative_runs=(run_keys, buffer, u.float(), w.float()), run_span=16,
                             config=dict(BLOCK_M=128, BLOCK_N=16, num_warps=4, num_stages=1))  # fmt: skip
 
 
@@ -269,6 +269,37 @@ def test_gpu_runs_bf16_borzoi_shape():
     per_run = keys[:, starts].contiguous()  # one key per run: the same output, bit for bit
     torch.testing.assert_close(attention(q, k, v, relative_runs=starts, **{**common, "relative_keys": per_run}), runs,
                                rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["borzoi", "every third row"])
+def test_gpu_run_table_bf16(layout):
+    """The table of run logits the kernel writes on an H200 (bf16 q and run keys, N = 1000: a ragged last query
+    tile; Borzoi's 29 runs and 667 runs, many prologue steps) against the float64 formula, every entry."""
+    from kvbound.attention import _run_layout
+    from kvbound.kernels.attention_dense import attention_dense_fwd
+
+    n, h, dk, dv = 1000, 4, 64, 192
+    g = torch.Generator().manual_seed(13)
+    if layout == "borzoi":
+        starts = equal_row_runs(borzoi_positional_features_reference(n, 32).float())
+    else:
+        starts = list(range(0, 2 * n - 1, 3))
+    span = relative_run_span(starts, 2 * n - 1)
+    base = torch.randn(2, n, h * dk, generator=g).to(torch.bfloat16).cuda()
+    q = base.view(2, n, h, dk).transpose(1, 2)
+    k = torch.randn(2, h, n, dk, generator=g).to(torch.bfloat16).cuda()
+    v = torch.randn(2, h, n, dv, generator=g).to(torch.bfloat16).cuda()
+    run_keys = (torch.randn(h, len(starts), dk, generator=g) * 0.3).to(torch.bfloat16).cuda()
+    u, w = ((torch.randn(h, dk, generator=g) * 0.3).cuda() for _ in range(2))
+    _, _, buffer, _ = _run_layout(torch.tensor(starts, device="cuda"), 2 * n - 1, n, n, span)
+    table = torch.full((2, h, len(starts), n), float("nan"), device="cuda")
+    attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, relative_runs=(run_keys, buffer, u, w), run_span=span,
+                        run_table=table)  # fmt: skip
+    expected = torch.einsum("bhnd,hrd->bhrn", q.double() * dk**-0.5 + w.double()[None, :, None, :], run_keys.double())
+    err = (table.double() - expected).abs().max().item()
+    print(f"{layout}: {len(starts)} runs, run table vs float64 {err:.2e} (largest {expected.abs().max().item():.2f})")
+    assert err <= 1e-5 * expected.abs().max().item()
 
 
 @pytest.mark.gpu
@@ -384,27 +415,41 @@ def test_expanding_keys_one_row_per_run_checks_the_runs():
                                     relative_runs=torch.tensor([0, 2, 2]))  # fmt: skip
 
 
-@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads_split", [True, False])
-def test_run_table_is_float32_under_autocast_and_any_query_layout(autocast, heads_split):
-    """The kernel's per-run table (``kvbound.attention._run_table``, runs-major ``[B, H, R, Nq]``) against the
-    float64 formula ``(scale q + w) . R[run]``: float32 and exact to float32 rounding, also under bfloat16 autocast
-    (which would round a plain product to bfloat16) and for a heads-split query view as the patched layers pass
-    it."""
-    from kvbound.attention import _run_table
+def test_kernel_writes_the_run_table_in_float32_under_autocast(dtype, heads_split):
+    """The table of run logits that each program of the dense kernel writes for its queries (``run_table``,
+    runs-major ``[B, H, R, Nq]``) against the float64 formula ``scale (q . R[run]) + w . R[run]``: every entry,
+    float32 and exact to float32 rounding, under bfloat16 autocast (which the kernel does not see), for a
+    heads-split query view as the patched layers pass it, a length that is not a multiple of the query tile (its
+    padding rows are not written) and more runs than one step of the kernel's prologue (40 > 32); the output is
+    the output of the relative keys."""
+    from kvbound.kernels.attention_dense import attention_dense_fwd
 
     g = torch.Generator().manual_seed(5)
-    b, h, n, d, runs = 2, 3, 41, 16, 9
-    base = torch.randn(b, n, h * d, generator=g).bfloat16()
+    b, h, n, d, runs = 2, 3, 41, 16, 40
+    starts = list(range(0, 2 * runs, 2))  # 40 runs of two distances over the 81 distances
+    base = torch.randn(b, n, h * d, generator=g).to(dtype)
     q = base.view(b, n, h, d).transpose(1, 2)
     if not heads_split:
         q = q.contiguous()
-    first = torch.randn(h, runs, d, generator=g).bfloat16()
-    w = torch.randn(h, d, generator=g)
+    k, v = (torch.randn(b, h, n, d, generator=g).to(dtype) for _ in range(2))
+    keys = _run_keys(h, 2 * n - 1, d, starts, g).to(dtype)
+    u, w = (torch.randn(h, d, generator=g) for _ in range(2))
     scale = 0.125
-    expected = torch.einsum("bhnd,hrd->bhrn", q.double() * scale + w.double()[None, :, None, :], first.double())
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        table = _run_table(q, first, w, scale)
-    assert table.dtype == torch.float32 and table.shape == (b, h, runs, n) and table.is_contiguous()
+    run_keys = keys[:, starts].contiguous()
+    expected = torch.einsum("bhnd,hrd->bhrn", q.double() * scale + w.double()[None, :, None, :], run_keys.double())
+    from kvbound.attention import _run_layout
+
+    _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, relative_run_span(starts, 2 * n - 1))
+    table = torch.full((b, h, runs, n), float("nan"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention_dense_fwd(q, k, v, None, scale, False, None, relative_runs=(run_keys, buffer, u, w),
+                                     run_span=relative_run_span(starts, 2 * n - 1), run_table=table)  # fmt: skip
     err = (table.double() - expected).abs().max().item()
     assert err <= 1e-5 * expected.abs().max().item(), err
+    common = dict(scale=scale, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    assert (out.float() - attention(q, k, v, **common).float()).abs().max().item() < 5e-3
+    with pytest.raises(ValueError, match=r"^run_table: expected a contiguous float32 tensor of shape \(2, 3, 40, 41\)"):
+        attention_dense_fwd(q, k, v, None, scale, False, None, relative_runs=(run_keys, buffer, u, w),
+                            run_table=table[:, :, :, :40])  # fmt: skip

@@ -35,10 +35,11 @@ def test_compiles_plain_and_relative_keys_for_sm90(tmp_path):
         assert int(row["shared_bytes"]) >= 3 * 64 * (64 + 192) * 2
     # the relative term adds the window product and its skew: more tensor-core and other instructions
     assert int(keys["hgmma"]) > int(plain["hgmma"]) and int(keys["sass_instructions"]) > int(plain["sass_instructions"])
-    # the runs need no product of their own: the tensor-core work of plain attention, and more other instructions
-    assert int(runs["hgmma"]) == int(plain["hgmma"]) and int(runs["sass_instructions"]) > int(
-        plain["sass_instructions"]
-    )
+    # the runs need no window product: the tensor-core work of plain attention in the key loop, plus the
+    # prologue's product that writes the program's rows of the table of run logits (64 x 32 over dk 64: a few
+    # tensor-core instructions outside the loop), and more other instructions
+    assert int(plain["hgmma"]) < int(runs["hgmma"]) < int(keys["hgmma"])
+    assert int(runs["sass_instructions"]) > int(plain["sass_instructions"])
 
 
 def test_refuses_bad_tiles(tmp_path):

@@ -583,26 +583,6 @@ def _derive_run_layout(
     return starts, run_of_row, buffer, conditions
 
 
-def _run_table(q: torch.Tensor, first: torch.Tensor, position_bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """The dense kernel's table of relative logits per run: ``table[b, h, r, i] = (scale q_i + position_bias[h]) .
-    first[h, r]``, float32 ``[B, H, R, Nq]`` contiguous (runs-major: a kernel tile reads one run's logits of its
-    queries in one coalesced load), whatever autocast is active (under bfloat16 autocast a plain product would round
-    it to bfloat16).
-
-    Computed as ``scale (first[h, r] . q_i) + position_bias[h] . first[h, r]``: one batched float32 product over the
-    heads, ``[H, R, Dk] @ [H, Dk, B Nq]``, which reads a heads-split view of a projection (``[B, Nq, H Dk]``) in place,
-    its per-run constant added by the same call, then one copy into the kernel's layout. 16-bit q and keys widen to
-    float32 exactly (also to TF32 where that is allowed), so the products are those of the float32 formula."""
-    b, h, n, d = q.shape
-    runs = first.shape[1]
-    with torch.autocast(q.device.type, enabled=False):
-        keys = first.float()  # [H, R, Dk]
-        offset = torch.einsum("hd,hrd->hr", position_bias.float(), keys)[:, :, None]  # [H, R, 1]
-        queries = q.transpose(0, 1).reshape(h, b * n, d).float()  # a view before the cast for heads-split q
-        table = torch.baddbmm(offset, keys, queries.transpose(1, 2), alpha=scale)  # [H, R, B Nq]
-    return table.view(h, runs, b, n).permute(2, 0, 1, 3).contiguous()
-
-
 def _attention_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -644,7 +624,8 @@ def _attention_dense(
                 ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
                  "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
             )  # fmt: skip
-        runs = (_run_table(q, first, relative_position_bias, scale), buffer, relative_content_bias)
+        # The kernel forms the table of run logits itself, in float32, from the runs' keys (attention_dense_fwd).
+        runs = (first.to(q.dtype).contiguous(), buffer, relative_content_bias, relative_position_bias)
     read = _queue_checks(
         (
             ("q", q),

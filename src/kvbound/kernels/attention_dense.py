@@ -286,6 +286,10 @@ def _attention_dense_inner(
 _RELATIVE_SHAPES = frozenset({(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 8, 3)})
 
 
+# Runs per step of the dense kernel's prologue that writes a program's rows of the run table (RELATIVE == 2).
+RUN_CHUNK = tl.constexpr(32)
+
+
 # The most distances one tile of the relative variant spans (BLOCK_M + BLOCK_N - 1 over its tile shapes; the
 # interpreter's tile is smaller).
 _RELATIVE_WINDOW = max(m + n - 1 for m, n, _, _ in _RELATIVE_SHAPES)
@@ -429,6 +433,8 @@ def _attention_dense_fwd(
     RelContentBias,
     RelPositionBias,
     KMaxNorm,
+    RunKeys,
+    RunPositionBias,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -510,8 +516,9 @@ def _attention_dense_fwd(
     if RELATIVE:
         # Transformer-XL's two query forms, rounded once to the operand dtype: q_content = scale q + u reads the
         # keys, q_position = scale q + v the relative keys; the logit scale is already in them (logit_mult).
-        # With RELATIVE == 2 the position query is already in the run table (RelKeys, [B * H, runs, N_Q]) and
-        # RelPositionBias holds the runs' starts (int32); stride_rh_d is the number of runs.
+        # With RELATIVE == 2 the position query enters through the table of run logits (RelKeys, [B * H, runs,
+        # N_Q]), which each program writes for its own queries first; RelPositionBias holds the runs' starts (int32)
+        # and stride_rh_d is the number of runs.
         head_bias = kv_head * HEAD_DIM_K + offs_dk
         bias_ok = offs_dk < HEAD_DIM_K
         content_bias = tl.load(RelContentBias + head_bias, mask=bias_ok, other=0.0)
@@ -520,6 +527,29 @@ def _attention_dense_fwd(
             q_position = q  # unused placeholder
             relative_head = RelKeys + (batch * H_KV + kv_head) * stride_rh
             n_relative = stride_rh_d
+            # This program's rows of the run table (RelKeys, written here, read by the key loop):
+            # table[r, i] = scale (q_i . first[r]) + w . first[r], float32, from the relative keys of the runs'
+            # first rows (RunKeys [H, R, Dk] contiguous, q's dtype) and w (RunPositionBias [H, Dk] float32).
+            # 16-bit products are exact in the float32 accumulator; float32 q takes the kernel's dot precision.
+            run_position_bias = tl.load(RunPositionBias + head_bias, mask=bias_ok, other=0.0)
+            run_keys_head = RunKeys + kv_head.to(tl.int64) * n_relative * HEAD_DIM_K
+            for run_start in range(0, n_relative, RUN_CHUNK):
+                offs_run = run_start + tl.arange(0, RUN_CHUNK)
+                run_ok = offs_run < n_relative
+                run_keys = tl.load(
+                    run_keys_head + (offs_run * HEAD_DIM_K)[:, None] + offs_dk[None, :],
+                    mask=run_ok[:, None] & bias_ok[None, :],
+                    other=0.0,
+                )
+                run_offset = tl.sum(run_keys.to(tl.float32) * run_position_bias[None, :], 1)
+                products = tl.dot(q, tl.trans(run_keys), input_precision=PRECISION)
+                tl.store(
+                    relative_head + (offs_run.to(tl.int64) * stride_rh_row)[None, :] + row_query[:, None],
+                    products * query_scale + run_offset[None, :],
+                    mask=row_valid[:, None] & run_ok[None, :],
+                )
+            # The key loop's threads read rows that other threads of this program wrote.
+            tl.debug_barrier()
         else:
             position_bias = tl.load(RelPositionBias + head_bias, mask=bias_ok, other=0.0)
             q_position = (q_scaled + position_bias[None, :]).to(q.dtype)
@@ -755,11 +785,12 @@ def attention_dense_fwd(
     fixed_max: bool = True,
     relative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     before_launch: Callable[[], object] | None = None,
-    relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     run_span: int = 0,
     bounded_max: bool | None = None,
     relative_halves: bool | None = None,
     dv_split: bool | None = None,
+    run_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -773,12 +804,16 @@ def attention_dense_fwd(
     ``before_launch``: called once after all host-side preparation, right before the launch (``kvbound.attention``
     reads its input checks there, so that the preparation overlaps the device work queued before it).
     ``relative_runs``: instead of ``relative``, the same relative term when the relative keys are constant over runs
-    of distances: ``(table [B, H, R, Nq] float32 contiguous, run_starts [R + 1] int32, content_bias [H, Dk]
-    float32)``, ``table[b, h, r, i] = (scale q_i + position_bias) . relative_keys[Nq - 1 + run_starts[r]]`` and run
-    ``r`` holding the distances ``j - i`` in ``[run_starts[r], run_starts[r + 1])``; ``run_starts`` is followed by
-    the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32). ``run_span``: with
-    ``relative_runs``, ``relative_run_span(run_starts)`` (the kernel then unrolls the runs of a tile and pipelines
-    its loads), or 0 (any layout, an inner loop per tile).
+    of distances: ``(run_keys [H, R, Dk] contiguous in q's dtype, run_starts [R + 1] int32, content_bias [H, Dk]
+    float32, position_bias [H, Dk] float32)``, ``run_keys[h, r] = relative_keys[h, Nq - 1 + run_starts[r]]`` (the
+    key of run ``r``) and run ``r`` holding the distances ``j - i`` in ``[run_starts[r], run_starts[r + 1])``;
+    ``run_starts`` is followed by the run of each distance ``-(Nq - 1) .. Nk - 1`` (``Nq + Nk - 1`` more int32).
+    Each program first writes its queries' rows of the table of run logits, ``table[b, h, r, i] = scale (q_i .
+    run_keys[h, r]) + position_bias[h] . run_keys[h, r]`` (float32, runs-major ``[B, H, R, Nq]``: a key tile reads
+    one run's logits of its queries in one coalesced load), into ``run_table`` (a new tensor when None; tests pass
+    one to read it), then its key loop reads them. ``run_span``: with ``relative_runs``,
+    ``relative_run_span(run_starts)`` (the kernel then unrolls the runs of a tile and pipelines its loads), or 0
+    (any layout, an inner loop per tile).
     ``bounded_max``: for plain logits (no bias, soft-cap or relative positions) in bfloat16 or float32, replace the
     running row maximum by the Cauchy-Schwarz bound ``|q_i| max_j |k_j|`` (one norm reduction over K per call): no
     maximum is tracked and nothing rescaled; P enters the value product in V's dtype, whose range holds the gap; a
@@ -818,10 +853,18 @@ def attention_dense_fwd(
     if relative_runs is not None:
         if relative is not None:
             raise ValueError("relative, relative_runs: expected at most one of them")
-        table, run_starts, content_bias = relative_runs
-        relative_keys, position_bias = table, run_starts
-        relative = (table, content_bias, run_starts)
-        relative_layout = ("runs", table.shape, table.dtype, run_span)
+        run_keys, run_starts, content_bias, run_position_bias = relative_runs
+        table_shape = (q_shape[0], q_shape[1], run_keys.shape[1], q_shape[2])
+        if run_table is None:
+            run_table = torch.empty(table_shape, dtype=torch.float32, device=q.device)
+        elif run_table.shape != table_shape or run_table.dtype != torch.float32 or not run_table.is_contiguous():
+            raise ValueError(
+                f"run_table: expected a contiguous float32 tensor of shape {table_shape}, got "
+                f"{tuple(run_table.shape)} {run_table.dtype}"
+            )
+        relative_keys, position_bias = run_table, run_starts
+        relative = (run_keys, content_bias, run_starts)
+        relative_layout = ("runs", run_keys.shape, run_keys.dtype, run_span)
     elif relative is not None:
         relative_keys, content_bias, position_bias = relative
         halves = relative_halves_default() if relative_halves is None else bool(relative_halves)
@@ -831,6 +874,8 @@ def attention_dense_fwd(
         # same as a kernel that never had them.
         relative_keys = content_bias = position_bias = None
         relative_layout = None
+    if relative_runs is None:
+        run_keys = run_position_bias = None
     plan_key = (
         q_shape,
         q.stride(),
@@ -886,6 +931,8 @@ def attention_dense_fwd(
         position_bias,
         # the largest key norm of each (batch, K/V head), float32 [B, Hkv]
         key_norms(k) if bounded else None,
+        run_keys,
+        run_position_bias,
         *plan.scalar_args,
     )
     # The relative keys' windows are read through a descriptor too (RELATIVE = 1), so they must allow one.
