@@ -381,6 +381,49 @@ def relative_runs_first(table_head, stride_table_run, first_run, start_m, N_Q, B
 
 
 @triton.jit
+def write_run_table(
+    q,
+    run_keys_head,
+    run_position_bias,
+    table_head,
+    stride_table_run,
+    row_query,
+    row_valid,
+    n_runs,
+    query_scale,
+    HEAD_DIM_K: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    RUN_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Write this program's queries' rows of the table of run logits, ``table[r, i] = scale (q_i . R[r]) + w . R[r]``
+    (float32; ``table_head`` + ``r * stride_table_run + i``), from ``q`` (``[BLOCK_M, DK_PAD]`` in the input dtype,
+    unscaled; rows ``row_query``, written where ``row_valid``), the head's run keys ``R`` (``run_keys_head``:
+    ``[n_runs, HEAD_DIM_K]`` contiguous, q's dtype) and ``w`` (``run_position_bias``, float32 ``[DK_PAD]``, zero
+    past the head dim), in steps of ``RUN_CHUNK`` runs: one product with the runs' keys each (16-bit products are
+    exact in its float32 accumulator), plus the per-run offset. Then a barrier: the caller's threads read rows that
+    other threads of the program wrote (``relative_runs_first``, ``relative_runs_tile``)."""
+    offs_dk = tl.arange(0, DK_PAD)
+    dk_ok = offs_dk < HEAD_DIM_K
+    for run_start in range(0, n_runs, RUN_CHUNK):
+        offs_run = run_start + tl.arange(0, RUN_CHUNK)
+        run_ok = offs_run < n_runs
+        keys = tl.load(
+            run_keys_head + (offs_run * HEAD_DIM_K)[:, None] + offs_dk[None, :],
+            mask=run_ok[:, None] & dk_ok[None, :],
+            other=0.0,
+        )
+        offset = tl.sum(keys.to(tl.float32) * run_position_bias[None, :], 1)
+        products = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        tl.store(
+            table_head + (offs_run.to(tl.int64) * stride_table_run)[None, :] + row_query[:, None],
+            products * query_scale + offset[None, :],
+            mask=row_valid[:, None] & run_ok[None, :],
+        )
+    tl.debug_barrier()
+
+
+@triton.jit
 def relative_runs_tile(
     table_head,
     stride_table_run,

@@ -46,6 +46,7 @@ from kvbound.kernels._common import (
     relative_window_half,
     softmax_step,
     tma_ready,
+    write_run_table,
 )
 
 __all__ = ["attention_dense_fwd", "dense_configs"]
@@ -527,29 +528,23 @@ def _attention_dense_fwd(
             q_position = q  # unused placeholder
             relative_head = RelKeys + (batch * H_KV + kv_head) * stride_rh
             n_relative = stride_rh_d
-            # This program's rows of the run table (RelKeys, written here, read by the key loop):
-            # table[r, i] = scale (q_i . first[r]) + w . first[r], float32, from the relative keys of the runs'
-            # first rows (RunKeys [H, R, Dk] contiguous, q's dtype) and w (RunPositionBias [H, Dk] float32).
-            # 16-bit products are exact in the float32 accumulator; float32 q takes the kernel's dot precision.
-            run_position_bias = tl.load(RunPositionBias + head_bias, mask=bias_ok, other=0.0)
-            run_keys_head = RunKeys + kv_head.to(tl.int64) * n_relative * HEAD_DIM_K
-            for run_start in range(0, n_relative, RUN_CHUNK):
-                offs_run = run_start + tl.arange(0, RUN_CHUNK)
-                run_ok = offs_run < n_relative
-                run_keys = tl.load(
-                    run_keys_head + (offs_run * HEAD_DIM_K)[:, None] + offs_dk[None, :],
-                    mask=run_ok[:, None] & bias_ok[None, :],
-                    other=0.0,
-                )
-                run_offset = tl.sum(run_keys.to(tl.float32) * run_position_bias[None, :], 1)
-                products = tl.dot(q, tl.trans(run_keys), input_precision=PRECISION)
-                tl.store(
-                    relative_head + (offs_run.to(tl.int64) * stride_rh_row)[None, :] + row_query[:, None],
-                    products * query_scale + run_offset[None, :],
-                    mask=row_valid[:, None] & run_ok[None, :],
-                )
-            # The key loop's threads read rows that other threads of this program wrote.
-            tl.debug_barrier()
+            # This program's rows of the run table (RelKeys, written here, read by the key loop), from the runs'
+            # keys (RunKeys [H, R, Dk] contiguous, q's dtype) and w (RunPositionBias [H, Dk] float32).
+            write_run_table(
+                q,
+                RunKeys + kv_head.to(tl.int64) * n_relative * HEAD_DIM_K,
+                tl.load(RunPositionBias + head_bias, mask=bias_ok, other=0.0),
+                relative_head,
+                stride_rh_row,
+                row_query,
+                row_valid,
+                n_relative,
+                query_scale,
+                HEAD_DIM_K,
+                DK_PAD,
+                RUN_CHUNK,
+                PRECISION,
+            )
         else:
             position_bias = tl.load(RelPositionBias + head_bias, mask=bias_ok, other=0.0)
             q_position = (q_scaled + position_bias[None, :]).to(q.dtype)
