@@ -52,6 +52,41 @@ def test_gpu_relative_positions_bf16(n, compressed):
     check_against_reference(out[:, :, :rows].contiguous(), content, k_ref, v_ref, bias=bias, scale=1.0)
 
 
+@pytest.mark.parametrize(("n", "calibrated"), [(4096, True), (1000, False)])
+def test_gpu_compressed_runs_bf16_borzoi_layout(n, calibrated):
+    """Compressed K/V with Borzoi's runs of equal relative keys (the kernel's table of run logits and the unrolled
+    runs per tile, in every loop of the compressed kernel: shared and per-block bases, a ragged length): against
+    float64 on the decoded K/V (first and last 64 queries), and against the relative keys on the same K/V."""
+    from kvbound.models.reference import borzoi_positional_features_reference
+    from kvbound.models.relative import equal_row_runs
+
+    q, k, v, _, u, w = _relative_case(n, 21 + n)
+    features = borzoi_positional_features_reference(n, 32).float().cuda()
+    starts = equal_row_runs(features)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    table = (features @ (0.2 * torch.randn(32, 8 * 64, device="cuda", generator=g))).reshape(2 * n - 1, 8, 64)
+    table = table.transpose(0, 1).bfloat16().contiguous()
+    config = CompressionConfig()
+    if calibrated:
+        k, v = compress_kv(k, config, calibrate(k, config)), compress_kv(v, config, calibrate(v, config))
+    else:
+        k, v = compress_kv(k, config), compress_kv(v, config)
+    scale = 64**-0.5
+    common = dict(scale=scale, relative_keys=table, relative_content_bias=u, relative_position_bias=w)
+    runs = attention(q, k, v, relative_runs=starts, **common)
+    keys = attention(q, k, v, **common)
+    k_ref, v_ref = k.decompress(), v.decompress()
+    rows = 64
+    for first in (0, n - rows):
+        content, bias = _relative_reference_inputs(q, table, u, w, scale, rows, first)
+        check_against_reference(runs[:, :, first : first + rows].contiguous(), content, k_ref, v_ref, bias=bias,
+                                scale=1.0)  # fmt: skip
+    diff = (runs.float() - keys.float()).abs().max().item()
+    print(f"N={n}, {len(starts)} runs, compressed ({'calibrated' if calibrated else 'per-block'} basis): runs "
+          f"against relative keys max abs {diff:.2e}")  # fmt: skip
+    assert diff < 5e-2
+
+
 def _pinned_relative_tiles(n: int, halves: bool = False) -> list[str]:
     """Every tile of the dense kernel's relative variant, pinned, on a ragged length: one line per tile. The first
     and the last 64 queries are checked: the last query tile is partly padding, and its windows start before the

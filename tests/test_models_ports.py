@@ -337,6 +337,34 @@ def test_relative_runs_pass_borzoi_runs_only(port_name, setting, request, monkey
             module(x)
 
 
+def test_relative_runs_pass_with_compressed_kv(borzoi, monkeypatch):
+    """Compressed K/V too: patched Borzoi layers pass their runs (one relative key per run) to kvbound.attention,
+    and the output is that of the relative keys (KVBOUND_RELATIVE_RUNS=0) on the same compressed K/V, to float32
+    rounding."""
+    from kvbound.attention import attention as fused
+    from kvbound.models import _backend
+
+    model, attention_cls = borzoi[:2]
+    module = _attention_modules(model, attention_cls)[0]
+    x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(9))
+    seen = []
+
+    def spy(q, k, v, **kwargs):
+        seen.append((type(k).__name__, kwargs.get("relative_runs") is not None))
+        return fused(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    outputs = {}
+    with torch.no_grad():
+        for setting in ("1", "0"):
+            monkeypatch.setenv("KVBOUND_RELATIVE_RUNS", setting)
+            with patch(model, CONFIG, backend="kvbound"):
+                outputs[setting] = module(x)
+    assert seen == [("CompressedKV", True), ("CompressedKV", False)]
+    diff = (outputs["1"] - outputs["0"]).abs().max().item()
+    assert diff <= 1e-5 * outputs["0"].abs().max().item(), diff
+
+
 def test_enformer_undo_restores_exactly(enformer):
     model, attention = enformer
     x = _enformer_input(40)

@@ -205,3 +205,111 @@ def test_compressed_ports_take_one_fused_call_per_layer_within_bound(port_name, 
             assert len(calls) == len(modules)
         finally:
             handle.undo()
+
+
+# ------------------------------------------------------------------------------------ runs of equal relative keys
+def _spy_compressed_launches(monkeypatch) -> list[tuple[bool, bool]]:
+    """``(relative keys given, runs given)`` of every compressed launch."""
+    from kvbound.kernels import attention_compressed as module
+
+    seen, launch = [], module.attention_compressed_fwd
+
+    def spy(*args, relative=None, relative_runs=None, **kwargs):
+        seen.append((relative is not None, relative_runs is not None))
+        return launch(*args, relative=relative, relative_runs=relative_runs, **kwargs)
+
+    monkeypatch.setattr(module, "attention_compressed_fwd", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("name", "starts"),
+    [
+        ("n37-mixed-fp32", [0, 20, 30, 36, 37, 40, 50]),  # a few runs per tile, one per sign near the diagonal
+        ("n130-all-kinds", [0, 60, 100, 120, 125, 128, 129, 130, 131, 134, 140, 160, 200]),
+        ("n130-fp32-dk40", list(range(0, 259, 40))),  # runs longer than a tile: most tiles within one run
+        ("n37-per-block-basis", [0, 36, 37]),
+    ],
+)
+def test_compressed_runs_match_the_relative_keys_and_float64(name, starts, monkeypatch):
+    """Relative keys constant over runs of distances (``relative_runs``) with compressed K/V: the kernel writes the
+    table of run logits and reads each tile's runs (no window product), through every loop the case reaches; the
+    same logits as the relative keys, against float64 on the decoded K/V; one key per run gives the same output bit
+    for bit; nothing is written into the inputs."""
+    from kvbound.kernels.attention_dense import relative_run_span
+    from test_relative_runs import _run_keys
+
+    k_modes, v_modes, n, dk, dv, shared, dtype, _ = CASES[name]
+    ck = build(k_modes, n=n, d=dk, bits=4, block=16, dtype=dtype, shared=shared, seed=1)
+    cv = build(v_modes, n=n, d=dv, bits=4, block=16, dtype=dtype, shared=shared, seed=2)
+    h = len(k_modes)
+    q, _, u, w = _relative_inputs(h, n, dk, dtype, seed=n + dk)
+    keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(n)).to(dtype)
+    assert relative_run_span(starts, 2 * n - 1) > 0  # within what the compressed kernel unrolls
+    copies = [t.clone() for t in (q, keys, u, w, ck.coeffs, ck.codes, cv.coeffs, cv.codes)]
+    scale = dk**-0.5
+    common = dict(scale=scale, relative_content_bias=u, relative_position_bias=w)
+    launches = _spy_compressed_launches(monkeypatch)
+    runs = attention(q, ck, cv, relative_keys=keys, relative_runs=starts, **common)
+    per_run = attention(q, ck, cv, relative_keys=keys[:, starts], relative_runs=starts, **common)
+    window = attention(q, ck, cv, relative_keys=keys, **common)
+    assert launches == [(False, True), (False, True), (True, False)]
+    k_ref, v_ref = ck.decompress(), cv.decompress()
+    expected = relative_position_attention_reference(q, k_ref, v_ref, keys, u, w, scale=scale)
+    plain = _port_style(q, k_ref.to(dtype), v_ref.to(dtype), keys, u, w, scale)
+    err, err_window, err_plain = ((x.double() - expected).abs().max().item() for x in (runs, window, plain))
+    print(f"compressed runs {name}: {len(starts)} runs, max err {err:.2e}, relative keys {err_window:.2e}, "
+          f"port-style {err_plain:.2e}")  # fmt: skip
+    assert runs.dtype == dtype and torch.isfinite(runs).all()
+    assert err <= 2 * err_plain + FLOOR[dtype]
+    assert torch.equal(per_run, runs)
+    for before, after in zip(copies, (q, keys, u, w, ck.coeffs, ck.codes, cv.coeffs, cv.codes), strict=True):
+        assert torch.equal(before, after)
+
+
+def test_compressed_runs_beyond_the_unrolled_span_take_the_relative_keys(monkeypatch):
+    """More than 16 runs within one tile's distances: compressed K/V take the relative keys (expanded from one key
+    per run), with the same output as given the full keys."""
+    from kvbound.kernels.attention_dense import relative_run_span
+    from test_relative_runs import _run_keys
+
+    n, dk, dv, h = 37, 40, 48, 2
+    ck = build([[L, P(4), R]] * h, n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=3)
+    cv = build([[P(4), L, W(6)]] * h, n=n, d=dv, bits=4, block=16, dtype=torch.float32, seed=4)
+    q, _, u, w = _relative_inputs(h, n, dk, torch.float32, seed=7)
+    starts = list(range(0, 2 * n - 1, 2))  # 37 runs, every tile spans more than 16 of them
+    assert relative_run_span(starts, 2 * n - 1) == 0
+    keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(8))
+    common = dict(scale=0.2, relative_content_bias=u, relative_position_bias=w)
+    launches = _spy_compressed_launches(monkeypatch)
+    per_run = attention(q, ck, cv, relative_keys=keys[:, starts], relative_runs=starts, **common)
+    full = attention(q, ck, cv, relative_keys=keys, **common)
+    assert launches == [(True, False), (True, False)]
+    assert torch.equal(per_run, full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_compressed_kernel_writes_the_run_table(dtype):
+    """The compressed kernel's table of run logits (``run_table``) against the float64 formula, every entry (more
+    runs than one prologue step, a ragged last query tile), and its refusal of a table of the wrong shape."""
+    from kvbound.attention import _run_layout
+    from kvbound.kernels.attention_dense import relative_run_span
+
+    n, dk, dv, h = 37, 40, 48, 2
+    ck = build([[L, P(4), L]] * h, n=n, d=dk, bits=4, block=16, dtype=dtype, seed=5)
+    cv = build([[L, L, P(4)]] * h, n=n, d=dv, bits=4, block=16, dtype=dtype, seed=6)
+    q, _, u, w = _relative_inputs(h, n, dk, dtype, seed=9)
+    starts = list(range(0, 2 * n - 1, 2))[:36] + [72]  # 37 runs: two prologue steps of 32
+    run_keys = (torch.randn(h, len(starts), dk, generator=torch.Generator().manual_seed(10)) * 0.5).to(dtype)
+    span = relative_run_span(starts, 2 * n - 1)
+    _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, span)
+    table = torch.full((1, h, len(starts), n), float("nan"))
+    runs = (run_keys, buffer, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
+    k_op, v_op = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
+    attention_compressed_fwd(q, k_op, v_op, None, dk**-0.5, False, None, relative_runs=runs, run_table=table)
+    expected = torch.einsum("bhnd,hrd->bhrn", q.double() * dk**-0.5 + w.double()[:, :, :, :], run_keys.double())
+    err = (table.double() - expected).abs().max().item()
+    assert err <= 1e-5 * expected.abs().max().item(), err
+    with pytest.raises(ValueError, match=r"^run_table: expected a contiguous float32 tensor of shape \(1, 2, 37, 37\)"):
+        attention_compressed_fwd(q, k_op, v_op, None, dk**-0.5, False, None, relative_runs=runs,
+                                 run_table=table[..., :5])  # fmt: skip

@@ -73,14 +73,16 @@ def attention(
         relative_content_bias: ``u``, ``[Hq, Dk]``, ``[Dk]`` or broadcastable to ``[1, Hq, 1, Dk]`` (the ports
             store ``[1, H, 1, Dk]``), any float dtype; default zero. Only with ``relative_keys``.
         relative_position_bias: ``w`` (Transformer-XL's ``v``), same shapes; default zero.
-        relative_runs: optional, with ``relative_keys`` and dense K/V: the first rows of runs of rows of ``R`` that
-            are equal (increasing ints from 0; Borzoi's step-function features give at most 33 runs at any length).
-            The kernel then reads one float32 value per query and run, ``(scale q_i + w) . R[run start]``, instead
-            of the relative keys: the same logits without the per-tile product and skew. Checked in the call's
-            host read (a row that differs from its run's first row raises ``ValueError``). Compressed K/V read
-            ``R`` as without it. ``relative_keys`` may then also hold one row per run, ``[Hq, len(relative_runs),
-            Dk]``: row ``r`` is the key of every distance of run ``r`` (nothing to check, and none of the full
-            rows to compute; compressed K/V get it expanded to ``[Hq, Nq + Nk - 1, Dk]``).
+        relative_runs: optional, with ``relative_keys``: the first rows of runs of rows of ``R`` that are equal
+            (increasing ints from 0; Borzoi's step-function features give at most 33 runs at any length). The
+            kernel then reads one float32 value per query and run, ``(scale q_i + w) . R[run start]`` (each program
+            writes its queries' values first), instead of the relative keys: the same logits without the per-tile
+            product and skew. Checked in the call's host read (a row that differs from its run's first row raises
+            ``ValueError``). ``relative_keys`` may then also hold one row per run, ``[Hq, len(relative_runs), Dk]``:
+            row ``r`` is the key of every distance of run ``r`` (nothing to check, and none of the full rows to
+            compute). Dense and compressed K/V alike, except where one kernel tile (``BM + BN - 1 <= 127``
+            distances) spans more than 16 runs: compressed K/V then read ``R`` as without it (expanded to
+            ``[Hq, Nq + Nk - 1, Dk]`` when given per run), dense K/V walk the runs in an inner loop.
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
 
     Returns:
@@ -147,13 +149,16 @@ def attention(
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
-    runs, run_span = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)  # dense K/V only read it
+    runs, run_span = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)
     relative = _relative_operands(
         relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads,
         run_count=None if runs is None else runs.numel(),
     )  # fmt: skip
-    if compressed and runs is not None and relative[0].shape[1] != n_q + n_k - 1:
-        relative = (expand_run_keys(relative[0], runs, n_q + n_k - 1, checked=True), *relative[1:])  # per run
+    if compressed and runs is not None and not run_span:
+        # More runs per tile than the compressed kernel unrolls: the relative keys, all of them.
+        if relative[0].shape[1] != n_q + n_k - 1:
+            relative = (expand_run_keys(relative[0], runs, n_q + n_k - 1, checked=True), *relative[1:])  # per run
+        runs = None
 
     softcap = None if softcap is None else float(softcap)
     if not compressed and _plain_eager((q, k, v, bias4, *relative)):
@@ -204,6 +209,8 @@ def attention(
             v_residual=known[1],
             k_lowrank_share=shares[0],
             v_lowrank_share=shares[1],
+            relative_runs=runs,
+            relative_run_span=run_span if runs is not None else 0,
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -583,6 +590,31 @@ def _derive_run_layout(
     return starts, run_of_row, buffer, conditions
 
 
+def _run_operands(
+    q: torch.Tensor, relative_keys: torch.Tensor, relative_runs: torch.Tensor, n_q: int, n_k: int, run_span: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[tuple[str, torch.Tensor], ...]]:
+    """The kernels' run operands ``(run_keys [H, R, Dk] contiguous in q's dtype, run layout buffer)`` and the
+    conditions to check with the call's finite checks: the layout (``_run_layout``) and, for relative keys of all
+    ``n_q + n_k - 1`` rows, that every row equals its run's first. The kernels form the table of run logits
+    themselves, in float32, from the runs' keys (``attention_dense_fwd``)."""
+    if relative_keys.shape[1] not in (n_q + n_k - 1, relative_runs.numel()):
+        raise ValueError(
+            f"relative_keys: expected Nq + Nk - 1 = {n_q + n_k - 1} rows or one per run "
+            f"({relative_runs.numel()}), got {relative_keys.shape[1]}"
+        )
+    starts, run_of_row, buffer, conditions = _run_layout(relative_runs, n_q + n_k - 1, n_q, n_k, run_span)
+    if relative_keys.shape[1] == relative_runs.numel():  # one row per run (or every row its own run)
+        first = relative_keys
+    else:
+        first = relative_keys[:, starts]  # [H, R, Dk]
+        conditions = (
+            *conditions,
+            ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
+             "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
+        )  # fmt: skip
+    return (first.to(q.dtype).contiguous(), buffer), conditions
+
+
 def _attention_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -606,26 +638,8 @@ def _attention_dense(
     conditions: tuple[tuple[str, torch.Tensor], ...] = ()
     runs = None
     if relative_runs is not None:
-        n_q, n_k = q.shape[2], k.shape[2]
-        if relative_keys.shape[1] not in (n_q + n_k - 1, relative_runs.numel()):
-            raise ValueError(
-                f"relative_keys: expected Nq + Nk - 1 = {n_q + n_k - 1} rows or one per run "
-                f"({relative_runs.numel()}), got {relative_keys.shape[1]}"
-            )
-        starts, run_of_row, buffer, layout_conditions = _run_layout(
-            relative_runs, n_q + n_k - 1, n_q, n_k, relative_run_span
-        )
-        if relative_keys.shape[1] == relative_runs.numel():  # one row per run (or every row its own run)
-            first, conditions = relative_keys, layout_conditions
-        else:
-            first = relative_keys[:, starts]  # [H, R, Dk]
-            conditions = (
-                *layout_conditions,
-                ("relative_runs: expected every row of relative_keys equal to its run's first row, got {count} "
-                 "(head, row) pairs that differ", (relative_keys != first[:, run_of_row]).any(dim=-1).sum()),
-            )  # fmt: skip
-        # The kernel forms the table of run logits itself, in float32, from the runs' keys (attention_dense_fwd).
-        runs = (first.to(q.dtype).contiguous(), buffer, relative_content_bias, relative_position_bias)
+        runs, conditions = _run_operands(q, relative_keys, relative_runs, q.shape[2], k.shape[2], relative_run_span)
+        runs = (*runs, relative_content_bias, relative_position_bias)
     read = _queue_checks(
         (
             ("q", q),
@@ -705,14 +719,23 @@ def _attention_compressed(
     v_residual: int = -1,
     k_lowrank_share: float = -1.0,
     v_lowrank_share: float = -1.0,
+    relative_runs: torch.Tensor | None = None,
+    relative_run_span: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``k_residual`` / ``v_residual``: -1, check that operand's stored tensors for NaN/Inf and read whether any
     block holds a residual (which kernel variant runs) and the share of low-rank-only blocks (whether the work is
     split over two launches); 1 / 0, already checked (``_recorded_residual``): with / without residual blocks, and
-    ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split)."""
+    ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split).
+    ``relative_runs`` / ``relative_run_span``: as for ``_attention_dense`` (the span nonzero: at most
+    ``attention_compressed.COMPRESSED_RUN_SPAN`` runs per tile)."""
     from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 
     n_k = k_coeffs.shape[2]
+    n_q = q.shape[2]
+    runs, conditions = None, ()
+    if relative_runs is not None:
+        runs, conditions = _run_operands(q, relative_keys, relative_runs, n_q, n_k, relative_run_span)
+        runs = (*runs, relative_content_bias, relative_position_bias)
     tensors = {"q": q, "bias": bias}
     flags = []
     for name, known, stored, mode in (
@@ -729,7 +752,9 @@ def _attention_compressed(
     )
     # Finite checks and "does K / V have a block with a residual" in one sync (none when both are known and the
     # call is inside kvbound.deferred_checks()).
-    read = _queue_checks(tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k))
+    read = _queue_checks(
+        tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k), conditions=conditions
+    )
 
     read_once: list[list[tuple[bool, float]]] = []
 
@@ -776,7 +801,7 @@ def _attention_compressed(
         packed_bits=v_packed_bits,
     )
     relative = None
-    if relative_keys is not None:
+    if relative_keys is not None and runs is None:
         relative = (relative_keys, relative_content_bias, relative_position_bias)
     return attention_compressed_fwd(
         q,
@@ -790,6 +815,7 @@ def _attention_compressed(
         lowrank_share=lambda: [share for _, share in checked()],
         bias_tile=bias_tile,
         relative=relative,
+        relative_runs=runs,
     )
 
 

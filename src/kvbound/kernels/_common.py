@@ -380,6 +380,10 @@ def relative_runs_first(table_head, stride_table_run, first_run, start_m, N_Q, B
     return tl.load(table_head + tl.cast(first_run, tl.int64) * stride_table_run + rows, mask=rows < N_Q, other=0.0)
 
 
+# Runs per step of write_run_table (the kernels' prologue that writes a program's rows of the run table).
+RUN_CHUNK = tl.constexpr(32)
+
+
 @triton.jit
 def write_run_table(
     q,

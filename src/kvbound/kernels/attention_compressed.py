@@ -56,6 +56,7 @@ from kvbound.kernels._common import (
     _KERNELS_INTERPRETED,
     BOUND_RETRY_SUM,
     LN2,
+    RUN_CHUNK,
     bounded_by_default,
     broadcast_strides,
     empty_output,
@@ -68,13 +69,22 @@ from kvbound.kernels._common import (
     logit_multipliers,
     next_power_of_2,
     relative_logits_tile,
+    relative_runs_bounds,
+    relative_runs_first,
+    relative_runs_tile,
     row_normaliser,
     softmax_step,
     switch_setting,
     tma_ready,
+    write_run_table,
 )
 
 __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"]
+
+# With relative keys constant over runs (RELATIVE == 2), the runs after a tile's first are unrolled up to this many
+# (``attention_dense.MAX_RUN_SPAN``): the launcher takes runs only where no tile of the relative tile shapes spans more
+# (``attention_dense.relative_run_span`` nonzero), otherwise the relative keys.
+COMPRESSED_RUN_SPAN = tl.constexpr(16)
 
 # The byte decode of the uniform residual loop turns four codes into float16 with six PTX instructions (two PRMT,
 # two LOP3, two HFMA2) instead of the compiler's per-element shifts and packs: checked tile by tile against float64
@@ -741,7 +751,27 @@ def _compressed_tile(
                     PRECISION,
                     K_PLANES,
                 )
-    if RELATIVE:
+    if RELATIVE == 2:
+        # The runs (q_position: the run starts, then the run of each distance; N_REL runs): the tile's first run's
+        # logit of each row plus the other runs' excess over it, in natural units, as the dense kernel's.
+        first_run, last_run = relative_runs_bounds(q_position, row_start, start_n, N_Q, N_K, N_REL, BLOCK_M, BLOCK_N)
+        first_value = relative_runs_first(relative_head, stride_rel_row, first_run, row_start, N_Q, BLOCK_M)
+        relative = relative_runs_tile(
+            relative_head,
+            stride_rel_row,
+            q_position,
+            first_run,
+            last_run,
+            first_value,
+            row_start,
+            start_n,
+            N_Q,
+            BLOCK_M,
+            BLOCK_N,
+            COMPRESSED_RUN_SPAN,
+        )
+        x += (relative + first_value[:, None]) * (logit_mult / row_mult)[:, None]
+    elif RELATIVE:
         # (scale q_i + w) . R[N_Q - 1 + j - i] in natural units; x is in units of row_mult (log2 units / row_mult).
         relative = relative_logits_tile(
             q_position,
@@ -1304,6 +1334,8 @@ def _attention_compressed_fwd(
     query_scale,
     TUNE_N_Q,
     TUNE_N_K,
+    RunKeys,
+    RunStarts,
     HEAD_DIM_K: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     DK_PAD: tl.constexpr,
@@ -1386,12 +1418,38 @@ def _attention_compressed_fwd(
             other=0.0,
         )
         position_bias = tl.load(RelPositionBias + kv_head * HEAD_DIM_K + offs_dk, mask=offs_dk < HEAD_DIM_K, other=0.0)
-        q_position = (q_raw.to(tl.float32) * query_scale + position_bias[None, :]).to(q_raw.dtype)
-        relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
+        if RELATIVE == 2:
+            # Relative keys constant over runs of distances (as the dense kernel's RELATIVE == 2): this program
+            # writes its queries' rows of the table of run logits (RelKeys, [B * H, runs, N_Q]) from the runs'
+            # keys (RunKeys [H, R, Dk]) and w, then each tile reads the runs it spans (RunStarts: the run starts
+            # and the run of each distance), passed to the tile step in q_position's place.
+            relative_head = RelKeys + (batch * H_KV + kv_head) * stride_rh
+            n_relative = stride_rh_d
+            write_run_table(
+                q_raw,
+                RunKeys + kv_head.to(tl.int64) * n_relative * HEAD_DIM_K,
+                position_bias,
+                relative_head,
+                stride_rh_row,
+                row_query,
+                row_valid,
+                n_relative,
+                query_scale,
+                HEAD_DIM_K,
+                DK_PAD,
+                RUN_CHUNK,
+                PRECISION,
+            )
+            q_position = RunStarts
+        else:
+            q_position = (q_raw.to(tl.float32) * query_scale + position_bias[None, :]).to(q_raw.dtype)
+            relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
+            n_relative = N_Q + N_K - 1
     else:
         content_bias_head = RelContentBias  # unused placeholders (None)
         q_position = RelKeys
         relative_head = RelKeys
+        n_relative = N_Q + N_K - 1
     q_op, q_res_mult = _query_operand(
         q_rows,
         stride_qd,
@@ -1600,7 +1658,7 @@ def _attention_compressed_fwd(
                             stride_rh_d,
                             row_start,
                             N_Q,
-                            N_Q + N_K - 1,
+                            n_relative,
                             logit_mult,
                             RELATIVE,
                             0,
@@ -1688,7 +1746,7 @@ def _attention_compressed_fwd(
                     stride_rh_d,
                     row_start,
                     N_Q,
-                    N_Q + N_K - 1,
+                    n_relative,
                     logit_mult,
                     RELATIVE,
                     0,
@@ -1797,7 +1855,7 @@ def _attention_compressed_fwd(
                                 stride_rh_d,
                                 row_start,
                                 N_Q,
-                                N_Q + N_K - 1,
+                                n_relative,
                                 logit_mult,
                                 RELATIVE,
                                 FAST_BITS_K,
@@ -1887,7 +1945,7 @@ def _attention_compressed_fwd(
                             stride_rh_d,
                             row_start,
                             N_Q,
-                            N_Q + N_K - 1,
+                            n_relative,
                             logit_mult,
                             RELATIVE,
                             0,
@@ -1975,7 +2033,7 @@ def _attention_compressed_fwd(
                     stride_rh_d,
                     row_start,
                     N_Q,
-                    N_Q + N_K - 1,
+                    n_relative,
                     logit_mult,
                     RELATIVE,
                     0,
@@ -2435,6 +2493,8 @@ def attention_compressed_fwd(
     lowrank_share: Sequence[float] | Callable[[], Sequence[float]] | None = None,
     bounded_max: bool | None = None,
     pack_values: bool | None = None,
+    relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    run_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2479,24 +2539,47 @@ def attention_compressed_fwd(
     always (where it applies) / never. ``pack_values``: in a bounded launch, pass the V coefficients as the pair of
     ``packed_value_pair`` (None: in bfloat16 launches, where P and the coefficients meet in bfloat16; True also in
     float32, which tests the pair's path on the CPU).
+    ``relative_runs``: instead of ``relative``, the same relative term when the relative keys are constant over runs
+    of distances, as in the dense launcher: ``(run_keys [H, R, Dk] contiguous in q's dtype, run_starts int32 (the
+    layout of ``attention_dense_fwd``'s), content_bias [H, Dk], position_bias [H, Dk])`` float32; no tile of the
+    relative tile shapes may span more than ``COMPRESSED_RUN_SPAN`` runs (``attention_dense.relative_run_span``
+    nonzero; ``kvbound.attention`` checks it). Each program writes its queries' rows of the table of run logits
+    into ``run_table`` (``[B, H, R, Nq]`` float32; a new tensor when None) first, as the dense kernel does.
     """
-    q, scale = fold_scale_sign(q, scale, relative is not None)
+    if relative_runs is not None and relative is not None:
+        raise ValueError("relative, relative_runs: expected at most one of them")
+    positional = relative is not None or relative_runs is not None
+    q, scale = fold_scale_sign(q, scale, positional)
     setting = split_setting() if split is None else ("on" if split else "off")
     batch, q_heads, n_q, head_dim_k = q.shape
     kv_heads = k.coeffs.shape[1]
     n_k, head_dim_v = k.seq_len, v.head_dim
     group = q_heads // kv_heads
-    if relative is not None and group != 1:
+    if positional and group != 1:
         raise ValueError(
             f"relative: relative positions need one query head per K/V head, got Hq={q_heads}, Hkv={kv_heads}"
         )
     out = empty_output(q, head_dim_v)  # in q's memory order
     lse = torch.empty(batch, q_heads, n_q, dtype=torch.float32, device=q.device)
     # With relative positions the scale is applied to q in the kernel, before the two biases.
-    logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if relative is not None else scale, softcap)
+    logit_mult, bias_mult, softcap_log2 = logit_multipliers(1.0 if positional else scale, softcap)
     max_value = fixed_softmax_max(softcap) if fixed_max else None
     bias_arg = bias if bias is not None else q
-    if relative is not None:
+    run_keys = run_starts = None
+    if relative_runs is not None:
+        run_keys, run_starts, content_bias, position_bias = relative_runs
+        table_shape = (batch, q_heads, run_keys.shape[1], n_q)
+        if run_table is None:
+            run_table = torch.empty(table_shape, dtype=torch.float32, device=q.device)
+        elif run_table.shape != table_shape or run_table.dtype != torch.float32 or not run_table.is_contiguous():
+            raise ValueError(
+                f"run_table: expected a contiguous float32 tensor of shape {table_shape}, got "
+                f"{tuple(run_table.shape)} {run_table.dtype}"
+            )
+        relative_keys = run_table
+        # the table [B, H, R, Nq] as [B * H, R, Nq]: (head stride, run stride, number of runs R)
+        relative_strides = (n_q * table_shape[2], n_q, table_shape[2])
+    elif relative is not None:
         relative_keys, content_bias, position_bias = relative
         relative_strides = relative_keys.stride()
     else:
@@ -2555,7 +2638,7 @@ def attention_compressed_fwd(
         bias_mult,
         softcap_log2,
         0.0 if max_value is None else max_value,
-        float(scale) if relative is not None else None,
+        float(scale) if positional else None,
         next_power_of_2(n_q * group),
         next_power_of_2(n_k),
     )
@@ -2581,7 +2664,7 @@ def attention_compressed_fwd(
         SOFTCAP=softcap is not None,
         FIXED_MAX=max_value is not None,
         CAUSAL=causal,
-        RELATIVE=relative is not None,
+        RELATIVE=2 if relative_runs is not None else int(relative is not None),
         FP32=fp32,
         PRECISION=float32_dot_precision() if fp32 else "tf32",
         USE_TMA=(k_rank == 0 or tma_ready(k_coeffs)) and (v_rank == 0 or tma_ready(v_coeffs)),
@@ -2596,7 +2679,7 @@ def attention_compressed_fwd(
         and v.shared_basis
         and bias is None
         and softcap is None
-        and relative is None
+        and not positional
         and (fp32 or q.dtype == torch.bfloat16)
     )
     bound_operands = None
@@ -2623,7 +2706,7 @@ def attention_compressed_fwd(
     constexprs["K_RESIDUAL"], constexprs["V_RESIDUAL"] = bool(residual[0]), bool(residual[1])
     if q.is_cuda and not constexprs["USE_TMA"] and (residual[0] or residual[1]):
         _warn_pointer_path(q.device)
-    if not uniform_safe(constexprs["USE_TMA"], config, relative=relative is not None):
+    if not uniform_safe(constexprs["USE_TMA"], config, relative=positional):
         uniform = False
     fast_k = _uniform_bits(k, head_dim_k, uniform) if residual[0] else 0
     fast_v = _uniform_bits(v, head_dim_v, uniform) if residual[1] else 0
@@ -2642,7 +2725,7 @@ def attention_compressed_fwd(
         )
     else:
         runs = run_counts = _placeholder(q.device, torch.int32)
-    args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, None, *sizes)
+    args = (*args, runs, run_counts, relative_keys, content_bias, position_bias, None, *sizes, run_keys, run_starts)
     constexprs["PASS"] = 0
     constexprs["BOUNDED"] = False
     constexprs["V_PACKED"] = False

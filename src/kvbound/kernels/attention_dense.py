@@ -24,6 +24,7 @@ import triton.language as tl
 from kvbound.kernels._common import (
     BOUND_RETRY_SUM,
     LN2,
+    RUN_CHUNK,
     bounded_by_default,
     broadcast_strides,
     fixed_softmax_max,
@@ -285,10 +286,6 @@ def _attention_dense_inner(
 # ----------------------------------------------------------------------------------------------- autotune
 # Tile shapes of the relative-position variant only, (BLOCK_M, BLOCK_N, warps, stages): see dense_configs.
 _RELATIVE_SHAPES = frozenset({(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 8, 3)})
-
-
-# Runs per step of the dense kernel's prologue that writes a program's rows of the run table (RELATIVE == 2).
-RUN_CHUNK = tl.constexpr(32)
 
 
 # The most distances one tile of the relative variant spans (BLOCK_M + BLOCK_N - 1 over its tile shapes; the

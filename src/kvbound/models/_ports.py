@@ -86,7 +86,7 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     q, k, v = (_split_heads(layer(x_operand), h) for layer in (module.to_q, module.to_k, module.to_v))
     features = relative_keys_fn(module, handle, n, x.device)
     k, v = handle._prepare_kv(record, k, v)
-    runs = handle._relative_runs(features) if relative_runs_enabled() and isinstance(k, torch.Tensor) else None
+    runs = handle._relative_runs(features) if relative_runs_enabled() else None
     if runs is not None:
         # One relative key per run of equal features (Borzoi): the same Linear on the run's first row, and no
         # [2N - 1] keys to compute or check against the runs.
@@ -122,8 +122,9 @@ def _switch(name: str) -> bool:
 
 def relative_runs_enabled() -> bool:
     """``KVBOUND_RELATIVE_RUNS``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
-    (``false``, ``off``, ``no``); other values raise. On: patched Enformer/Borzoi layers with dense K/V pass the runs
-    of equal positional features to ``kvbound.attention`` (``relative_runs``) when there are few of them (Borzoi).
+    (``false``, ``off``, ``no``); other values raise. On: patched Enformer/Borzoi layers, dense or compressed K/V,
+    pass the runs of equal positional features to ``kvbound.attention`` (``relative_runs``) when there are few of
+    them (Borzoi).
     On an H200 one Borzoi layer took 1.30 ms with the runs against 1.77 ms with the relative keys at batch 4, but
     1.25 against 0.70 ms at batch 1 (one call, checks deferred; benchmarks/results/h200_2026-12-02_5c00c3e); whole
     patched forwards with the runs: 1.68x (batch 4) and 1.61x (batch 1) of the unpatched port's speed
