@@ -30,7 +30,10 @@ tile follows what the tile holds:
   nor the Dv-wide accumulator is ever rescaled.
 * Transformer-XL relative positions (``RELATIVE``, one query head per K/V head): the content query
   ``scale q + u`` is what goes through the basis and the residual codes, and every tile of every loop adds
-  ``(scale q + w) . R[Nq - 1 + j - i]`` from ``_common.relative_logits_tile``, as the dense kernel does.
+  ``(scale q + w) . R[Nq - 1 + j - i]`` from ``_common.relative_logits_tile``, as the dense kernel does; with
+  relative keys constant over runs of distances (``RELATIVE == 2``, ``relative_runs``), from the table of run
+  logits that each program writes first (``_common.write_run_table``) and the runs each tile spans
+  (``_common.relative_runs_tile``, unrolled up to ``COMPRESSED_RUN_SPAN``), with no window product.
 
 Precision: for 16-bit inputs every product with the factors and codes runs on float16 operands with float32
 accumulation. ``q`` is rescaled per row by a power of two before the float16 cast (exact for bfloat16 too);
