@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvbound
 from kvbound.attention import attention
 from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd, block_runs
 from kvbound.models.reference import relative_position_attention_reference
@@ -229,6 +230,7 @@ def _spy_compressed_launches(monkeypatch) -> list[tuple[bool, bool]]:
         ("n130-all-kinds", [0, 60, 100, 120, 125, 128, 129, 130, 131, 134, 140, 160, 200]),
         ("n130-fp32-dk40", list(range(0, 259, 40))),  # runs longer than a tile: most tiles within one run
         ("n37-per-block-basis", [0, 36, 37]),
+        ("n37-lowrank-only", [0, 10, 30, 36, 37, 38, 44, 60]),  # no residual block: the residual-free kernel
     ],
 )
 def test_compressed_runs_match_the_relative_keys_and_float64(name, starts, monkeypatch):
@@ -290,26 +292,77 @@ def test_compressed_runs_beyond_the_unrolled_span_take_the_relative_keys(monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_compressed_kernel_writes_the_run_table(dtype):
-    """The compressed kernel's table of run logits (``run_table``) against the float64 formula, every entry (more
-    runs than one prologue step, a ragged last query tile), and its refusal of a table of the wrong shape."""
+    """The compressed kernel's table of run logits (``run_table``) against the float64 formula, every entry (two
+    batch items, more runs than one prologue step, a ragged last query tile), and its refusals: a table of the wrong
+    shape, a pinned tile wider than the window the runs were counted over."""
     from kvbound.attention import _run_layout
     from kvbound.kernels.attention_dense import relative_run_span
 
     n, dk, dv, h = 37, 40, 48, 2
-    ck = build([[L, P(4), L]] * h, n=n, d=dk, bits=4, block=16, dtype=dtype, seed=5)
-    cv = build([[L, L, P(4)]] * h, n=n, d=dv, bits=4, block=16, dtype=dtype, seed=6)
-    q, _, u, w = _relative_inputs(h, n, dk, dtype, seed=9)
+    g = torch.Generator().manual_seed(5)
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+    ck = kvbound.compress_kv(torch.randn(2, h, n, dk, generator=g).to(dtype), config)
+    cv = kvbound.compress_kv(torch.randn(2, h, n, dv, generator=g).to(dtype), config)
+    q = torch.randn(2, h, n, dk, generator=g).to(dtype)
+    u, w = (torch.randn(1, h, 1, dk, generator=g) * 0.5 for _ in range(2))
     starts = list(range(0, 2 * n - 1, 2))[:36] + [72]  # 37 runs: two prologue steps of 32
     run_keys = (torch.randn(h, len(starts), dk, generator=torch.Generator().manual_seed(10)) * 0.5).to(dtype)
     span = relative_run_span(starts, 2 * n - 1)
     _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, span)
-    table = torch.full((1, h, len(starts), n), float("nan"))
+    table = torch.full((2, h, len(starts), n), float("nan"))
     runs = (run_keys, buffer, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
     k_op, v_op = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
     attention_compressed_fwd(q, k_op, v_op, None, dk**-0.5, False, None, relative_runs=runs, run_table=table)
     expected = torch.einsum("bhnd,hrd->bhrn", q.double() * dk**-0.5 + w.double()[:, :, :, :], run_keys.double())
     err = (table.double() - expected).abs().max().item()
     assert err <= 1e-5 * expected.abs().max().item(), err
-    with pytest.raises(ValueError, match=r"^run_table: expected a contiguous float32 tensor of shape \(1, 2, 37, 37\)"):
+    with pytest.raises(ValueError, match=r"^run_table: expected a contiguous float32 tensor of shape \(2, 2, 37, 37\)"):
         attention_compressed_fwd(q, k_op, v_op, None, dk**-0.5, False, None, relative_runs=runs,
                                  run_table=table[..., :5])  # fmt: skip
+    with pytest.raises(ValueError, match=r"^config: with relative_runs a tile spans at most 127 distances"):
+        attention_compressed_fwd(q, k_op, v_op, None, dk**-0.5, False, None, relative_runs=runs,
+                                 config=dict(BLOCK_M=128, BLOCK_N=16, num_warps=4, num_stages=1))  # fmt: skip
+
+
+def test_compressed_runs_window_is_the_dense_kernels():
+    """The compressed kernel's runs are counted over the dense kernel's relative window, and no relative tile shape
+    of the compressed kernel is wider."""
+    from kvbound.kernels import attention_compressed
+    from kvbound.kernels.attention_dense import MAX_RUN_SPAN, relative_window
+
+    assert attention_compressed.RUNS_WINDOW == relative_window()
+    assert attention_compressed.COMPRESSED_RUN_SPAN == MAX_RUN_SPAN
+    assert max(m + n - 1 for m, n, _, _ in attention_compressed._RELATIVE_SHAPES) <= relative_window()
+
+
+@pytest.mark.parametrize("starts", [[0, 20, 30, 36, 37, 40, 50], list(range(0, 73, 2))])
+def test_compressed_runs_are_checked_whatever_the_kernel_reads(starts):
+    """Full relative keys with a row that differs from its run's first row raise with compressed K/V, whether the
+    kernel reads the runs (a few per tile) or the keys (more than 16 per tile); the op refuses a span above what the
+    compressed kernel unrolls, and reads the keys for a span of 0."""
+    from kvbound.kernels.attention_dense import relative_run_span
+    from test_relative_runs import _run_keys
+
+    n, dk, dv, h = 37, 40, 48, 2
+    ck = build([[L, P(4), R]] * h, n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=3)
+    cv = build([[P(4), L, W(6)]] * h, n=n, d=dv, bits=4, block=16, dtype=torch.float32, seed=4)
+    q, _, u, w = _relative_inputs(h, n, dk, torch.float32, seed=7)
+    keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(8))
+    common = dict(scale=0.2, relative_content_bias=u, relative_position_bias=w)
+    bad = keys.clone()
+    bad[:, 1] += 1.0  # row 1 differs from its run's first row (0)
+    with pytest.raises(ValueError, match=r"^relative_runs: expected every row of relative_keys equal to its run"):
+        attention(q, ck, cv, relative_keys=bad, relative_runs=starts, **common)
+    span = relative_run_span(starts, 2 * n - 1)
+    expected = attention(q, ck, cv, relative_keys=keys, **common)
+    fields = ("coeffs", "basis", "mode", "scale", "bits", "offset", "codes", "raw")
+    op_args = (
+        q, *(getattr(ck, f) for f in fields), *(getattr(cv, f) for f in fields), None, 1, 0.2, False, None, 16, 16,
+        True, True, 4, 4, keys[:, starts].contiguous(), u[0, :, 0].contiguous(), w[0, :, 0].contiguous(),
+    )  # fmt: skip
+    runs = torch.tensor(starts)
+    for given in {span, 0}:  # the kernel's runs (when span > 0); the relative keys expanded from one per run
+        out, _ = torch.ops.kvbound.attention_compressed(*op_args, relative_runs=runs, relative_run_span=given)
+        assert (out - expected).abs().max().item() < 1e-5, given
+    with pytest.raises(ValueError, match=r"^relative_run_span: expected 0 .* or at most 16, got 32"):
+        torch.ops.kvbound.attention_compressed(*op_args, relative_runs=runs, relative_run_span=32)

@@ -82,7 +82,8 @@ def attention(
             row ``r`` is the key of every distance of run ``r`` (nothing to check, and none of the full rows to
             compute). Dense and compressed K/V alike, except where one kernel tile (``BM + BN - 1 <= 127``
             distances) spans more than 16 runs: compressed K/V then read ``R`` as without it (expanded to
-            ``[Hq, Nq + Nk - 1, Dk]`` when given per run), dense K/V walk the runs in an inner loop.
+            ``[Hq, Nq + Nk - 1, Dk]`` when given per run; the runs are still checked), dense K/V walk the runs in
+            an inner loop.
         return_lse: also return the natural-log log-sum-exp of the final logits, ``[B, Hq, Nq]`` float32.
 
     Returns:
@@ -154,11 +155,6 @@ def attention(
         relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads,
         run_count=None if runs is None else runs.numel(),
     )  # fmt: skip
-    if compressed and runs is not None and not run_span:
-        # More runs per tile than the compressed kernel unrolls: the relative keys, all of them.
-        if relative[0].shape[1] != n_q + n_k - 1:
-            relative = (expand_run_keys(relative[0], runs, n_q + n_k - 1, checked=True), *relative[1:])  # per run
-        runs = None
 
     softcap = None if softcap is None else float(softcap)
     if not compressed and _plain_eager((q, k, v, bias4, *relative)):
@@ -210,7 +206,7 @@ def attention(
             k_lowrank_share=shares[0],
             v_lowrank_share=shares[1],
             relative_runs=runs,
-            relative_run_span=run_span if runs is not None else 0,
+            relative_run_span=run_span,
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -726,16 +722,25 @@ def _attention_compressed(
     block holds a residual (which kernel variant runs) and the share of low-rank-only blocks (whether the work is
     split over two launches); 1 / 0, already checked (``_recorded_residual``): with / without residual blocks, and
     ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split).
-    ``relative_runs`` / ``relative_run_span``: as for ``_attention_dense`` (the span nonzero: at most
-    ``attention_compressed.COMPRESSED_RUN_SPAN`` runs per tile)."""
-    from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
+    ``relative_runs`` / ``relative_run_span``: as for ``_attention_dense``; the kernel reads the runs where no tile
+    spans more than ``attention_compressed.COMPRESSED_RUN_SPAN`` of them (``relative_run_span`` from 1 to that), and
+    the relative keys (expanded when given one per run) for a span of 0 (more); the runs are checked either way."""
+    from kvbound.kernels.attention_compressed import COMPRESSED_RUN_SPAN, CompressedOperand, attention_compressed_fwd
 
     n_k = k_coeffs.shape[2]
     n_q = q.shape[2]
     runs, conditions = None, ()
     if relative_runs is not None:
-        runs, conditions = _run_operands(q, relative_keys, relative_runs, n_q, n_k, relative_run_span)
-        runs = (*runs, relative_content_bias, relative_position_bias)
+        if not 0 <= relative_run_span <= COMPRESSED_RUN_SPAN:
+            raise ValueError(
+                f"relative_run_span: expected 0 (more runs per tile than the compressed kernel unrolls) or at most "
+                f"{COMPRESSED_RUN_SPAN}, got {relative_run_span}"
+            )
+        operands, conditions = _run_operands(q, relative_keys, relative_runs, n_q, n_k, relative_run_span)
+        if relative_run_span:
+            runs = (*operands, relative_content_bias, relative_position_bias)
+        elif relative_keys.shape[1] != n_q + n_k - 1:  # one key per run: the kernel reads all of them
+            relative_keys = expand_run_keys(relative_keys, relative_runs, n_q + n_k - 1, checked=True)
     tensors = {"q": q, "bias": bias}
     flags = []
     for name, known, stored, mode in (

@@ -87,7 +87,11 @@ __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"
 # With relative keys constant over runs (RELATIVE == 2), the runs after a tile's first are unrolled up to this many
 # (``attention_dense.MAX_RUN_SPAN``): the launcher takes runs only where no tile of the relative tile shapes spans more
 # (``attention_dense.relative_run_span`` nonzero), otherwise the relative keys.
-COMPRESSED_RUN_SPAN = tl.constexpr(16)
+COMPRESSED_RUN_SPAN = 16
+_RUN_SPAN = tl.constexpr(COMPRESSED_RUN_SPAN)
+# The distances over which those runs are counted (``attention_dense.relative_window()``): the widest tile of the
+# relative shapes may span no more (64 x 64: 127; checked by a test).
+RUNS_WINDOW = 127
 
 # The byte decode of the uniform residual loop turns four codes into float16 with six PTX instructions (two PRMT,
 # two LOP3, two HFMA2) instead of the compiler's per-element shifts and packs: checked tile by tile against float64
@@ -771,7 +775,7 @@ def _compressed_tile(
             N_Q,
             BLOCK_M,
             BLOCK_N,
-            COMPRESSED_RUN_SPAN,
+            _RUN_SPAN,
         )
         x += (relative + first_value[:, None]) * (logit_mult / row_mult)[:, None]
     elif RELATIVE:
@@ -2551,6 +2555,12 @@ def attention_compressed_fwd(
     """
     if relative_runs is not None and relative is not None:
         raise ValueError("relative, relative_runs: expected at most one of them")
+    if relative_runs is not None and config is not None and config["BLOCK_M"] + config["BLOCK_N"] - 1 > RUNS_WINDOW:
+        # kvbound.attention counts the runs of windows of RUNS_WINDOW distances; a wider tile could span more.
+        raise ValueError(
+            f"config: with relative_runs a tile spans at most {RUNS_WINDOW} distances (BLOCK_M + BLOCK_N - 1), got "
+            f"{config['BLOCK_M']} x {config['BLOCK_N']}"
+        )
     positional = relative is not None or relative_runs is not None
     q, scale = fold_scale_sign(q, scale, positional)
     setting = split_setting() if split is None else ("on" if split else "off")

@@ -91,9 +91,9 @@ def relative_position_attention(
         query_chunk: rows per chunk (default: float32 logits of one chunk stay under 128 MiB). Not used on the
             ``kvbound`` backend: that is one fused call over all queries (dense or compressed K/V).
         backend: ``auto``, ``eager`` or ``kvbound`` (see ``kvbound.models._backend``).
-        relative_runs: first rows of runs of equal rows of ``relative_keys``, for the fused call on dense K/V
-            (``kvbound.attention``'s ``relative_runs``). With it, ``relative_keys`` may hold one row per run,
-            ``[H, len(relative_runs), Dk]``, which the chunked path expands.
+        relative_runs: first rows of runs of equal rows of ``relative_keys``, for the fused call on dense or
+            compressed K/V (``kvbound.attention``'s ``relative_runs``). With it, ``relative_keys`` may hold one row
+            per run, ``[H, len(relative_runs), Dk]``, which the chunked path expands.
 
     Returns:
         ``[B, H, N, Dv]`` in q's dtype (float32 when K/V are decoded by the eager path).
