@@ -55,12 +55,14 @@ def test_gpu_relative_positions_bf16(n, compressed):
 @pytest.mark.parametrize(("n", "calibrated"), [(4096, True), (1000, False)])
 def test_gpu_compressed_runs_bf16_borzoi_layout(n, calibrated):
     """Compressed K/V with Borzoi's runs of equal relative keys (the kernel's table of run logits and the unrolled
-    runs per tile, in every loop of the compressed kernel: shared and per-block bases, a ragged length): against
-    float64 on the decoded K/V (first and last 64 queries), and against the relative keys on the same K/V."""
+    runs per tile, in every loop of the compressed kernel: shared and per-block bases, a ragged length, two batch
+    items): against float64 on the decoded K/V (first and last 64 queries), and against the relative keys on the
+    same K/V."""
     from kvbound.models.reference import borzoi_positional_features_reference
     from kvbound.models.relative import equal_row_runs
 
-    q, k, v, _, u, w = _relative_case(n, 21 + n)
+    (q, k, v, _, u, w), (q2, k2, v2, *_) = _relative_case(n, 21 + n), _relative_case(n, 22 + n)
+    q, k, v = torch.cat([q, q2]), torch.cat([k, k2]), torch.cat([v, v2])  # two batch items: per-item tables
     features = borzoi_positional_features_reference(n, 32).float().cuda()
     starts = equal_row_runs(features)
     g = torch.Generator(device="cuda").manual_seed(n)
