@@ -553,6 +553,19 @@ def tma_ready(*tensors) -> bool:
     return True
 
 
+def run_logits_table(q: torch.Tensor, runs: int, given: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 ``[B, H, runs, Nq]`` tensor into which the kernels write the table of run logits
+    (``write_run_table``; ``q`` ``[B, H, Nq, Dk]``): a new one, or ``given`` (tests pass one to read it), checked."""
+    shape = (q.shape[0], q.shape[1], runs, q.shape[2])
+    if given is None:
+        return torch.empty(shape, dtype=torch.float32, device=q.device)
+    if given.shape != shape or given.dtype != torch.float32 or not given.is_contiguous():
+        raise ValueError(
+            f"run_table: expected a contiguous float32 tensor of shape {shape}, got {tuple(given.shape)} {given.dtype}"
+        )
+    return given
+
+
 def output_order(q: torch.Tensor) -> tuple[int, ...]:
     """The memory order (outermost first) of an attention output ``[B, H, N, Dv]`` that follows ``q``'s: the order of
     ``q``'s dimensions by decreasing stride when its last dimension is dense (stride 1) and no stride is 0, else

@@ -76,22 +76,24 @@ from kvbound.kernels._common import (
     relative_runs_first,
     relative_runs_tile,
     row_normaliser,
+    run_logits_table,
     softmax_step,
     switch_setting,
     tma_ready,
     write_run_table,
 )
+from kvbound.kernels.attention_dense import MAX_RUN_SPAN, relative_window
 
 __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"]
 
 # With relative keys constant over runs (RELATIVE == 2), the runs after a tile's first are unrolled up to this many
 # (``attention_dense.MAX_RUN_SPAN``): the launcher takes runs only where no tile of the relative tile shapes spans more
 # (``attention_dense.relative_run_span`` nonzero), otherwise the relative keys.
-COMPRESSED_RUN_SPAN = 16
+COMPRESSED_RUN_SPAN = MAX_RUN_SPAN
 _RUN_SPAN = tl.constexpr(COMPRESSED_RUN_SPAN)
-# The distances over which those runs are counted (``attention_dense.relative_window()``): the widest tile of the
-# relative shapes may span no more (64 x 64: 127; checked by a test).
-RUNS_WINDOW = 127
+# The distances over which those runs are counted: the widest tile of the relative shapes may span no more (checked by
+# a test).
+RUNS_WINDOW = relative_window()
 
 # The byte decode of the uniform residual loop turns four codes into float16 with six PTX instructions (two PRMT,
 # two LOP3, two HFMA2) instead of the compiler's per-element shifts and packs: checked tile by tile against float64
@@ -2581,17 +2583,9 @@ def attention_compressed_fwd(
     run_keys = run_starts = None
     if relative_runs is not None:
         run_keys, run_starts, content_bias, position_bias = relative_runs
-        table_shape = (batch, q_heads, run_keys.shape[1], n_q)
-        if run_table is None:
-            run_table = torch.empty(table_shape, dtype=torch.float32, device=q.device)
-        elif run_table.shape != table_shape or run_table.dtype != torch.float32 or not run_table.is_contiguous():
-            raise ValueError(
-                f"run_table: expected a contiguous float32 tensor of shape {table_shape}, got "
-                f"{tuple(run_table.shape)} {run_table.dtype}"
-            )
-        relative_keys = run_table
+        relative_keys = run_logits_table(q, run_keys.shape[1], run_table)
         # the table [B, H, R, Nq] as [B * H, R, Nq]: (head stride, run stride, number of runs R)
-        relative_strides = (n_q * table_shape[2], n_q, table_shape[2])
+        relative_strides = (n_q * run_keys.shape[1], n_q, run_keys.shape[1])
     elif relative is not None:
         relative_keys, content_bias, position_bias = relative
         relative_strides = relative_keys.stride()

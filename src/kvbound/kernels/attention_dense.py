@@ -45,6 +45,7 @@ from kvbound.kernels._common import (
     relative_runs_tile,
     relative_skew_halves,
     relative_window_half,
+    run_logits_table,
     softmax_step,
     tma_ready,
     write_run_table,
@@ -846,15 +847,7 @@ def attention_dense_fwd(
         if relative is not None:
             raise ValueError("relative, relative_runs: expected at most one of them")
         run_keys, run_starts, content_bias, run_position_bias = relative_runs
-        table_shape = (q_shape[0], q_shape[1], run_keys.shape[1], q_shape[2])
-        if run_table is None:
-            run_table = torch.empty(table_shape, dtype=torch.float32, device=q.device)
-        elif run_table.shape != table_shape or run_table.dtype != torch.float32 or not run_table.is_contiguous():
-            raise ValueError(
-                f"run_table: expected a contiguous float32 tensor of shape {table_shape}, got "
-                f"{tuple(run_table.shape)} {run_table.dtype}"
-            )
-        relative_keys, position_bias = run_table, run_starts
+        relative_keys, position_bias = run_logits_table(q, run_keys.shape[1], run_table), run_starts
         relative = (run_keys, content_bias, run_starts)
         relative_layout = ("runs", run_keys.shape, run_keys.dtype, run_span)
     elif relative is not None:
