@@ -93,8 +93,8 @@ class DeferredChecks:
     def __init__(self, *, speculative: bool = False) -> None:
         self.speculative = speculative
         self._parts: list[torch.Tensor] = []
-        # (label, names, index of the peaks part or -1, messages, indices of the count parts)
-        self._pending: list[tuple[object, list[str], int, list[str], list[int]]] = []
+        # (label, [(names, index of their peaks part)], messages, indices of the count parts)
+        self._pending: list[tuple[object, list[tuple[list[str], int]], list[str], list[int]]] = []
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -115,21 +115,26 @@ class DeferredChecks:
         label: object,
         tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         conditions: Iterable[tuple[str, torch.Tensor]] = (),
+        found: tuple[list[str], torch.Tensor] | None = None,
     ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
         described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
         count)`` pairs, a tensor (any shape, any real dtype) whose sum must be zero, else
-        ``ValueError(message.format(count=...))``."""
+        ``ValueError(message.format(count=...))``. ``found``: ``(names, peaks)``, the largest magnitudes of more
+        tensors, already being computed on the device (a kernel that checks its inputs: NaN or Inf exactly where
+        the tensor holds one), one element of ``peaks`` per name."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
-        peaks = self._keep(largest_magnitudes([t for _, t in present])) if present else -1
+        peaks = [(names, self._keep(largest_magnitudes([t for _, t in present])))] if present else []
+        if found is not None:
+            peaks.append((list(found[0]), self._keep(found[1])))
         messages, counts = [], []
         for message, count in conditions:
             messages.append(message)
             counts.append(self._keep(count))
-        if names or messages:
-            self._pending.append((label, names, peaks, messages, counts))
+        if peaks or messages:
+            self._pending.append((label, peaks, messages, counts))
 
     def queue_retry(
         self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
@@ -187,13 +192,14 @@ class DeferredChecks:
                 current.wait_stream(stream)
         values = self._read_parts()
         self._parts = []
-        for index, (label, names, peaks, messages, counts) in enumerate(pending):
+        for index, (label, peaks, messages, counts) in enumerate(pending):
             where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
-            for name, value in zip(names, values[peaks] if peaks >= 0 else [], strict=True):
-                if not math.isfinite(value):
-                    raise ValueError(
-                        f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
-                    )
+            for names, part in peaks:
+                for name, value in zip(names, values[part], strict=True):
+                    if not math.isfinite(value):
+                        raise ValueError(
+                            f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
+                        )
             for message, part in zip(messages, counts, strict=True):
                 count = sum(values[part])
                 if count != 0:
