@@ -10,7 +10,9 @@ kernel variant runs depends on whether the blocks carry a residual.
 
 The check per tensor is its largest magnitude (``vector_norm(ord=inf)`` as float64, one pass, no temporary; the
 tensors of one call in one multi-tensor call, ``largest_magnitudes``): NaN and Inf propagate through it and a
-finite tensor always gives a finite value, so it never raises for finite data. Outputs computed from non-finite
+finite tensor always gives a finite value, so it never raises for finite data. Dense calls hand over the largest
+magnitudes of q, K and V from the kernel instead (``DeferredChecks.queue(..., found=)``), which computes them
+while it reads those tensors. Outputs computed from non-finite
 inputs inside the block are garbage; the error arrives at the block's end instead of at the call.
 
 A *speculative* block (opened by a patched model's forward, :class:`DeferredForward`, never by
@@ -49,9 +51,9 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``largest_magnitude`` of each of ``tensors`` (floating, one device), as one float64 tensor ``[len(tensors)]``.
 
     One multi-tensor call per dtype (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN)
-    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer checks six tensors
-    per call (q, k, v and the relative keys in bfloat16, the two biases in float32), and on a GPU at batch 1 the host
-    cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
+    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer with compressed
+    K/V checks four tensors per call (q and the relative keys in bfloat16, the two biases in float32; with dense K/V
+    the kernel checks q, k and v), and on a GPU at batch 1 the host cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
     order (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes
     one reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
     magnitude is one of the values, so it cannot overflow); the stack widens them to their common dtype, then to
