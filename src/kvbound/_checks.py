@@ -53,11 +53,12 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     One multi-tensor call per dtype (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN)
     and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer with compressed
     K/V checks four tensors per call (q and the relative keys in bfloat16, the two biases in float32; with dense K/V
-    the kernel checks q, k and v), and on a GPU at batch 1 the host cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
-    order (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes
-    one reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
-    magnitude is one of the values, so it cannot overflow); the stack widens them to their common dtype, then to
-    float64, which keeps every finite value finite."""
+    the kernel checks q, k and v), and on a GPU at batch 1 the host cost of those calls is what the layer waits
+    for. On CUDA a list of one dtype whose tensors are each dense in some order (the heads-split views of a
+    projection are) takes the multi-tensor kernel; a list of mixed dtypes takes one reduction kernel per tensor,
+    hence the grouping. Each norm is taken in its tensor's own dtype (the largest magnitude is one of the values, so
+    it cannot overflow); the stack widens them to their common dtype, then to float64, which keeps every finite
+    value finite."""
     if not tensors:
         raise ValueError("largest_magnitudes: expected at least one tensor, got none")
     if len({t.device for t in tensors}) == 1:

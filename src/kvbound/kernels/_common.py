@@ -220,6 +220,15 @@ if RELATIVE_SKEW_NAME not in RELATIVE_SKEWS:
 _SKEW_MODE = tl.constexpr(RELATIVE_SKEWS.index(RELATIVE_SKEW_NAME))
 
 
+# Whether the relative keys' window product of bfloat16 operands is rounded to bfloat16 before the skew (half the
+# shared-memory bytes moved; the port's own relative logits are bfloat16 products under autocast), read once per
+# process from KVBOUND_RELATIVE_BF16 ("1" on, "0" or unset off).
+RELATIVE_BF16_NAME = os.environ.get("KVBOUND_RELATIVE_BF16", "").strip() or "0"
+if RELATIVE_BF16_NAME not in ("0", "1"):
+    raise ValueError(f"KVBOUND_RELATIVE_BF16: expected 0 or 1, got {RELATIVE_BF16_NAME!r}")
+_RELATIVE_BF16 = tl.constexpr(RELATIVE_BF16_NAME == "1")
+
+
 def relative_halves_default() -> bool:
     """``KVBOUND_RELATIVE_HALVES``: ``1`` lets the dense kernel's key loop compute each square tile's relative window
     product one half at a time, the other half carried from the tile before (``relative_window_half``,
@@ -269,6 +278,8 @@ def relative_logits_tile(
     ptrs = relative_head + (rel_row.to(tl.int64) * stride_rel_row)[None, :] + (offs_d * stride_rel_d)[:, None]
     window = tl.load(ptrs, mask=row_ok[None, :] & (offs_d < HEAD_DIM_K)[:, None], other=0.0)
     table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
+    if _RELATIVE_BF16 and q_position.dtype == tl.bfloat16:  # bf16 operands only: their products' own precision
+        return relative_skew(table.to(tl.bfloat16), BLOCK_N).to(tl.float32)
     return relative_skew(table, BLOCK_N)
 
 
@@ -291,6 +302,8 @@ def relative_logits_tile_tma(
     first_row = (N_Q - 1) + start_n - start_m - (BLOCK_M - 1)
     window = tl.trans(relative_desc.load([first_row, 0]))  # [DK_PAD, WINDOW]
     table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
+    if _RELATIVE_BF16 and q_position.dtype == tl.bfloat16:  # bf16 operands only: their products' own precision
+        return relative_skew(table.to(tl.bfloat16), BLOCK_N).to(tl.float32)
     return relative_skew(table, BLOCK_N)
 
 
