@@ -10,9 +10,7 @@ kernel variant runs depends on whether the blocks carry a residual.
 
 The check per tensor is its largest magnitude (``vector_norm(ord=inf)`` as float64, one pass, no temporary; the
 tensors of one call in one multi-tensor call, ``largest_magnitudes``): NaN and Inf propagate through it and a
-finite tensor always gives a finite value, so it never raises for finite data. Dense calls hand over the largest
-magnitudes of q, K and V from the kernel instead (``DeferredChecks.queue(..., found=)``), which computes them
-while it reads those tensors. Outputs computed from non-finite
+finite tensor always gives a finite value, so it never raises for finite data. Outputs computed from non-finite
 inputs inside the block are garbage; the error arrives at the block's end instead of at the call.
 
 A *speculative* block (opened by a patched model's forward, :class:`DeferredForward`, never by
@@ -51,14 +49,13 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``largest_magnitude`` of each of ``tensors`` (floating, one device), as one float64 tensor ``[len(tensors)]``.
 
     One multi-tensor call per dtype (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN)
-    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer with compressed
-    K/V checks four tensors per call (q and the relative keys in bfloat16, the two biases in float32; with dense K/V
-    the kernel checks q, k and v), and on a GPU at batch 1 the host cost of those calls is what the layer waits
-    for. On CUDA a list of one dtype whose tensors are each dense in some order (the heads-split views of a
-    projection are) takes the multi-tensor kernel; a list of mixed dtypes takes one reduction kernel per tensor,
-    hence the grouping. Each norm is taken in its tensor's own dtype (the largest magnitude is one of the values, so
-    it cannot overflow); the stack widens them to their common dtype, then to float64, which keeps every finite
-    value finite."""
+    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer checks six tensors
+    per call (q, k, v and the relative keys in bfloat16, the two biases in float32), and on a GPU at batch 1 the host
+    cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
+    order (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes
+    one reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
+    magnitude is one of the values, so it cannot overflow); the stack widens them to their common dtype, then to
+    float64, which keeps every finite value finite."""
     if not tensors:
         raise ValueError("largest_magnitudes: expected at least one tensor, got none")
     if len({t.device for t in tensors}) == 1:
@@ -96,8 +93,8 @@ class DeferredChecks:
     def __init__(self, *, speculative: bool = False) -> None:
         self.speculative = speculative
         self._parts: list[torch.Tensor] = []
-        # (label, [(names, index of their peaks part)], messages, indices of the count parts)
-        self._pending: list[tuple[object, list[tuple[list[str], int]], list[str], list[int]]] = []
+        # (label, names, index of the peaks part or -1, messages, indices of the count parts)
+        self._pending: list[tuple[object, list[str], int, list[str], list[int]]] = []
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -118,26 +115,21 @@ class DeferredChecks:
         label: object,
         tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         conditions: Iterable[tuple[str, torch.Tensor]] = (),
-        found: tuple[list[str], torch.Tensor] | None = None,
     ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
         described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
         count)`` pairs, a tensor (any shape, any real dtype) whose sum must be zero, else
-        ``ValueError(message.format(count=...))``. ``found``: ``(names, peaks)``, the largest magnitudes of more
-        tensors, already being computed on the device (a kernel that checks its inputs: NaN or Inf exactly where
-        the tensor holds one), one element of ``peaks`` per name."""
+        ``ValueError(message.format(count=...))``."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
-        peaks = [(names, self._keep(largest_magnitudes([t for _, t in present])))] if present else []
-        if found is not None:
-            peaks.append((list(found[0]), self._keep(found[1])))
+        peaks = self._keep(largest_magnitudes([t for _, t in present])) if present else -1
         messages, counts = [], []
         for message, count in conditions:
             messages.append(message)
             counts.append(self._keep(count))
-        if peaks or messages:
-            self._pending.append((label, peaks, messages, counts))
+        if names or messages:
+            self._pending.append((label, names, peaks, messages, counts))
 
     def queue_retry(
         self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
@@ -195,14 +187,13 @@ class DeferredChecks:
                 current.wait_stream(stream)
         values = self._read_parts()
         self._parts = []
-        for index, (label, peaks, messages, counts) in enumerate(pending):
+        for index, (label, names, peaks, messages, counts) in enumerate(pending):
             where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
-            for names, part in peaks:
-                for name, value in zip(names, values[part], strict=True):
-                    if not math.isfinite(value):
-                        raise ValueError(
-                            f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
-                        )
+            for name, value in zip(names, values[peaks] if peaks >= 0 else [], strict=True):
+                if not math.isfinite(value):
+                    raise ValueError(
+                        f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
+                    )
             for message, part in zip(messages, counts, strict=True):
                 count = sum(values[part])
                 if count != 0:

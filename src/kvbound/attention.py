@@ -465,8 +465,6 @@ def _queue_checks(
     flags: tuple[torch.Tensor, ...] = (),
     full_bias_shape: tuple[int, ...] | None = None,
     conditions: tuple[tuple[str, torch.Tensor], ...] = (),
-    kernel_checked: tuple[tuple[str, torch.Tensor], ...] = (),
-    peaks: torch.Tensor | None = None,
 ) -> Callable[[], list[float]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
@@ -480,20 +478,15 @@ def _queue_checks(
     so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias. ``conditions``: ``(message, count)`` pairs, a scalar that must be zero, else
-    ``ValueError(message.format(count=...))`` after the finite checks (deferred with them).
-    ``kernel_checked``: ``(name, tensor)`` pairs that the kernel checks itself, leaving their largest magnitudes in
-    ``peaks`` (int32, float32 bit patterns: ``attention_dense_fwd``'s ``peaks``); they are read with the rest, so
-    the returned function must then be called after the launch."""
+    ``ValueError(message.format(count=...))`` after the finite checks (deferred with them)."""
     pairs = tensors.items() if isinstance(tensors, dict) else tensors
     present = [(name, t) for name, t in pairs if t is not None and t.is_floating_point() and t.numel()]
-    kernel_names = [name for name, _ in kernel_checked]
     deferred = _checks.active()
     if deferred is not None and not flags:
         # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end. The call's label
         # is only formatted for an error.
-        q = next((t for name, t in (*present, *kernel_checked) if name == "q"), None)
-        found = None if peaks is None else (kernel_names, peaks.view(torch.float32))
-        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions, found=found)
+        q = next((t for name, t in present if name == "q"), None)
+        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions)
         return _no_flags
     checks = [_checks.largest_magnitudes([t for _, t in present])] if present else []
     checks += [torch.count_nonzero(f).to(torch.float64).reshape(1) for f in flags]
@@ -501,21 +494,16 @@ def _queue_checks(
     stacked = (torch.cat(checks) if len(checks) > 1 else checks[0]) if checks else None
 
     def read() -> list[float]:
-        parts = [] if stacked is None else [stacked]
-        if peaks is not None:  # written by the launch before this read
-            parts.append(peaks.view(torch.float32).to(torch.float64))
-        if not parts:
+        if stacked is None:
             return []
-        values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
-        kernel_values = values[len(values) - len(kernel_names) :] if peaks is not None else []
-        if not all(math.isfinite(x) for x in values[: len(present)] + kernel_values):
-            for name, t in (*present, *kernel_checked):
+        values = stacked.tolist()
+        if not all(math.isfinite(x) for x in values[: len(present)]):
+            for name, t in present:
                 if name == "bias" and full_bias_shape is not None:
                     t = t.expand(full_bias_shape)
                 check_finite_values(t, name)
         nonzero = values[len(present) : len(present) + len(flags)]
-        counts = values[len(present) + len(flags) : len(present) + len(flags) + len(conditions)]
-        for (message, _), count in zip(conditions, counts, strict=True):
+        for (message, _), count in zip(conditions, values[len(present) + len(flags) :], strict=True):
             if count != 0:
                 raise ValueError(message.format(count=round(count)))
         return [1 - count / max(1, f.numel()) for count, f in zip(nonzero, flags, strict=True)]
@@ -648,11 +636,11 @@ def _attention_dense(
     if relative_runs is not None:
         runs, conditions = _run_operands(q, relative_keys, relative_runs, q.shape[2], k.shape[2], relative_run_span)
         runs = (*runs, relative_content_bias, relative_position_bias)
-    # The kernel checks q, k and v itself (each program its rows; attention_dense_fwd's peaks): no reduction over
-    # the three before the launch. The other inputs are small and checked here.
-    peaks = torch.zeros(3, dtype=torch.int32, device=q.device)
     read = _queue_checks(
         (
+            ("q", q),
+            ("k", k),
+            ("v", v),
             ("bias", bias),
             ("relative_keys", relative_keys),
             ("relative_content_bias", relative_content_bias),
@@ -660,13 +648,11 @@ def _attention_dense(
         ),
         full_bias_shape=None if bias is None or bias_tile > 1 else (*q.shape[:3], k.shape[2]),
         conditions=conditions,
-        kernel_checked=(("q", q), ("k", k), ("v", v)),
-        peaks=peaks,
     )
     relative = None
     if relative_keys is not None and runs is None:
         relative = (relative_keys, relative_content_bias, relative_position_bias)
-    result = attention_dense_fwd(
+    return attention_dense_fwd(
         q,
         k,
         v,
@@ -678,10 +664,8 @@ def _attention_dense(
         relative=relative,
         relative_runs=runs,
         run_span=relative_run_span if runs is not None else 0,
-        peaks=peaks,
+        before_launch=read,
     )
-    read()
-    return result
 
 
 _attention_dense_op = torch.library.custom_op("kvbound::attention_dense", mutates_args=())(_attention_dense)

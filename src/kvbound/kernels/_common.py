@@ -220,15 +220,6 @@ if RELATIVE_SKEW_NAME not in RELATIVE_SKEWS:
 _SKEW_MODE = tl.constexpr(RELATIVE_SKEWS.index(RELATIVE_SKEW_NAME))
 
 
-# Whether the relative keys' window product of bfloat16 operands is rounded to bfloat16 before the skew (half the
-# shared-memory bytes moved; the port's own relative logits are bfloat16 products under autocast), read once per
-# process from KVBOUND_RELATIVE_BF16 ("1" on, "0" or unset off).
-RELATIVE_BF16_NAME = os.environ.get("KVBOUND_RELATIVE_BF16", "").strip() or "0"
-if RELATIVE_BF16_NAME not in ("0", "1"):
-    raise ValueError(f"KVBOUND_RELATIVE_BF16: expected 0 or 1, got {RELATIVE_BF16_NAME!r}")
-_RELATIVE_BF16 = tl.constexpr(RELATIVE_BF16_NAME == "1")
-
-
 def relative_halves_default() -> bool:
     """``KVBOUND_RELATIVE_HALVES``: ``1`` lets the dense kernel's key loop compute each square tile's relative window
     product one half at a time, the other half carried from the tile before (``relative_window_half``,
@@ -278,8 +269,6 @@ def relative_logits_tile(
     ptrs = relative_head + (rel_row.to(tl.int64) * stride_rel_row)[None, :] + (offs_d * stride_rel_d)[:, None]
     window = tl.load(ptrs, mask=row_ok[None, :] & (offs_d < HEAD_DIM_K)[:, None], other=0.0)
     table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
-    if _RELATIVE_BF16 and q_position.dtype == tl.bfloat16:  # bf16 operands only: their products' own precision
-        return relative_skew(table.to(tl.bfloat16), BLOCK_N).to(tl.float32)
     return relative_skew(table, BLOCK_N)
 
 
@@ -302,8 +291,6 @@ def relative_logits_tile_tma(
     first_row = (N_Q - 1) + start_n - start_m - (BLOCK_M - 1)
     window = tl.trans(relative_desc.load([first_row, 0]))  # [DK_PAD, WINDOW]
     table = tl.dot(q_position, window, input_precision=PRECISION)  # [BLOCK_M, WINDOW] float32
-    if _RELATIVE_BF16 and q_position.dtype == tl.bfloat16:  # bf16 operands only: their products' own precision
-        return relative_skew(table.to(tl.bfloat16), BLOCK_N).to(tl.float32)
     return relative_skew(table, BLOCK_N)
 
 
@@ -393,55 +380,6 @@ def relative_runs_first(table_head, stride_table_run, first_run, start_m, N_Q, B
     return tl.load(table_head + tl.cast(first_run, tl.int64) * stride_table_run + rows, mask=rows < N_Q, other=0.0)
 
 
-@triton.jit
-def magnitude_bits(x):
-    """The largest magnitude among ``x``'s elements as the bit pattern of a float32 (int32, a scalar). With the sign
-    bit cleared, float32 bit patterns order as integers: every finite value below Inf below every NaN. So an
-    integer maximum (``tl.max``, ``tl.atomic_max``) keeps a NaN or an Inf without relying on a float maximum's NaN
-    rule, and the result read as float32 is NaN or Inf exactly when ``x`` holds one."""
-    return tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-
-
-@triton.jit
-def check_rows_finite(
-    peak,
-    head,
-    stride_n,
-    stride_d,
-    part,
-    parts,
-    N,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    D_HI: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Fold the largest magnitude of part ``part`` of ``parts`` of the rows of a ``[N, HEAD_DIM]`` operand (``head``
-    points at row 0; strides ``stride_n``, ``stride_d``) into ``peak`` (int32, ``magnitude_bits``) by an atomic
-    maximum: rows ``[part * ceil(N / parts), ...)``, columns ``[0, D_PAD)`` and, with ``D_HI > 0``, ``[D_PAD, D_PAD
-    + D_HI)``, masked to ``HEAD_DIM``. The programs that share an operand head each check their part, so the call's
-    check of the operand reads every element once."""
-    per = tl.cdiv(N, parts)
-    lo = part * per
-    hi = tl.minimum(lo + per, N)
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, D_PAD)
-    largest = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(lo, hi, BLOCK):
-        rows = start + offs
-        row_ok = rows < hi
-        base = head + (rows.to(tl.int64) * stride_n)[:, None]
-        x = tl.load(base + (offs_d * stride_d)[None, :], mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        largest = tl.maximum(largest, tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
-        if D_HI > 0:
-            offs_hi = D_PAD + tl.arange(0, D_HI)
-            x = tl.load(
-                base + (offs_hi * stride_d)[None, :], mask=row_ok[:, None] & (offs_hi < HEAD_DIM)[None, :], other=0.0
-            )
-            largest = tl.maximum(largest, tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
-    tl.atomic_max(peak, tl.max(largest))
-
-
 # Runs per step of write_run_table (the kernels' prologue that writes a program's rows of the run table).
 RUN_CHUNK = tl.constexpr(32)
 
@@ -489,81 +427,6 @@ def write_run_table(
     tl.debug_barrier()
 
 
-# Tiles of the runs variant that span at least this many runs take their relative term from a product with a
-# one-hot matrix of the runs (relative_runs_onehot) instead of one compare and select per element and run; 0: never.
-# Read once per process from KVBOUND_RUNS_ONEHOT (an integer, 0 or 2 .. 16).
-def _runs_onehot_from_env() -> int:
-    value = os.environ.get("KVBOUND_RUNS_ONEHOT", "").strip() or str(RUNS_ONEHOT_DEFAULT)
-    if not value.isdigit() or (int(value) != 0 and not 2 <= int(value) <= 16):
-        raise ValueError(f"KVBOUND_RUNS_ONEHOT: expected 0 or an integer from 2 to 16, got {value!r}")
-    return int(value)
-
-
-RUNS_ONEHOT_DEFAULT = 4
-RUNS_ONEHOT = _runs_onehot_from_env()
-_RUNS_ONEHOT = tl.constexpr(RUNS_ONEHOT)
-# The runs one one-hot product covers (its inner dimension): MAX_RUN_SPAN of attention_dense, the most an unrolled
-# tile spans.
-ONEHOT_SPAN = tl.constexpr(16)
-
-
-@triton.jit
-def _tf32_part(x):
-    """``x`` with the low 13 bits of its float32 significand cleared: the leading 11 bits, exact in tf32."""
-    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def relative_runs_onehot(
-    table_head,
-    stride_table_run,
-    runs,
-    first_run,
-    last_run,
-    first_value,
-    start_m,
-    start_n,
-    N_Q,
-    N_K,
-    N_RUNS,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPAN: tl.constexpr,
-):
-    """:func:`relative_runs_tile`'s result for a tile spanning at most ``SPAN`` runs, from products instead of one
-    compare and select per element and run. The ``BLOCK_M + BLOCK_N - 1`` distances of the tile,
-    ``d0 + w`` (``d0 = start_n - start_m - (BLOCK_M - 1)``), get a one-hot matrix ``E[r, w] = [run of d0 + w is
-    first_run + r]`` (``[SPAN, WINDOW]``), the tile's rows the excess of each run over the first,
-    ``X[a, r] = table[first_run + r, a] - first_value[a]`` (``[BLOCK_M, SPAN]``); then ``X @ E`` holds each row's
-    value at every distance of the window, and the skew of :func:`relative_logits_tile` moves
-    ``(X @ E)[a, c - a + BLOCK_M - 1]`` into place. ``X`` enters as three tf32 parts (11 + 11 + 2 significant bits,
-    each exact in tf32) whose products with 0 and 1 and their float32 sum are exact, so the result equals the
-    compare-and-select fill bit for bit."""
-    WINDOW: tl.constexpr = 2 * BLOCK_M if BLOCK_M >= BLOCK_N else 2 * BLOCK_N
-    offs_w = tl.arange(0, WINDOW)
-    distance = start_n - start_m - (BLOCK_M - 1) + offs_w
-    distance = tl.minimum(tl.maximum(distance, -(N_Q - 1)), N_K - 1)
-    run_of = runs + (N_RUNS + 1) + (N_Q - 1)
-    run_w = tl.load(run_of + distance)
-    offs_r = tl.arange(0, SPAN)
-    onehot = (run_w[None, :] == (first_run + offs_r)[:, None]).to(tl.float32)
-    rows = start_m + tl.arange(0, BLOCK_M)
-    run = first_run + offs_r
-    excess = tl.load(
-        table_head + (run.to(tl.int64) * stride_table_run)[None, :] + rows[:, None],
-        mask=(rows < N_Q)[:, None] & (run <= last_run)[None, :],
-        other=0.0,
-    )
-    excess = tl.where((run <= last_run)[None, :], excess - first_value[:, None], 0.0)
-    high = _tf32_part(excess)
-    rest = excess - high
-    middle = _tf32_part(rest)
-    values = tl.dot(high, onehot, input_precision="tf32")
-    values = tl.dot(middle, onehot, values, input_precision="tf32")
-    values = tl.dot(rest - middle, onehot, values, input_precision="tf32")
-    return relative_skew(values, BLOCK_N)
-
-
 @triton.jit
 def relative_runs_tile(
     table_head,
@@ -575,8 +438,6 @@ def relative_runs_tile(
     start_m,
     start_n,
     N_Q,
-    N_K,
-    N_RUNS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RUN_SPAN: tl.constexpr,
@@ -605,32 +466,7 @@ def relative_runs_tile(
         row_ptrs = table_head + rows
         row_ok = rows < N_Q
         # Runs in increasing order, each from its start on: a later run overwrites the distances past its start.
-        if RUN_SPAN > 0 and _RUNS_ONEHOT > 0 and RUN_SPAN >= _RUNS_ONEHOT:
-            # Tiles of many runs (near the diagonal) through a one-hot product; the others unrolled below it.
-            if last_run - first_run + 1 >= _RUNS_ONEHOT:
-                relative = relative_runs_onehot(
-                    table_head,
-                    stride_table_run,
-                    runs,
-                    first_run,
-                    last_run,
-                    first_value,
-                    start_m,
-                    start_n,
-                    N_Q,
-                    N_K,
-                    N_RUNS,
-                    BLOCK_M,
-                    BLOCK_N,
-                    ONEHOT_SPAN,
-                )
-            else:
-                for step in tl.static_range(1, _RUNS_ONEHOT - 1):
-                    if first_run + step <= last_run:
-                        run = tl.cast(first_run + step, tl.int64)
-                        value = tl.load(row_ptrs + run * stride_table_run, mask=row_ok, other=0.0) - first_value
-                        relative = tl.where(distance >= tl.load(runs + run), value[:, None], relative)
-        elif RUN_SPAN > 0:
+        if RUN_SPAN > 0:
             for step in tl.static_range(1, RUN_SPAN):
                 if first_run + step <= last_run:
                     run = tl.cast(first_run + step, tl.int64)

@@ -775,8 +775,6 @@ def _compressed_tile(
             row_start,
             start_n,
             N_Q,
-            N_K,
-            N_REL,
             BLOCK_M,
             BLOCK_N,
             _RUN_SPAN,

@@ -27,7 +27,6 @@ from kvbound.kernels._common import (
     RUN_CHUNK,
     bounded_by_default,
     broadcast_strides,
-    check_rows_finite,
     fixed_softmax_max,
     float32_dot_precision,
     fold_scale_sign,
@@ -35,7 +34,6 @@ from kvbound.kernels._common import (
     key_loop_bounds,
     launch_tuned,
     logit_multipliers,
-    magnitude_bits,
     next_power_of_2,
     output_order,
     output_strides,
@@ -190,8 +188,6 @@ def _attention_dense_inner(
                 row_start,
                 start_n,
                 N_Q,
-                N_K,
-                N_REL,
                 q.shape[0],
                 BLOCK_N,
                 RUN_SPAN,
@@ -438,7 +434,6 @@ def _attention_dense_fwd(
     KMaxNorm,
     RunKeys,
     RunPositionBias,
-    Peaks,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -486,7 +481,6 @@ def _attention_dense_fwd(
     CAUSAL: tl.constexpr,
     RELATIVE: tl.constexpr,
     RUN_SPAN: tl.constexpr,
-    CHECK: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -518,9 +512,6 @@ def _attention_dense_fwd(
         mask=row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :],
         other=0.0,
     )
-    if CHECK:
-        # The call's finite check of q: this program's rows (padding loads as 0).
-        tl.atomic_max(Peaks, magnitude_bits(q))
     if RELATIVE:
         # Transformer-XL's two query forms, rounded once to the operand dtype: q_content = scale q + u reads the
         # keys, q_position = scale q + v the relative keys; the logit scale is already in them (logit_mult).
@@ -752,14 +743,6 @@ def _attention_dense_fwd(
     lse = (running_max + tl.math.log2(running_sum)) * LN2
     lse_ptrs = Lse + (batch * (H_KV * GROUP) + row_head) * N_Q + row_query
     tl.store(lse_ptrs, lse, mask=row_valid)
-    if CHECK:
-        # The call's finite check of K and V: the programs of one (batch, K/V head) share its rows.
-        check_rows_finite(
-            Peaks + 1, k_head, stride_kn, stride_kd, pid_m, tl.num_programs(0), N_K, HEAD_DIM_K, DK_PAD, 0, BLOCK_N
-        )
-        check_rows_finite(
-            Peaks + 2, v_head, stride_vn, stride_vd, pid_m, tl.num_programs(0), N_K, HEAD_DIM_V, DV_PAD, DV_HI, BLOCK_N
-        )
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -801,7 +784,6 @@ def attention_dense_fwd(
     relative_halves: bool | None = None,
     dv_split: bool | None = None,
     run_table: torch.Tensor | None = None,
-    peaks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the dense kernel. Inputs are validated by ``kvbound.attention``; ``bias`` is None or a 4-d tensor
     whose every dimension is either 1 (read with stride 0) or full: ``[B, Hq, Nq, Nk]``, or with
@@ -837,16 +819,7 @@ def attention_dense_fwd(
     H200).
     ``dv_split``: a value head dim that is not a power of two runs as two power-of-two parts where that pads less
     (``dv_parts``: 192 as 128 + 64, not 256); None: ``KVBOUND_DV_SPLIT`` (``dv_split_default``: split except with
-    the relative keys).
-    ``peaks``: int32 ``[3]`` on q's device, zeros (or earlier peaks to fold in): the kernel also checks its inputs,
-    each program its rows of q and its share of the rows of K and V, and leaves in ``peaks`` the largest magnitude of
-    q, K and V as float32 bit patterns (``peaks.view(torch.float32)``: NaN or Inf exactly where the tensor holds one;
-    ``_common.magnitude_bits``), read after the launch instead of a reduction over the three before it."""
-    if peaks is not None and (peaks.dtype != torch.int32 or peaks.shape != (3,) or peaks.device != q.device):
-        raise ValueError(
-            f"peaks: expected an int32 tensor of shape [3] on {q.device}, got {peaks.dtype} {list(peaks.shape)} on "
-            f"{peaks.device}"
-        )
+    the relative keys)."""
     q, scale = fold_scale_sign(q, scale, relative is not None or relative_runs is not None)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     wanted = bounded_max if bounded_max is not None else bounded_by_default(k_shape[-2], BOUNDED_MIN_KEYS)
@@ -906,7 +879,6 @@ def attention_dense_fwd(
         float32_dot_precision() if q.dtype == torch.float32 else None,
         bounded,
         split,
-        peaks is not None,
     )
     plan = _PLANS.get(plan_key) if config is None else None
     if plan is None:
@@ -925,7 +897,6 @@ def attention_dense_fwd(
             bounded,
             halves,
             split,
-            peaks is not None,
         )
         if config is None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -947,7 +918,6 @@ def attention_dense_fwd(
         key_norms(k) if bounded else None,
         run_keys,
         run_position_bias,
-        peaks,
         *plan.scalar_args,
     )
     # The relative keys' windows are read through a descriptor too (RELATIVE = 1), so they must allow one.
@@ -990,7 +960,7 @@ class _Plan:
 
 def _plan(
     q, k, v, bias, scale, causal, softcap, bias_tile, fixed_max, relative, run_span: int | None = None,
-    bounded: bool = False, halves: bool = False, dv_split: bool = True, check: bool = False,
+    bounded: bool = False, halves: bool = False, dv_split: bool = True,
 ) -> _Plan:  # fmt: skip
     runs = run_span is not None
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -1044,7 +1014,6 @@ def _plan(
         CAUSAL=causal,
         RELATIVE=2 if runs else (3 if halves else 1) if relative is not None else 0,
         RUN_SPAN=run_span if runs else 0,
-        CHECK=check,
         PRECISION=float32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
     bias_dtype = q.dtype if bias is None else bias.dtype
