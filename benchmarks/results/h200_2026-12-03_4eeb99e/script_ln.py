@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import triton.testing
 
 out, commit = sys.argv[1], sys.argv[2]
-wr = csv.writer(open(out, "a", newline=""))
+handle = open(out, "a", newline="")
+wr = csv.writer(handle)
 wr.writerow(["case", "rows", "dim", "variant", "ms", "bf16_elements_differing", "max_abs_diff", "commit"])
 fused = torch.compile(lambda x, w, b, eps: F.layer_norm(x, (x.shape[-1],), w, b, eps).to(torch.bfloat16))
 for case, rows, dim, eps in (("borzoi-b16", 16 * 4096, 1536, 1e-3), ("borzoi-b4", 4 * 4096, 1536, 1e-3),
@@ -32,3 +33,4 @@ for case, rows, dim, eps in (("borzoi-b16", 16 * 4096, 1536, 1e-3), ("borzoi-b4"
         ms = triton.testing.do_bench(fn, warmup=50, rep=300)
         wr.writerow([case, rows, dim, name, f"{ms:.4f}", differ, f"{diff:.3e}", commit])
         print(case, name, f"{ms:.4f}", differ, f"{diff:.3e}", flush=True)
+        handle.flush()
