@@ -103,6 +103,7 @@ def norm_rope(
     *,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     out_dtype: torch.dtype,
+    round_to_input: bool = True,
 ) -> torch.Tensor:
     """``LayerNorm`` over the last dimension (centred, affine), then rotary embedding, then a cast, in one kernel.
 
@@ -115,6 +116,9 @@ def norm_rope(
         rope: ``(cos, sin)``, each ``[S, C / 2]`` float32 holding values of the normalised dtype: pair ``i`` of a row
             at position ``s`` becomes ``(e cos[s, i] - o sin[s, i], e sin[s, i] + o cos[s, i])``; None: no rotation.
         out_dtype: the output's dtype (float32, float16 or bfloat16).
+        round_to_input: round the centred values and the inverse deviation to x's dtype, as AlphaGenome's
+            ``LayerNorm`` does (the default); False keeps every step in float32 until the affine step, as torch's
+            ``nn.LayerNorm`` under autocast does with a 16-bit input (it normalises ``x.float()``).
 
     Returns:
         ``[B, S, H, C]`` contiguous in ``out_dtype``.
@@ -164,6 +168,7 @@ def norm_rope(
     _norm_rope_kernel[(triton.cdiv(n_rows, rows),)](
         x, weight, bias, cos, sin, out, n_rows, h, s, float(eps),
         C=c, BLOCK_C=block_c, ROWS=rows, ROPE=rope is not None,
-        IN_DT=_TORCH_TO_TL[x.dtype], NORM_DT=_TORCH_TO_TL[norm_dtype], num_warps=4, **options,
+        IN_DT=_TORCH_TO_TL[x.dtype] if round_to_input else tl.float32, NORM_DT=_TORCH_TO_TL[norm_dtype],
+        num_warps=4, **options,
     )  # fmt: skip
     return out

@@ -180,7 +180,9 @@ def fused_norm_enabled() -> bool:
     """``KVBOUND_FUSED_NORM``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
     (``false``, ``off``, ``no``); other values raise. On: patched AlphaGenome attention blocks on CUDA normalise,
     rotate and cast their projected q, k and v in one kernel each (:func:`kvbound.kernels.norm_rope.norm_rope`)
-    where the port's own LayerNorm and RoPE would run about twenty kernels per tensor. Read at each call."""
+    where the port's own LayerNorm and RoPE would run about twenty kernels per tensor; the LayerNorm in front of a
+    patched Enformer/Borzoi attention module writes the autocast dtype in one kernel (``pre_norm_forward``). Read
+    at each call."""
     return _switch("KVBOUND_FUSED_NORM")
 
 
@@ -217,6 +219,63 @@ def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
     if nn.modules.module._global_forward_pre_hooks:
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
+
+
+def _fusable_pre_norm(norm: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which ``norm(x)`` may run in :func:`~kvbound.kernels.norm_rope.norm_rope` in front of a patched
+    Enformer/Borzoi attention module, or None where ``norm`` itself must run. The kernel writes what the attention's
+    projections multiply: under autocast (float16 or bfloat16) on the input's device the port's ``LayerNorm`` runs in
+    float32 (on ``x.float()``: the ports' residual stream is in the autocast dtype there) and each projection casts
+    its float32 output to the autocast dtype; the kernel reads x in its own dtype, normalises in float32 and
+    writes that dtype directly. It needs a non-empty float32/float16/bfloat16 CUDA input, ``norm`` exactly torch's
+    affine ``nn.LayerNorm`` over the last dimension with float32 parameters on that device, no hooks that would
+    see the other dtype, and no autograd to feed (the kernel has no backward)."""
+    if type(norm) is not nn.LayerNorm or not _fused_norm_device(x) or x.numel() == 0:
+        return None
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    weight, bias = norm.weight, norm.bias
+    if tuple(norm.normalized_shape) != (x.shape[-1],) or not isinstance(weight, torch.Tensor):
+        return None
+    if not isinstance(bias, torch.Tensor) or weight.dtype != torch.float32 or bias.dtype != torch.float32:
+        return None
+    if weight.device != x.device or bias.device != x.device:
+        return None
+    if norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks:
+        return None
+    if nn.modules.module._global_forward_pre_hooks:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return None
+    return dtype
+
+
+def pre_norm_forward(module, record, handle, x):
+    """Forward of an ``nn.LayerNorm`` that feeds a patched Enformer/Borzoi attention module (``record.target``; the
+    ports' ``Residual(Sequential(LayerNorm, Attention, Dropout))``): where ``_fusable_pre_norm`` allows it and
+    ``KVBOUND_FUSED_NORM`` is on, one kernel normalises in float32 and writes the autocast dtype, the values the
+    attention's projections would cast the float32 output to (up to the order of the float32 row sums), instead of
+    a cast of the input to float32, a float32 output and a cast of that. Everywhere else, and once the attention
+    module is no longer patched, the module's own forward runs."""
+    dtype = None
+    if fused_norm_enabled() and handle._patches_attention(record.target):
+        dtype = _fusable_pre_norm(module, x)
+    if dtype is None:
+        return nn.LayerNorm.forward(module, x)
+    from kvbound.kernels import norm_rope as kernel
+
+    c = x.shape[-1]
+    rows = x.contiguous().view(1, -1, 1, c)
+    out = kernel.norm_rope(
+        rows, module.weight, module.bias, module.eps, rope=None, out_dtype=dtype, round_to_input=False
+    )
+    return out.view(x.shape)
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):

@@ -24,7 +24,7 @@ from kvbound.codec.format import CompressedKV
 from kvbound.compress import compress_kv
 from kvbound.config import CompressionConfig
 from kvbound.models._backend import BACKENDS
-from kvbound.models._ports import PORTS, UNSUPPORTED, Port, lookup_class, port_class
+from kvbound.models._ports import PORTS, UNSUPPORTED, Port, lookup_class, port_class, pre_norm_forward
 from kvbound.models.relative import equal_row_runs
 
 __all__ = ["patch", "PatchHandle", "PatchedModule"]
@@ -58,6 +58,8 @@ class PatchedModule:
     role: str
     module: nn.Module = field(repr=False)
     method: str = "forward"
+    # For a helper: the patched attention module it serves (the pre-attention LayerNorm's, role "norm").
+    target: nn.Module | None = field(default=None, repr=False)
     basis_k: Basis | None = None
     basis_v: Basis | None = None
     calls: int = 0
@@ -137,7 +139,9 @@ class PatchHandle:
     Attributes:
         modules: the patched attention modules (:class:`PatchedModule`: name, kind, bases, call counts,
             last compression ratios of K and V).
-        helpers: modules patched only to hand a compact bias to patched attention (AlphaGenome's tower).
+        helpers: modules patched only to serve patched attention: AlphaGenome's tower (role ``bias``: the pair
+            bias at tile resolution), and the ``nn.LayerNorm`` in front of each patched Enformer/Borzoi attention
+            module (role ``norm``: it writes the attention's operand dtype in one kernel, ``pre_norm_forward``).
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
         calibration_forward_seconds: time of the sample forward that captured K and V.
@@ -410,7 +414,7 @@ class PatchHandle:
 
     def summary(self) -> str:
         lines = [
-            f"kvbound.patch: {len(self.modules)} attention module(s), {len(self.helpers)} bias helper(s), "
+            f"kvbound.patch: {len(self.modules)} attention module(s), {len(self.helpers)} helper(s), "
             f"compress={self.compress}, backend={self.backend}, active={self.active}"
         ]
         if self.compress:
@@ -424,7 +428,8 @@ class PatchHandle:
             basis = ", calibrated basis" if r.basis_k is not None else ""
             lines.append(f"  {r.name} [{r.kind}] calls={r.calls}{basis}{ratio}")
         for r in self.helpers:
-            lines.append(f"  {r.name} [{r.kind} {r.method}: tile-resolution bias]")
+            what = "LayerNorm in the attention's operand dtype" if r.role == "norm" else "tile-resolution bias"
+            lines.append(f"  {r.name} [{r.kind} {r.method}: {what}]")
         for name, reason in self.skipped:
             lines.append(f"  skipped {name}: {reason}")
         return "\n".join(lines)
@@ -461,11 +466,38 @@ def _run_sample(model: nn.Module, sample) -> None:
         )
 
 
-def _install(module: nn.Module, record: PatchedModule, handle: PatchHandle, port: Port) -> None:
-    record._original = module.__dict__.get(port.method, _MISSING)
-    record._installed = _PatchedMethod(module, record, handle, port.forward)
-    module.__dict__[port.method] = record._installed
+def _install(module: nn.Module, record: PatchedModule, handle: PatchHandle, impl: Callable) -> None:
+    record._original = module.__dict__.get(record.method, _MISSING)
+    record._installed = _PatchedMethod(module, record, handle, impl)
+    module.__dict__[record.method] = record._installed
     _ACTIVE[module] = handle
+
+
+# Ports whose attention module sits in ``Sequential(LayerNorm, Attention, ...)`` and multiplies the norm's output.
+_PRE_NORM_KINDS = frozenset({"enformer", "borzoi"})
+
+
+def _install_pre_norms(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
+    """Patch the ``nn.LayerNorm`` right before each patched Enformer/Borzoi attention module in a ``Sequential``
+    (``pre_norm_forward``), as a helper of the handle (role ``norm``)."""
+    targets = {id(r.module): r for r in handle.modules if r.kind in _PRE_NORM_KINDS}
+    for name, module in named:
+        if not targets or not isinstance(module, nn.Sequential):
+            continue
+        children = list(module.named_children())
+        for (child_name, norm), (_, attention) in zip(children, children[1:], strict=False):
+            target = targets.get(id(attention))
+            if target is None or type(norm) is not nn.LayerNorm or norm in _ACTIVE or "forward" in vars(norm):
+                continue
+            record = PatchedModule(
+                name=f"{name}.{child_name}" if name else child_name,
+                kind=target.kind,
+                role="norm",
+                module=norm,
+                target=attention,
+            )
+            _install(norm, record, handle, pre_norm_forward)
+            handle.helpers.append(record)
 
 
 def patch(
@@ -573,7 +605,7 @@ def patch(
 
     for name, module, port in chosen:
         record = PatchedModule(name=name, kind=port.kind, role=port.role, module=module, method=port.method)
-        _install(module, record, handle, port)
+        _install(module, record, handle, port.forward)
         handle.modules.append(record)
         handle._attention_ids.add(id(module))
 
@@ -588,8 +620,9 @@ def patch(
             feeds = any(id(m) in handle._attention_ids for m in module.modules())
             if feeds and module not in _ACTIVE and port.method not in vars(module):
                 record = PatchedModule(name=name, kind=port.kind, role=port.role, module=module, method=port.method)
-                _install(module, record, handle, port)
+                _install(module, record, handle, port.forward)
                 handle.helpers.append(record)
+    _install_pre_norms(named, handle)
 
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
