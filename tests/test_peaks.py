@@ -95,3 +95,21 @@ def test_checks_take_the_kernel_for_cuda_groups_and_keep_the_order(monkeypatch):
     got = _checks.largest_magnitudes(tensors)
     assert calls[-2:] == [2, 1]
     assert got.tolist() == [t.abs().max().double().item() for t in tensors]
+
+
+@pytest.mark.gpu
+def test_gpu_peaks_of_a_layer_bf16():
+    """On the GPU: Borzoi-sized heads-split q, k, v (batch 2) and small float32 tensors, exact peaks; a NaN and an
+    Inf in the middle of v are reported."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, n = 2, 4096
+    q, k, v = (torch.randn(b, n, 8 * d, device="cuda", generator=g).to(torch.bfloat16).view(b, n, 8, d).transpose(1, 2)
+               for d in (64, 64, 192))  # fmt: skip
+    small = [torch.randn(8, 64, device="cuda", generator=g) * 5, torch.randn(8, 64, device="cuda", generator=g)]
+    tensors = [q, k, v, *small]
+    got = _checks.largest_magnitudes(tensors)
+    assert got.tolist() == [t.abs().max().double().item() for t in tensors]
+    v[1, 3, 2000, 100] = math.inf
+    assert peaks.largest_magnitudes([q, k, v])[2].item() == math.inf
+    v[0, 5, 17, 3] = math.nan
+    assert math.isnan(_checks.largest_magnitudes(tensors)[2].item())

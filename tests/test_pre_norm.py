@@ -182,3 +182,33 @@ def test_norm_runs_itself_where_the_kernel_would_change_behaviour(enformer, kern
                 assert (got.float() - ref.half().float()).abs().max().item() <= 2e-3 * ref.abs().max().item()
                 handle._attention_ids.clear()  # as if its attention module were no longer patched
                 assert norm(x).dtype == torch.float32 and len(kernel_calls) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_pre_norm_kernel_bf16():
+    """On the GPU at Borzoi's width (1536, eps 1e-3): the kernel on a bfloat16 residual stream (a permuted view, as
+    the first layer's input) against autocast's float32 LayerNorm cast to bfloat16: within one bfloat16 step."""
+    from kvbound.models._ports import _fusable_pre_norm, pre_norm_forward
+
+    norm = nn.LayerNorm(1536, eps=1e-3).cuda()
+    _randomize_(norm, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 1536, 4096, device="cuda", generator=g).to(torch.bfloat16).permute(0, 2, 1)
+
+    class Handle:
+        def _patches_attention(self, module):
+            return True
+
+    class Record:
+        target = None
+
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert _fusable_pre_norm(norm, x) is torch.bfloat16
+        got = pre_norm_forward(norm, Record(), Handle(), x)
+        ref = norm(x).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    step = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp_min(2**-126))) - 7)
+    worst = ((got.float() - ref.float()).abs() / step).max().item()
+    differ = int((got != ref).sum())
+    print(f"pre-attention norm on the GPU: {differ} of {got.numel()} differ, largest {worst:.1f} bf16 steps")
+    assert worst <= 1.0 and differ < 1e-3 * got.numel()
