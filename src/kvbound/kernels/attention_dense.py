@@ -53,6 +53,13 @@ from kvbound.kernels._common import (
 
 __all__ = ["attention_dense_fwd", "dense_configs"]
 
+# Experimental switches, read once per process: KVBOUND_Q_SCRATCH=1 passes the relative variants' query forms
+# through the program's own output rows (so that the key loop's products read them from shared memory);
+# KVBOUND_RUNS_ADD=1 starts a runs tile's product from zero and adds the runs after the first only where a tile
+# spans more than one.
+_Q_SCRATCH = tl.constexpr(os.environ.get("KVBOUND_Q_SCRATCH", "0") == "1")
+_RUNS_ADD = tl.constexpr(os.environ.get("KVBOUND_RUNS_ADD", "0") == "1")
+
 
 @triton.jit
 def _attention_dense_inner(
@@ -178,22 +185,40 @@ def _attention_dense_inner(
                 next_first, next_last = first_run, last_run
             # The first run's logit of each row is the softmax's row shift; the tile holds the other runs' excess.
             row_shift = relative_runs_first(relative_head, stride_rel_row, first_run, row_start, N_Q, q.shape[0])
-            relative = relative_runs_tile(
-                relative_head,
-                stride_rel_row,
-                relative_runs,
-                first_run,
-                last_run,
-                row_shift,
-                row_start,
-                start_n,
-                N_Q,
-                q.shape[0],
-                BLOCK_N,
-                RUN_SPAN,
-            )
+            if _RUNS_ADD:
+                x = tl.dot(q, k, input_precision=PRECISION)
+                if first_run < last_run:
+                    x = x + relative_runs_tile(
+                        relative_head,
+                        stride_rel_row,
+                        relative_runs,
+                        first_run,
+                        last_run,
+                        row_shift,
+                        row_start,
+                        start_n,
+                        N_Q,
+                        q.shape[0],
+                        BLOCK_N,
+                        RUN_SPAN,
+                    )
+            else:
+                relative = relative_runs_tile(
+                    relative_head,
+                    stride_rel_row,
+                    relative_runs,
+                    first_run,
+                    last_run,
+                    row_shift,
+                    row_start,
+                    start_n,
+                    N_Q,
+                    q.shape[0],
+                    BLOCK_N,
+                    RUN_SPAN,
+                )
+                x = tl.dot(q, k, relative, input_precision=PRECISION)
             first_run, last_run = next_first, next_last
-            x = tl.dot(q, k, relative, input_precision=PRECISION)
         elif HALVES:
             upper = relative_window_half(
                 q_position,
@@ -549,6 +574,20 @@ def _attention_dense_fwd(
             relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
             n_relative = N_Q + N_K - 1
         q = (q_scaled + content_bias[None, :]).to(q.dtype)
+        SCRATCH: tl.constexpr = _Q_SCRATCH and HEAD_DIM_V >= (DK_PAD if RELATIVE == 2 else 2 * DK_PAD)
+        if SCRATCH:
+            # The query forms through this program's own output rows (written over at the end): loaded back, they
+            # are the key loop's shared-memory operands instead of registers reloaded at every tile.
+            scratch = Out + batch * stride_ob + row_head * stride_oh + row_query.to(tl.int64) * stride_on
+            q_cols = scratch[:, None] + (offs_dk * stride_od)[None, :]
+            q_mask = row_valid[:, None] & (offs_dk < HEAD_DIM_K)[None, :]
+            tl.store(q_cols, q, mask=q_mask)
+            if RELATIVE != 2:
+                tl.store(q_cols + DK_PAD * stride_od, q_position, mask=q_mask)
+            tl.debug_barrier()
+            q = tl.load(q_cols, mask=q_mask, other=0.0)
+            if RELATIVE != 2:
+                q_position = tl.load(q_cols + DK_PAD * stride_od, mask=q_mask, other=0.0)
     else:
         q_position = q  # unused placeholders
         relative_head = RelKeys
