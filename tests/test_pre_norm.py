@@ -207,8 +207,12 @@ def test_gpu_pre_norm_kernel_bf16():
         got = pre_norm_forward(norm, Record(), Handle(), x)
         ref = norm(x).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # One bfloat16 step of the reference, or float32 rounding of the affine step's terms (|w x_hat|, |b| < 8) where
+    # they cancel to a value near zero.
     step = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp_min(2**-126))) - 7)
-    worst = ((got.float() - ref.float()).abs() / step).max().item()
+    diff = (got.float() - ref.float()).abs()
+    worst = (diff / step).max().item()
     differ = int((got != ref).sum())
-    print(f"pre-attention norm on the GPU: {differ} of {got.numel()} differ, largest {worst:.1f} bf16 steps")
-    assert worst <= 1.0 and differ < 1e-3 * got.numel()
+    print(f"pre-attention norm on the GPU: {differ} of {got.numel()} differ, largest {worst:.1f} bf16 steps, "
+          f"{diff.max().item():.2e} absolute")  # fmt: skip
+    assert bool((diff <= step + 8 * 2.0**-23).all()) and differ < 1e-3 * got.numel()
