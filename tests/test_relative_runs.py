@@ -453,3 +453,50 @@ def test_kernel_writes_the_run_table_in_float32_under_autocast(dtype, heads_spli
     with pytest.raises(ValueError, match=r"^run_table: expected a contiguous float32 tensor of shape \(2, 3, 40, 41\)"):
         attention_dense_fwd(q, k, v, None, scale, False, None, relative_runs=(run_keys, buffer, u, w),
                             run_table=table[:, :, :, :40])  # fmt: skip
+
+
+@pytest.mark.parametrize(("q_scratch", "runs_add"), [("1", "0"), ("0", "1"), ("1", "1")])
+def test_kernel_switches_give_the_same_function(q_scratch, runs_add):
+    """KVBOUND_Q_SCRATCH (query forms through the output rows) and KVBOUND_RUNS_ADD (runs added after a zero
+    product) select kernel code once per process: each setting, in a fresh interpreter process, gives the runs and
+    the relative keys within twice the port-style error against float64 (the defaults run in every other test)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import torch
+from kvbound.attention import attention
+from kvbound.models.reference import relative_position_attention_reference
+from test_relative_runs import _case
+from test_relpos import _port_style
+h, n, dk, dv, starts = 2, 80, 16, 24, [0, 30, 60, 75, 79, 80, 84, 100, 130]
+q, k, v, keys, u, w = (t.half() if i < 4 else t for i, t in enumerate(_case(1, h, n, n, dk, dv, starts, 3)))
+common = dict(scale=dk**-0.5, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+ub, wb = u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk)
+expected = relative_position_attention_reference(q, k, v, keys, ub, wb, scale=dk**-0.5)
+port = (_port_style(q, k, v, keys, ub, wb, dk**-0.5).double() - expected).abs().max().item()
+for out in (attention(q, k, v, relative_runs=starts, **common), attention(q, k, v, **common)):
+    err = (out.double() - expected).abs().max().item()
+    print(f"err {err:.2e} port {port:.2e}")
+    assert err <= 2 * port + 1e-6, (err, port)
+"""
+    here = Path(__file__).parent
+    env = dict(os.environ, KVBOUND_Q_SCRATCH=q_scratch, KVBOUND_RUNS_ADD=runs_add, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("err ") == 2
+
+
+def test_kernel_switch_values_are_checked():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KVBOUND_RUNS_ADD="sometimes", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", "import kvbound.kernels.attention_dense"], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0 and "KVBOUND_RUNS_ADD: expected one of 1, 0" in done.stderr

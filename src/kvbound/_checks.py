@@ -45,26 +45,17 @@ def largest_magnitude(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, ord=math.inf).to(torch.float64)
 
 
-def _gpu_peaks(group: list[torch.Tensor]) -> torch.Tensor | None:
-    """On CUDA, one launch of ``kvbound.kernels.peaks`` for a group of one dtype (None where it does not apply)."""
-    if not group[0].is_cuda:
-        return None
-    from kvbound.kernels.peaks import largest_magnitudes as peaks
-
-    return peaks(group)
-
-
 def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``largest_magnitude`` of each of ``tensors`` (floating, one device), as one float64 tensor ``[len(tensors)]``.
 
-    One multi-tensor call per dtype and one stack, instead of a Python-level reduction and cast per tensor: a patched
-    model layer checks six tensors per call (q, k, v and the relative keys in bfloat16, the two biases in float32),
-    and on a GPU at batch 1 the host cost of those calls is what the layer waits for. On CUDA the call is
-    ``kvbound.kernels.peaks`` (one launch per dtype that reads each tensor's storage once, for tensors dense in
-    some order, as the heads-split views of a projection are); elsewhere, or for tensors it does not take,
-    ``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN. Each peak is taken in its
-    tensor's own dtype or exactly in float32 (the largest magnitude is one of the values, so it cannot overflow);
-    the stack widens them to their common dtype, then to float64, which keeps every finite value finite."""
+    One multi-tensor call per dtype (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN)
+    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer checks six tensors
+    per call (q, k, v and the relative keys in bfloat16, the two biases in float32), and on a GPU at batch 1 the host
+    cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
+    order (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes
+    one reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
+    magnitude is one of the values, so it cannot overflow); the stack widens them to their common dtype, then to
+    float64, which keeps every finite value finite."""
     if not tensors:
         raise ValueError("largest_magnitudes: expected at least one tensor, got none")
     if len({t.device for t in tensors}) == 1:
@@ -73,11 +64,7 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
             groups.setdefault(t.dtype, []).append(index)
         peaks: list[torch.Tensor] = [tensors[0]] * len(tensors)
         for indices in groups.values():
-            group = [tensors[i] for i in indices]
-            found = _gpu_peaks(group)
-            if found is None:
-                found = torch._foreach_norm(group, math.inf)
-            for index, peak in zip(indices, found, strict=True):
+            for index, peak in zip(indices, torch._foreach_norm([tensors[i] for i in indices], math.inf), strict=True):
                 peaks[index] = peak
     else:
         peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in tensors]

@@ -53,12 +53,28 @@ from kvbound.kernels._common import (
 
 __all__ = ["attention_dense_fwd", "dense_configs"]
 
-# Experimental switches, read once per process: KVBOUND_Q_SCRATCH=1 passes the relative variants' query forms
-# through the program's own output rows (so that the key loop's products read them from shared memory);
-# KVBOUND_RUNS_ADD=1 starts a runs tile's product from zero and adds the runs after the first only where a tile
-# spans more than one.
-_Q_SCRATCH = tl.constexpr(os.environ.get("KVBOUND_Q_SCRATCH", "0") == "1")
-_RUNS_ADD = tl.constexpr(os.environ.get("KVBOUND_RUNS_ADD", "0") == "1")
+
+
+def _setting(name: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+# Read once per process (they select kernel code). KVBOUND_Q_SCRATCH: the relative variants' query forms (scale q + u,
+# and for the relative keys scale q + v) are computed in registers; "auto" (the default) passes the relative keys'
+# through the program's own output rows, written over at the end, so that the key loop's products read them from
+# shared memory instead of reloading registers at every tile (on the H200, bf16, one Enformer layer at batch 8:
+# 0.632-0.652 against 0.716-0.758 ms; benchmarks/results/h200_2026-12-03_07c3a98/); "1" does it for the runs too
+# (there it measured mixed: -8 % at Borzoi batch 4, +2 % at batch 16), "0" for neither.
+# KVBOUND_RUNS_ADD: "1" (the default) starts a runs tile's product from zero and adds the runs after the first only
+# where the tile spans more than one (Borzoi layer, batch 4: 0.908 against 0.996 ms; batch 16: 3.358 against
+# 3.395), "0" starts every product from the filled relative tile.
+_Q_SCRATCH_SETTING = _setting("KVBOUND_Q_SCRATCH", ("auto", "1", "0"))
+_Q_SCRATCH_KEYS = tl.constexpr(_Q_SCRATCH_SETTING != "0")
+_Q_SCRATCH_RUNS = tl.constexpr(_Q_SCRATCH_SETTING == "1")
+_RUNS_ADD = tl.constexpr(_setting("KVBOUND_RUNS_ADD", ("1", "0")) == "1")
 
 
 @triton.jit
@@ -574,7 +590,9 @@ def _attention_dense_fwd(
             relative_head = RelKeys + kv_head.to(tl.int64) * stride_rh
             n_relative = N_Q + N_K - 1
         q = (q_scaled + content_bias[None, :]).to(q.dtype)
-        SCRATCH: tl.constexpr = _Q_SCRATCH and HEAD_DIM_V >= (DK_PAD if RELATIVE == 2 else 2 * DK_PAD)
+        SCRATCH: tl.constexpr = (_Q_SCRATCH_RUNS if RELATIVE == 2 else _Q_SCRATCH_KEYS) and HEAD_DIM_V >= (
+            DK_PAD if RELATIVE == 2 else 2 * DK_PAD
+        )
         if SCRATCH:
             # The query forms through this program's own output rows (written over at the end): loaded back, they
             # are the key loop's shared-memory operands instead of registers reloaded at every tile.
