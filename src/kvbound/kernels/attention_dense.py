@@ -54,7 +54,6 @@ from kvbound.kernels._common import (
 __all__ = ["attention_dense_fwd", "dense_configs"]
 
 
-
 def _setting(name: str, choices: tuple[str, ...]) -> str:
     value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
     if value not in choices:
@@ -63,8 +62,8 @@ def _setting(name: str, choices: tuple[str, ...]) -> str:
 
 
 # Read once per process (they select kernel code). KVBOUND_Q_SCRATCH: the relative variants' query forms (scale q + u,
-# and for the relative keys scale q + v) are computed in registers; "auto" (the default) passes the relative keys'
-# through the program's own output rows, written over at the end, so that the key loop's products read them from
+# and for the relative keys scale q + v) are computed in registers; "auto" (the default) passes those of the relative
+# keys through the program's own output rows, written over at the end, so that the key loop's products read them from
 # shared memory instead of reloading registers at every tile (on the H200, bf16, one Enformer layer at batch 8:
 # 0.632-0.652 against 0.716-0.758 ms; benchmarks/results/h200_2026-12-03_07c3a98/); "1" does it for the runs too
 # (there it measured mixed: -8 % at Borzoi batch 4, +2 % at batch 16), "0" for neither.
