@@ -516,7 +516,10 @@ def patch(
         model: any ``nn.Module``; every submodule whose class is exactly ``enformer_pytorch``'s or
             ``borzoi_pytorch``'s ``Attention`` or ``alphagenome_pytorch``'s ``MHABlock`` is patched (a port that is
             not installed contributes nothing). AlphaGenome's ``TransformerTower`` is patched too, so that its
-            patched ``MHABlock`` s receive the pair bias at 16 x 16 tile resolution instead of ``[B, 8, S, S]``.
+            patched ``MHABlock`` s receive the pair bias at 16 x 16 tile resolution instead of ``[B, 8, S, S]``. The
+            ``nn.LayerNorm`` right before each patched Enformer/Borzoi attention module is patched too: on CUDA
+            under autocast it writes the attention's operand dtype in one kernel (``KVBOUND_FUSED_NORM=0``: its own
+            forward). Both are listed in ``handle.helpers`` and restored by ``undo``.
         config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
         compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
             exact and only makes attention memory-lean.
