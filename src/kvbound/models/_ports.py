@@ -214,6 +214,12 @@ def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
         return False
     if weight.device != x.device or bias.device != x.device:
         return False
+    return _unobserved(norm, x, weight, bias)
+
+
+def _unobserved(norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether replacing ``norm(x)`` by a kernel is invisible: no forward hook on ``norm`` or globally (it would
+    see the kernel's output, or be skipped), and no autograd to feed (the kernels have no backward)."""
     if norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks:
         return False
     if nn.modules.module._global_forward_pre_hooks:
@@ -247,13 +253,7 @@ def _fusable_pre_norm(norm: nn.Module, x: torch.Tensor) -> torch.dtype | None:
         return None
     if weight.device != x.device or bias.device != x.device:
         return None
-    if norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks:
-        return None
-    if nn.modules.module._global_forward_pre_hooks:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return None
-    return dtype
+    return dtype if _unobserved(norm, x, weight, bias) else None
 
 
 def pre_norm_forward(module, record, handle, x):
