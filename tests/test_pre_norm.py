@@ -1,4 +1,5 @@
-"""The LayerNorm in front of a patched Enformer/Borzoi attention module: one kernel that writes the autocast dtype.
+"""The LayerNorm in front of a patched Enformer/Borzoi attention module: one kernel that writes the autocast dtype;
+and the feed-forward of the same transformer block: that kernel, then the first Linear with its ReLU in one matmul.
 
 On CPU tensors the kernel runs in Triton's interpreter only where a test allows it (``_fused_norm_device``); the
 interpreter's float32 -> bfloat16 conversion truncates, so these tests use float16 autocast.
@@ -120,7 +121,7 @@ def test_fused_norm_writes_the_autocast_dtype_as_the_port_casts_it(borzoi, kerne
     finally:
         for h in hooks:
             h.remove()
-    assert kernel_calls == [(None, torch.float16)] * len(norms)
+    assert kernel_calls == [(None, torch.float16)] * (2 * len(norms))  # and each block's feed-forward norm
     with torch.no_grad():
         for norm in norms[:1]:  # the first layer's input is the transformer's (a permuted, non-contiguous view)
             inp = seen[0]
@@ -216,3 +217,142 @@ def test_gpu_pre_norm_kernel_bf16():
     print(f"pre-attention norm on the GPU: {differ} of {got.numel()} differ, largest {worst:.1f} bf16 steps, "
           f"{diff.max().item():.2e} absolute")  # fmt: skip
     assert bool((diff <= step + 8 * 2.0**-23).all()) and differ < 1e-3 * got.numel()
+
+
+def _feed_forwards(model):
+    return [m for name, m in model.named_modules() if name.startswith("transformer.") and name.endswith(".1.fn")]
+
+
+@pytest.fixture
+def relu_matmuls(monkeypatch):
+    """Record the operand dtypes of each fused Linear-with-ReLU matmul of the feed-forward."""
+    import kvbound.models._ports as ports
+
+    calls = []
+    real = ports._linear_relu
+
+    def spy(x, weight, bias):
+        calls.append((x.dtype, weight.dtype, bias.dtype))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(ports, "_linear_relu", spy)
+    return calls
+
+
+def test_patch_installs_one_feed_forward_helper_per_block_and_undo_removes_it(borzoi, enformer):
+    """One helper per transformer block whose attention is patched (the block's own feed-forward, not the next
+    block's), listed in the summary; undo restores each Sequential's own forward."""
+    for model, kind in ((borzoi[0], "borzoi"), (enformer, "enformer")):
+        ffns = _feed_forwards(model)
+        assert len(ffns) == 2
+        with patch(model, compress=False, backend="eager") as handle:
+            helpers = [r for r in handle.helpers if r.role == "feed-forward"]
+            assert [r.module for r in helpers] == ffns
+            assert [r.target for r in helpers] == [r.module for r in handle.modules]
+            assert all(r.kind == kind and "forward" in vars(f) for r, f in zip(helpers, ffns, strict=True))
+            assert "feed-forward: fused LayerNorm, Linear with ReLU" in handle.summary()
+        assert not any("forward" in vars(f) for f in ffns)
+        with patch(model, compress=False, backend="eager", filter_fn=lambda name, m: name.startswith("transformer.1")):
+            assert "forward" in vars(ffns[1]) and "forward" not in vars(ffns[0])
+        assert not any("forward" in vars(f) for f in ffns)
+
+
+def _feed_forward64(seq: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """The feed-forward in float64 (dropouts inactive)."""
+    norm, first, _, _, second, _ = seq
+    h = F.layer_norm(x.double(), norm.normalized_shape, norm.weight.double(), norm.bias.double(), norm.eps)
+    h = torch.relu(F.linear(h, first.weight.double(), first.bias.double()))
+    return F.linear(h, second.weight.double(), second.bias.double())
+
+
+def test_linear_relu_is_relu_of_the_linear():
+    from kvbound.models._ports import _linear_relu
+
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(7, 12, generator=g), torch.randn(5, 12, generator=g), torch.randn(5, generator=g)
+    got = _linear_relu(x, w, b)
+    assert torch.allclose(got, torch.relu(F.linear(x, w, b)), atol=1e-6) and bool((got == 0).any())
+
+
+def test_fused_feed_forward_is_as_close_as_the_module(borzoi, kernel_calls, relu_matmuls, monkeypatch):
+    """Under float16 autocast the patched feed-forward is one norm kernel writing float16, one matmul with the ReLU
+    in its epilogue on float16 operands, and the second Linear; its error against float64 is at most about that of
+    the module's own forward (KVBOUND_FUSED_NORM=0), and the whole model's output matches the unfused one's."""
+    model, x = borzoi
+    ffn = _feed_forwards(model)[0]
+    h = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        with patch(model, compress=False, backend="eager", query_chunk=16):
+            fused = ffn(h)
+            assert len(kernel_calls) == 1 and len(relu_matmuls) == 1
+            assert relu_matmuls == [(torch.float16,) * 3]
+            whole = model(x)
+            assert len(kernel_calls) == 5 and len(relu_matmuls) == 3  # two pre-norms and two feed-forwards
+            monkeypatch.setenv("KVBOUND_FUSED_NORM", "0")
+            plain = ffn(h)
+            whole_plain = model(x)
+            assert len(kernel_calls) == 5 and len(relu_matmuls) == 3
+    ref = _feed_forward64(ffn, h)
+    assert fused.dtype == plain.dtype == torch.float16 and fused.shape == plain.shape == h.shape
+    err, err_plain = ((t.double() - ref).abs().max().item() for t in (fused, plain))
+    print(f"feed-forward under float16 autocast: fused {err:.2e}, the module's own {err_plain:.2e} from float64 "
+          f"(|out| {ref.abs().max().item():.2f}); {int((fused != plain).sum())} of {fused.numel()} differ")  # fmt: skip
+    assert err <= 2 * err_plain + 1e-3
+    whole_err = (whole.float() - whole_plain.float()).abs().max().item()
+    assert whole_err <= 2e-2 * whole_plain.float().abs().max().item()
+
+
+def test_feed_forward_runs_itself_where_fusing_would_change_behaviour(enformer, kernel_calls, relu_matmuls):
+    """No autocast, active dropout (training), a hook on a child, autograd through the weights: the Sequential's
+    own forward, with the same result as the unpatched module."""
+    model = enformer
+    ffn = _feed_forwards(model)[0]
+    x = torch.randn(1, 20, 96, generator=torch.Generator().manual_seed(1))
+    with patch(model, compress=False, backend="eager"):
+        with torch.no_grad():
+            assert torch.equal(ffn(x), nn.Sequential.forward(ffn, x))
+            with torch.autocast("cpu", dtype=torch.float16):
+                ffn.train()
+                try:
+                    torch.manual_seed(3)
+                    got = ffn(x)
+                    torch.manual_seed(3)
+                    assert torch.equal(got, nn.Sequential.forward(ffn, x))
+                finally:
+                    ffn.eval()
+                seen = []
+                hook = ffn[3].register_forward_hook(lambda m, a, out: seen.append(out))
+                try:
+                    assert torch.equal(ffn(x), nn.Sequential.forward(ffn, x)) and len(seen) == 2
+                finally:
+                    hook.remove()
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert ffn(x).requires_grad  # the Linears' weights require grad
+        assert not kernel_calls and not relu_matmuls
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            ffn(x)
+            assert len(kernel_calls) == 1 and len(relu_matmuls) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_feed_forward_bf16():
+    """On the GPU at Borzoi's width (1536, eps 1e-3) on a bfloat16 residual stream: the fused feed-forward against
+    the module's own forward under bfloat16 autocast, both against float64: at most about the module's error."""
+    from kvbound.models._ports import _fusable_feed_forward, feed_forward_forward
+
+    ffn = nn.Sequential(nn.LayerNorm(1536, eps=1e-3), nn.Linear(1536, 3072), nn.Dropout(0.4), nn.ReLU(),
+                        nn.Linear(3072, 1536), nn.Dropout(0.4)).cuda().eval()  # fmt: skip
+    _randomize_(ffn, seed=6)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(2, 4096, 1536, device="cuda", generator=g).to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert _fusable_feed_forward(ffn, x) is torch.bfloat16
+        got = feed_forward_forward(ffn, None, None, x)
+        own = ffn(x)
+    ref = _feed_forward64(ffn, x)
+    assert got.dtype == own.dtype == torch.bfloat16 and got.shape == x.shape
+    err, err_own = ((t.double() - ref).abs().max().item() for t in (got, own))
+    differ = int((got != own).sum())
+    print(f"feed-forward on the GPU: fused {err:.3e}, the module's own {err_own:.3e} from float64; {differ} of "
+          f"{got.numel()} outputs differ")  # fmt: skip
+    assert err <= 2 * err_own

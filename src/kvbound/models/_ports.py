@@ -278,6 +278,76 @@ def pre_norm_forward(module, record, handle, x):
     return out.view(x.shape)
 
 
+# The ports' feed-forward in each transformer block: Residual(Sequential(LayerNorm, Linear(d, 2d), Dropout, ReLU,
+# Linear(2d, d), Dropout)).
+FEED_FORWARD_LAYOUT = (nn.LayerNorm, nn.Linear, nn.Dropout, nn.ReLU, nn.Linear, nn.Dropout)
+
+
+def is_feed_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is exactly an ``nn.Sequential`` of :data:`FEED_FORWARD_LAYOUT` (Enformer's and Borzoi's
+    feed-forward), with no instance-level forward on its children."""
+    if type(module) is not nn.Sequential:
+        return False
+    children = list(module.children())
+    if len(children) != len(FEED_FORWARD_LAYOUT):
+        return False
+    return all(type(c) is t and "forward" not in vars(c) for c, t in zip(children, FEED_FORWARD_LAYOUT, strict=True))
+
+
+def _fusable_feed_forward(seq: nn.Sequential, x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype in which the feed-forward ``seq`` (:func:`is_feed_forward`) may run its LayerNorm in
+    :func:`~kvbound.kernels.norm_rope.norm_rope` and its first ``Linear`` with the ReLU in the matmul's epilogue,
+    or None where ``seq`` must run as it is. Beyond :func:`_fusable_pre_norm` (the norm's output feeds only the
+    first ``Linear``, which casts it to the autocast dtype): the children have no hooks (the fused path does not
+    call them), the dropouts are inactive (eval mode or p 0), and both ``Linear`` s have float32 weights and
+    biases on the input's device, with no autograd to feed."""
+    if not is_feed_forward(seq):
+        return None
+    norm, first, drop1, _, second, drop2 = seq.children()
+    for child in seq.children():
+        if child._forward_hooks or child._forward_pre_hooks:
+            return None
+    if any(d.training and d.p > 0 for d in (drop1, drop2)):
+        return None
+    for linear in (first, second):
+        weight, bias = linear.weight, linear.bias
+        if not isinstance(bias, torch.Tensor) or weight.dtype != torch.float32 or bias.dtype != torch.float32:
+            return None
+        if weight.device != x.device or bias.device != x.device:
+            return None
+        if torch.is_grad_enabled() and (weight.requires_grad or bias.requires_grad):
+            return None
+    return _fusable_pre_norm(norm, x)
+
+
+def feed_forward_forward(module, record, handle, x):
+    """Forward of the feed-forward ``nn.Sequential`` of a transformer block whose attention is patched (Enformer's
+    and Borzoi's ``Sequential(LayerNorm, Linear, Dropout, ReLU, Linear, Dropout)``). Where
+    :func:`_fusable_feed_forward` allows it and ``KVBOUND_FUSED_NORM`` is on: the LayerNorm in one kernel that
+    writes the autocast dtype (as :func:`pre_norm_forward`), the first ``Linear`` and the ReLU in one cuBLASLt
+    matmul with a bias-and-ReLU epilogue on the operands autocast would pass (``aten._addmm_activation``), and the
+    second ``Linear`` as autocast runs it; the dropouts are inactive. Everywhere else the module's own forward
+    runs."""
+    dtype = _fusable_feed_forward(module, x) if fused_norm_enabled() else None
+    if dtype is None:
+        return nn.Sequential.forward(module, x)
+    from kvbound.kernels import norm_rope as kernel
+
+    norm, first, _, _, second, _ = module.children()
+    c = x.shape[-1]
+    h = kernel.norm_rope(
+        x.contiguous().view(1, -1, 1, c), norm.weight, norm.bias, norm.eps, rope=None, out_dtype=dtype,
+        round_to_input=False,
+    ).view(-1, c)  # fmt: skip
+    h = _linear_relu(h, first.weight.to(dtype), first.bias.to(dtype))
+    return F.linear(h, second.weight, second.bias).view(*x.shape[:-1], -1)
+
+
+def _linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``relu(x @ weight.T + bias)`` for 2-D ``x`` in one matmul (cuBLASLt's bias-and-ReLU epilogue on CUDA)."""
+    return torch.ops.aten._addmm_activation(bias, x, weight.t(), use_gelu=False)
+
+
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
     """``(cos, sin)``, each ``[s, c / 2]`` float32, of the port's ``apply_rope`` (in place, as ``MHABlock`` calls it)
     on a ``[1, s, 1, c]`` tensor of ``dtype`` under the autocast state of this call: on pairs ``(1, 0)`` it

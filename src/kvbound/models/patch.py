@@ -24,7 +24,16 @@ from kvbound.codec.format import CompressedKV
 from kvbound.compress import compress_kv
 from kvbound.config import CompressionConfig
 from kvbound.models._backend import BACKENDS
-from kvbound.models._ports import PORTS, UNSUPPORTED, Port, lookup_class, port_class, pre_norm_forward
+from kvbound.models._ports import (
+    PORTS,
+    UNSUPPORTED,
+    Port,
+    feed_forward_forward,
+    is_feed_forward,
+    lookup_class,
+    port_class,
+    pre_norm_forward,
+)
 from kvbound.models.relative import equal_row_runs
 
 __all__ = ["patch", "PatchHandle", "PatchedModule"]
@@ -428,7 +437,10 @@ class PatchHandle:
             basis = ", calibrated basis" if r.basis_k is not None else ""
             lines.append(f"  {r.name} [{r.kind}] calls={r.calls}{basis}{ratio}")
         for r in self.helpers:
-            what = "LayerNorm in the attention's operand dtype" if r.role == "norm" else "tile-resolution bias"
+            what = {
+                "norm": "LayerNorm in the attention's operand dtype",
+                "feed-forward": "feed-forward: fused LayerNorm, Linear with ReLU",
+            }.get(r.role, "tile-resolution bias")
             lines.append(f"  {r.name} [{r.kind} {r.method}: {what}]")
         for name, reason in self.skipped:
             lines.append(f"  skipped {name}: {reason}")
@@ -498,6 +510,40 @@ def _install_pre_norms(named: list[tuple[str, nn.Module]], handle: PatchHandle) 
             )
             _install(norm, record, handle, pre_norm_forward)
             handle.helpers.append(record)
+
+
+
+def _install_feed_forwards(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
+    """Patch the feed-forward ``nn.Sequential`` (``_ports.is_feed_forward``) of each Enformer/Borzoi transformer
+    block whose attention module is patched (``feed_forward_forward``), as a helper of the handle (role
+    ``feed-forward``, target: that attention module). The block is a ``Sequential`` whose child holding the patched
+    attention is followed by the child holding the feed-forward."""
+    targets = {id(r.module): r for r in handle.modules if r.kind in _PRE_NORM_KINDS}
+    if not targets:
+        return
+    for name, block in named:
+        if not isinstance(block, nn.Sequential):
+            continue
+        children = list(block.named_children())
+        for (_, first), (child_name, second) in zip(children, children[1:], strict=False):
+            # Both children of the block itself: the first holds one patched attention and no feed-forward, the
+            # second a feed-forward and no patched attention (not two whole blocks of a tower).
+            held = [targets[id(m)] for m in first.modules() if id(m) in targets]
+            if len(held) != 1 or any(is_feed_forward(m) for m in first.modules()):
+                continue
+            if any(id(m) in targets for m in second.modules()):
+                continue
+            target = held[0]
+            for sub_name, ffn in second.named_modules():
+                if not is_feed_forward(ffn) or ffn in _ACTIVE or "forward" in vars(ffn):
+                    continue
+                path = ".".join(p for p in (name, child_name, sub_name) if p)
+                record = PatchedModule(
+                    name=path, kind=target.kind, role="feed-forward", module=ffn, target=target.module
+                )
+                _install(ffn, record, handle, feed_forward_forward)
+                handle.helpers.append(record)
+                break
 
 
 def patch(
@@ -626,6 +672,7 @@ def patch(
                 _install(module, record, handle, port.forward)
                 handle.helpers.append(record)
     _install_pre_norms(named, handle)
+    _install_feed_forwards(named, handle)
 
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
