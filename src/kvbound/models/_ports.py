@@ -181,8 +181,9 @@ def fused_norm_enabled() -> bool:
     (``false``, ``off``, ``no``); other values raise. On: patched AlphaGenome attention blocks on CUDA normalise,
     rotate and cast their projected q, k and v in one kernel each (:func:`kvbound.kernels.norm_rope.norm_rope`)
     where the port's own LayerNorm and RoPE would run about twenty kernels per tensor; the LayerNorm in front of a
-    patched Enformer/Borzoi attention module writes the autocast dtype in one kernel (``pre_norm_forward``). Read
-    at each call."""
+    patched Enformer/Borzoi attention module writes the autocast dtype in one kernel (``pre_norm_forward``), and
+    so does the LayerNorm of the same block's feed-forward, whose first ``Linear`` then runs with the ReLU in one
+    matmul (``feed_forward_forward``). Read at each call."""
     return _switch("KVBOUND_FUSED_NORM")
 
 
@@ -325,9 +326,9 @@ def feed_forward_forward(module, record, handle, x):
     and Borzoi's ``Sequential(LayerNorm, Linear, Dropout, ReLU, Linear, Dropout)``). Where
     :func:`_fusable_feed_forward` allows it and ``KVBOUND_FUSED_NORM`` is on: the LayerNorm in one kernel that
     writes the autocast dtype (as :func:`pre_norm_forward`), the first ``Linear`` and the ReLU in one cuBLASLt
-    matmul with a bias-and-ReLU epilogue on the operands autocast would pass (``aten._addmm_activation``), and the
-    second ``Linear`` as autocast runs it; the dropouts are inactive. Everywhere else the module's own forward
-    runs."""
+    matmul with a bias-and-ReLU epilogue on the operands autocast would pass (``aten._addmm_activation``; below
+    ``_RELU_EPILOGUE_ROWS`` rows the matmul and an in-place ReLU), and the second ``Linear`` as autocast runs it;
+    the dropouts are inactive. Everywhere else the module's own forward runs."""
     dtype = _fusable_feed_forward(module, x) if fused_norm_enabled() else None
     if dtype is None:
         return nn.Sequential.forward(module, x)
@@ -343,9 +344,18 @@ def feed_forward_forward(module, record, handle, x):
     return F.linear(h, second.weight, second.bias).view(*x.shape[:-1], -1)
 
 
+# Rows from which the first Linear of a feed-forward runs with the ReLU in cuBLASLt's epilogue. On the H200 (bf16,
+# 1536 -> 3072) the epilogue's matmul was faster at 16,384 and 65,536 rows (Borzoi batch 4 and 16) and slower at
+# 1,536 and 12,288 (Enformer batch 1 and 8) than the plain matmul and a ReLU.
+_RELU_EPILOGUE_ROWS = 16384
+
+
 def _linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``relu(x @ weight.T + bias)`` for 2-D ``x`` in one matmul (cuBLASLt's bias-and-ReLU epilogue on CUDA)."""
-    return torch.ops.aten._addmm_activation(bias, x, weight.t(), use_gelu=False)
+    """``relu(x @ weight.T + bias)`` for 2-D ``x``: from ``_RELU_EPILOGUE_ROWS`` rows in one matmul with the ReLU
+    in its epilogue (cuBLASLt's bias-and-ReLU epilogue on CUDA), below as the Linear and an in-place ReLU."""
+    if x.shape[0] >= _RELU_EPILOGUE_ROWS:
+        return torch.ops.aten._addmm_activation(bias, x, weight.t(), use_gelu=False)
+    return torch.relu_(F.linear(x, weight, bias))
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):

@@ -67,7 +67,7 @@ class PatchedModule:
     role: str
     module: nn.Module = field(repr=False)
     method: str = "forward"
-    # For a helper: the patched attention module it serves (the pre-attention LayerNorm's, role "norm").
+    # For a helper: the patched attention module it serves (role "norm") or whose block it is in ("feed-forward").
     target: nn.Module | None = field(default=None, repr=False)
     basis_k: Basis | None = None
     basis_v: Basis | None = None
@@ -149,8 +149,10 @@ class PatchHandle:
         modules: the patched attention modules (:class:`PatchedModule`: name, kind, bases, call counts,
             last compression ratios of K and V).
         helpers: modules patched only to serve patched attention: AlphaGenome's tower (role ``bias``: the pair
-            bias at tile resolution), and the ``nn.LayerNorm`` in front of each patched Enformer/Borzoi attention
-            module (role ``norm``: it writes the attention's operand dtype in one kernel, ``pre_norm_forward``).
+            bias at tile resolution), the ``nn.LayerNorm`` in front of each patched Enformer/Borzoi attention
+            module (role ``norm``: it writes the attention's operand dtype in one kernel, ``pre_norm_forward``),
+            and the feed-forward ``nn.Sequential`` of the same transformer block (role ``feed-forward``: that
+            kernel, then the first ``Linear`` with its ReLU in one matmul, ``feed_forward_forward``).
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
         calibration_forward_seconds: time of the sample forward that captured K and V.
@@ -564,8 +566,10 @@ def patch(
             not installed contributes nothing). AlphaGenome's ``TransformerTower`` is patched too, so that its
             patched ``MHABlock`` s receive the pair bias at 16 x 16 tile resolution instead of ``[B, 8, S, S]``. The
             ``nn.LayerNorm`` right before each patched Enformer/Borzoi attention module is patched too: on CUDA
-            under autocast it writes the attention's operand dtype in one kernel (``KVBOUND_FUSED_NORM=0``: its own
-            forward). Both are listed in ``handle.helpers`` and restored by ``undo``.
+            under autocast it writes the attention's operand dtype in one kernel; so is the feed-forward of the
+            same transformer block: its LayerNorm in that kernel and its first ``Linear`` with the ReLU in one
+            matmul (``KVBOUND_FUSED_NORM=0``: their own forwards). All are listed in ``handle.helpers`` and
+            restored by ``undo``.
         config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
         compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
             exact and only makes attention memory-lean.
