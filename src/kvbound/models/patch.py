@@ -514,7 +514,6 @@ def _install_pre_norms(named: list[tuple[str, nn.Module]], handle: PatchHandle) 
             handle.helpers.append(record)
 
 
-
 def _install_feed_forwards(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
     """Patch the feed-forward ``nn.Sequential`` (``_ports.is_feed_forward``) of each Enformer/Borzoi transformer
     block whose attention module is patched (``feed_forward_forward``), as a helper of the handle (role
