@@ -326,9 +326,9 @@ def feed_forward_forward(module, record, handle, x):
     and Borzoi's ``Sequential(LayerNorm, Linear, Dropout, ReLU, Linear, Dropout)``). Where
     :func:`_fusable_feed_forward` allows it and ``KVBOUND_FUSED_NORM`` is on: the LayerNorm in one kernel that
     writes the autocast dtype (as :func:`pre_norm_forward`), the first ``Linear`` and the ReLU in one cuBLASLt
-    matmul with a bias-and-ReLU epilogue on the operands autocast would pass (``aten._addmm_activation``; below
-    ``_RELU_EPILOGUE_ROWS`` rows the matmul and an in-place ReLU), and the second ``Linear`` as autocast runs it;
-    the dropouts are inactive. Everywhere else the module's own forward runs."""
+    matmul with a bias-and-ReLU epilogue on the operands autocast would pass (``aten._addmm_activation``), and the
+    second ``Linear`` as autocast runs it; the dropouts are inactive. Everywhere else the module's own forward
+    runs."""
     dtype = _fusable_feed_forward(module, x) if fused_norm_enabled() else None
     if dtype is None:
         return nn.Sequential.forward(module, x)
@@ -344,18 +344,9 @@ def feed_forward_forward(module, record, handle, x):
     return F.linear(h, second.weight, second.bias).view(*x.shape[:-1], -1)
 
 
-# Rows from which the first Linear of a feed-forward runs with the ReLU in cuBLASLt's epilogue. On the H200 (bf16,
-# 1536 -> 3072) the epilogue's matmul was faster at 16,384 and 65,536 rows (Borzoi batch 4 and 16) and slower at
-# 1,536 and 12,288 (Enformer batch 1 and 8) than the plain matmul and a ReLU.
-_RELU_EPILOGUE_ROWS = 16384
-
-
 def _linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``relu(x @ weight.T + bias)`` for 2-D ``x``: from ``_RELU_EPILOGUE_ROWS`` rows in one matmul with the ReLU
-    in its epilogue (cuBLASLt's bias-and-ReLU epilogue on CUDA), below as the Linear and an in-place ReLU."""
-    if x.shape[0] >= _RELU_EPILOGUE_ROWS:
-        return torch.ops.aten._addmm_activation(bias, x, weight.t(), use_gelu=False)
-    return torch.relu_(F.linear(x, weight, bias))
+    """``relu(x @ weight.T + bias)`` for 2-D ``x`` in one matmul (cuBLASLt's bias-and-ReLU epilogue on CUDA)."""
+    return torch.ops.aten._addmm_activation(bias, x, weight.t(), use_gelu=False)
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
