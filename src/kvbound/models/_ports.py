@@ -269,13 +269,17 @@ def pre_norm_forward(module, record, handle, x):
         dtype = _fusable_pre_norm(module, x)
     if dtype is None:
         return nn.LayerNorm.forward(module, x)
+    return _layer_norm_to(module, x, dtype)
+
+
+def _layer_norm_to(norm: nn.LayerNorm, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``norm(x)`` over the last dimension in one :func:`~kvbound.kernels.norm_rope.norm_rope` kernel, every step
+    in float32 as autocast's ``layer_norm`` does, written in ``dtype``; x's shape."""
     from kvbound.kernels import norm_rope as kernel
 
     c = x.shape[-1]
     rows = x.contiguous().view(1, -1, 1, c)
-    out = kernel.norm_rope(
-        rows, module.weight, module.bias, module.eps, rope=None, out_dtype=dtype, round_to_input=False
-    )
+    out = kernel.norm_rope(rows, norm.weight, norm.bias, norm.eps, rope=None, out_dtype=dtype, round_to_input=False)
     return out.view(x.shape)
 
 
@@ -332,14 +336,8 @@ def feed_forward_forward(module, record, handle, x):
     dtype = _fusable_feed_forward(module, x) if fused_norm_enabled() else None
     if dtype is None:
         return nn.Sequential.forward(module, x)
-    from kvbound.kernels import norm_rope as kernel
-
     norm, first, _, _, second, _ = module.children()
-    c = x.shape[-1]
-    h = kernel.norm_rope(
-        x.contiguous().view(1, -1, 1, c), norm.weight, norm.bias, norm.eps, rope=None, out_dtype=dtype,
-        round_to_input=False,
-    ).view(-1, c)  # fmt: skip
+    h = _layer_norm_to(norm, x, dtype).view(-1, x.shape[-1])
     h = _linear_relu(h, first.weight.to(dtype), first.bias.to(dtype))
     return F.linear(h, second.weight, second.bias).view(*x.shape[:-1], -1)
 
