@@ -5,6 +5,7 @@ from kvbound.attention import attention
 from kvbound.codec import Basis, CompressedKV, calibrate, load
 from kvbound.compress import compress_kv
 from kvbound.config import CompressionConfig
+from kvbound.graphs import CapturedForward, capture
 from kvbound.models import patch
 from kvbound.reference import reference_attention
 
@@ -13,6 +14,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Basis",
     "attention",
+    "CapturedForward",
+    "capture",
     "CompressedKV",
     "CompressionConfig",
     "calibrate",

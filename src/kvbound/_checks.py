@@ -148,65 +148,100 @@ class DeferredChecks:
         without retry."""
         self._values.append((self._keep(values), callback))
 
-    def _read_parts(self) -> list[list[float]]:
-        """Every kept part's values, flat, in order: one concatenation per (device, dtype), one read per device."""
-        parts = self._parts
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index, t in enumerate(parts):
-            groups.setdefault((t.device, t.dtype), []).append(index)
-        by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-        for (device, _), indices in groups.items():
-            flats = [parts[i].reshape(-1) for i in indices]
-            flat = torch.cat(flats) if len(flats) > 1 else flats[0]
-            by_device.setdefault(device, []).append((indices, flat.to(torch.float64)))
-        read: list[list[float]] = [[] for _ in parts]
-        for items in by_device.values():
-            flats = [flat for _, flat in items]
-            values = (torch.cat(flats) if len(flats) > 1 else flats[0]).tolist()
-            at = 0
-            for indices, _ in items:
-                for i in indices:
-                    size = parts[i].numel()
-                    read[i] = values[at : at + size]
-                    at += size
-        return read
+    def stage(self, *, repeatable: bool = False) -> Callable[[], None]:
+        """Queue on the device everything the block's read needs (one concatenation per (device, dtype), widened to
+        float64) and return the function that reads it back in one transfer per device and raises as :meth:`read`
+        does. The queued entries move into that function; the block starts empty again.
 
-    def read(self) -> None:
-        """One host read of every queued check, flag and value; raise ``ValueError`` for the first call with NaN
-        or Inf, then :class:`Retry` if a retry flag is set; else hand the values to their callbacks."""
+        ``repeatable``: the function may be called once after each replay of a CUDA graph that captured this
+        staging (``kvbound.capture``): it then reads the same device buffers each time. Retry flags and queued
+        values hand their results to the host once, so a block that holds them cannot be staged repeatably
+        (``RuntimeError``)."""
         pending, self._pending = self._pending, []
         retries, self._retries = self._retries, []
         queued_values, self._values = self._values, []
         streams, self._streams = self._streams, {}
+        parts, self._parts = self._parts, []
         if not (pending or retries or queued_values):
-            self._parts = []
-            return
+            return _nothing
+        if repeatable and (retries or queued_values):
+            raise RuntimeError(
+                "kvbound.capture: this forward queues retry flags or values for the host (speculative compressed "
+                "K/V), which a CUDA graph cannot replay; capture a dense patch (kvbound.patch(model, "
+                "compress=False)) or an unpatched model"
+            )
         for (device, _), stream in streams.items():
             current = torch.cuda.current_stream(device)
             if current.cuda_stream != stream.cuda_stream:
                 current.wait_stream(stream)
-        values = self._read_parts()
-        self._parts = []
-        for index, (label, names, peaks, messages, counts) in enumerate(pending):
-            where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
-            for name, value in zip(names, values[peaks] if peaks >= 0 else [], strict=True):
-                if not math.isfinite(value):
-                    raise ValueError(
-                        f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
-                    )
-            for message, part in zip(messages, counts, strict=True):
-                count = sum(values[part])
-                if count != 0:
-                    shown = round(count) if math.isfinite(count) else count
-                    raise ValueError(f"{message.format(count=shown)} ({where})")
-        flagged = [(reason, on_flag) for reason, part, on_flag in retries if any(v != 0 for v in values[part])]
-        if flagged:
-            for _, on_flag in flagged:
-                if on_flag is not None:
-                    on_flag()
-            raise Retry([reason for reason, _ in flagged])
-        for part, callback in queued_values:
-            callback(values[part])
+        gathered = _gather(parts)
+        sizes = [t.numel() for t in parts]
+        del parts
+
+        def finish() -> None:
+            values = _read_gathered(gathered, sizes)
+            for index, (label, names, peaks, messages, counts) in enumerate(pending):
+                where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
+                for name, value in zip(names, values[peaks] if peaks >= 0 else [], strict=True):
+                    if not math.isfinite(value):
+                        raise ValueError(
+                            f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
+                        )
+                for message, part in zip(messages, counts, strict=True):
+                    count = sum(values[part])
+                    if count != 0:
+                        shown = round(count) if math.isfinite(count) else count
+                        raise ValueError(f"{message.format(count=shown)} ({where})")
+            flagged = [(reason, on_flag) for reason, part, on_flag in retries if any(v != 0 for v in values[part])]
+            if flagged:
+                for _, on_flag in flagged:
+                    if on_flag is not None:
+                        on_flag()
+                raise Retry([reason for reason, _ in flagged])
+            for part, callback in queued_values:
+                callback(values[part])
+
+        return finish
+
+    def read(self) -> None:
+        """One host read of every queued check, flag and value; raise ``ValueError`` for the first call with NaN
+        or Inf, then :class:`Retry` if a retry flag is set; else hand the values to their callbacks."""
+        self.stage()()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _gather(parts: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
+    """``parts`` as one float64 tensor per device (one concatenation per (device, dtype), widened, then joined),
+    each with the indices of the parts it holds, in order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, t in enumerate(parts):
+        groups.setdefault((t.device, t.dtype), []).append(index)
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, _), indices in groups.items():
+        flats = [parts[i].reshape(-1) for i in indices]
+        flat = torch.cat(flats) if len(flats) > 1 else flats[0]
+        by_device.setdefault(device, []).append((indices, flat.to(torch.float64)))
+    gathered = []
+    for items in by_device.values():
+        flats = [flat for _, flat in items]
+        joined = torch.cat(flats) if len(flats) > 1 else flats[0]
+        gathered.append((joined, [i for indices, _ in items for i in indices]))
+    return gathered
+
+
+def _read_gathered(gathered: list[tuple[torch.Tensor, list[int]]], sizes: list[int]) -> list[list[float]]:
+    """Every part's values, flat, in the order of ``sizes`` (the parts' element counts): one read per device."""
+    read: list[list[float]] = [[] for _ in sizes]
+    for joined, order in gathered:
+        values = joined.tolist()
+        at = 0
+        for i in order:
+            read[i] = values[at : at + sizes[i]]
+            at += sizes[i]
+    return read
 
 
 def _stack() -> list[DeferredChecks]:
@@ -233,7 +268,29 @@ def _close(scope: DeferredChecks, *, read: bool) -> None:
     if scope in stack:
         del stack[stack.index(scope) :]
     if read:
-        scope.read()
+        staged = getattr(_LOCAL, "graph", None)
+        if staged is not None:  # inside kvbound.capture: read after each replay of the graph
+            staged.append(scope.stage(repeatable=True))
+        else:
+            scope.read()
+
+
+@contextmanager
+def graph_staging() -> Iterator[list[Callable[[], None]]]:
+    """While open (``kvbound.capture`` around a CUDA graph capture), blocks that close stage their read
+    (:meth:`DeferredChecks.stage`, repeatable) into the yielded list instead of reading: the graph captures the
+    device side, and each function of the list reads it back after a replay."""
+    if getattr(_LOCAL, "graph", None) is not None:
+        raise RuntimeError("kvbound.capture: already capturing a forward in this thread")
+    _LOCAL.graph = staged = []
+    try:
+        yield staged
+    finally:
+        _LOCAL.graph = None
+
+
+def _stream_capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 @contextmanager
@@ -292,6 +349,15 @@ class DeferredForward:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.wrapped(*args, **kwargs)
+        if _stream_capturing():
+            if getattr(_LOCAL, "graph", None) is None:
+                raise RuntimeError(
+                    "a kvbound-patched forward is being captured in a CUDA graph outside kvbound.capture: its NaN/Inf "
+                    "checks are read on the host after the forward, which a graph cannot do; use "
+                    "kvbound.capture(model, *inputs), which reads them after each replay"
+                )
+            with _block(speculative=False):  # nothing is read back during capture: no speculation
+                return self.wrapped(*args, **kwargs)
         if self.speculate is not None and self.speculate():
             try:
                 with _block(speculative=True):

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--alternatives", action="store_true",
                    help="models suite: also time Enformer and Borzoi with their attention core replaced by SDPA with a "
                         "built position bias and by FlexAttention over a built table (kvbound/bench/alternatives.py)")
+    g.add_argument("--graphs", action="store_true",
+                   help="models suite: also time the unpatched and the dense-patched forward replayed from one CUDA "
+                        "graph each (kvbound.capture; CUDA only)")
     g.add_argument("--warmup", type=int, default=None, help="models and ring suites: untimed calls (default 2 / 1)")
     g.add_argument("--repeats", type=int, default=None,
                    help="models and ring suites: timed calls (default 5; 2 on CPU)")
@@ -197,7 +200,7 @@ def _suite_rows(args, device, console):
             warmup=args.warmup if args.warmup is not None else 2,
             repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
             batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed,
-            alternatives=ALTERNATIVES if args.alternatives else ())
+            alternatives=ALTERNATIVES if args.alternatives else (), graphs=args.graphs)
         return model_rows(specs, device, config, options)
     if args.suite == "relative":
         from kvbound.bench.relative import RelativeOptions, relative_rows

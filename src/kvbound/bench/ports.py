@@ -57,11 +57,13 @@ from torch import nn
 from kvbound.bench.encoder import config_label
 from kvbound.bench.runner import quantiles, time_calls
 
-__all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "ModelOptions", "AttentionTimer",
-           "model_rows", "port_models", "compressed_ratio", "largest_fitting", "largest_batch_rows",
+__all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "GRAPH_VARIANTS", "ModelOptions",
+           "AttentionTimer", "model_rows", "port_models", "compressed_ratio", "largest_fitting", "largest_batch_rows",
            "watched_search"]
 
 VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
+# With --graphs: the same forwards replayed from one CUDA graph each (kvbound.capture).
+GRAPH_VARIANTS = ("unpatched-graph", "patch-dense-graph")
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,7 @@ class ModelOptions:
     backend: str = "auto"
     seed: int = 0
     alternatives: tuple[str, ...] = ()  # kvbound.bench.alternatives.ALTERNATIVES to time as well (relative ports)
+    graphs: bool = False  # also GRAPH_VARIANTS (CUDA only)
 
 
 class AttentionTimer:
@@ -317,9 +320,19 @@ def compressed_ratio(records, describe: Callable[[nn.Module], tuple[int, int, in
     return dense / stored if stored else None
 
 
-def _forward(spec: PortModel, model: nn.Module, inputs: Inputs, device: torch.device) -> torch.Tensor:
+def _forward(spec: PortModel, model: Callable, inputs: Inputs, device: torch.device) -> torch.Tensor:
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         return spec.output(model(*inputs.args, **inputs.kwargs))
+
+
+def _capture(spec: PortModel, model: nn.Module, inputs: Inputs, device: torch.device, options: ModelOptions):
+    """``kvbound.capture`` of the model's forward on ``inputs``, under the suite's autocast."""
+    import kvbound
+
+    if device.type != "cuda":
+        raise RuntimeError("graph variants need a CUDA device")
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        return kvbound.capture(model, *inputs.args, kwargs=inputs.kwargs, warmup=max(1, options.warmup))
 
 
 def _difference(out: torch.Tensor, reference: torch.Tensor) -> dict:
@@ -346,6 +359,7 @@ def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module
     import kvbound
     from kvbound.bench.alternatives import ALTERNATIVES, alternative_core
 
+    name = name.removesuffix("-graph")
     if name == "unpatched":
         yield None
         return
@@ -376,9 +390,23 @@ def _error_reason(err: BaseException) -> str:
 
 
 def _measure_variant(spec: PortModel, model: nn.Module, inputs: Inputs, reference: torch.Tensor | None,
-                     modules: list[nn.Module], handle, device: torch.device, options: ModelOptions) -> dict:
-    """Check, time, time attention, then peak memory of one variant (the model already patched as it is)."""
+                     modules: list[nn.Module], handle, device: torch.device, options: ModelOptions,
+                     graph: bool = False) -> dict:
+    """Check, time, time attention, then peak memory of one variant (the model already patched as it is).
+    ``graph``: the forward is captured in a CUDA graph (``kvbound.capture``) and each call replays it; its peak is
+    the allocator's peak while capturing and replaying once (the graph keeps its buffers), and its attention
+    modules are not timed (hooks do not run in a replay)."""
     row: dict = {}
+    if graph:
+        if device.type == "cuda":
+            _release(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            row["baseline_bytes"] = torch.cuda.memory_allocated(device)
+        model = _capture(spec, model, inputs, device, options)
+        _forward(spec, model, inputs, device)
+        torch.cuda.synchronize(device)
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        row["note"] = f"one CUDA graph per forward (kvbound.capture, {len(model._finishers)} staged check reads)"
     out = _forward(spec, model, inputs, device)
     if not bool(torch.isfinite(out).all()):
         row.update(status="check_failed", reason="output has NaN or Inf")
@@ -389,6 +417,8 @@ def _measure_variant(spec: PortModel, model: nn.Module, inputs: Inputs, referenc
     times = time_calls(lambda: _forward(spec, model, inputs, device), device, warmup=options.warmup,
                        repeats=options.repeats)
     row.update(zip(("ms_p20", "ms_p50", "ms_p80"), quantiles(times), strict=True))
+    if graph:
+        return row
     if handle is not None and handle.compress:
         calls = options.warmup + options.repeats
         encoded = sum(r.encode_seconds for r in handle.modules) - encode_before
@@ -430,7 +460,7 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
             importlib.import_module(spec.package)
         except ImportError as err:
             for batch in batches:
-                for variant in VARIANTS + tuple(options.alternatives):
+                for variant in _variants(options):
                     yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "unsupported",
                            "reason": f"{spec.package} is not installed ({spec.distribution}; "
                                      f"benchmarks/wheels.sh): {err}"}
@@ -440,7 +470,7 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
             model = spec.build().to(device)
         except Exception as err:  # noqa: BLE001 - recorded; the other ports still run
             for batch in batches:
-                for variant in VARIANTS + tuple(options.alternatives):
+                for variant in _variants(options):
                     yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "error",
                            "reason": f"building the model: {_error_reason(err)}"}
             continue
@@ -450,6 +480,10 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
         yield from _model_batches(spec, model, modules, describe, batches, device, config, options)
         del model, modules
         _release(device)
+
+
+def _variants(options: ModelOptions) -> tuple[str, ...]:
+    return VARIANTS + (GRAPH_VARIANTS if options.graphs else ()) + tuple(options.alternatives)
 
 
 def _model_batches(spec, model, modules, describe, batches, device, config, options) -> Iterator[dict]:
@@ -464,9 +498,12 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
     for batch in batches:
         inputs = spec.make_input(batch, options.seed + 1, device)
         reference = unpatched_failure = None
-        for variant in VARIANTS + tuple(options.alternatives):
+        for variant in _variants(options):
             row = {**_base_row(spec, batch, describe, len(modules), options), "provider": variant,
                    "status": "ok", "reason": "", "note": spec.note if variant == "unpatched" else ""}
+            if variant in GRAPH_VARIANTS and device.type != "cuda":
+                yield {**row, "status": "unsupported", "reason": "CUDA graphs need a CUDA device"}
+                continue
             if variant in options.alternatives and not relative:
                 yield {**row, "status": "unsupported",
                        "reason": "alternatives are built for the relative-position ports (Enformer, Borzoi) only"}
@@ -494,7 +531,9 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                         row["note"] = "; ".join(x for x in (f"no output difference: the unpatched forward failed "
                                                             f"({unpatched_failure})", row["note"]) if x)[:500]
                     measured = _measure_variant(spec, model, inputs, reference if variant != "unpatched" else None,
-                                                modules, handle, device, options)
+                                                modules, handle, device, options, variant in GRAPH_VARIANTS)
+                    if measured.get("note"):
+                        measured["note"] = "; ".join(x for x in (measured["note"], row["note"]) if x)[:500]
                     row.update(measured)
                     if handle is not None and handle.compress:
                         row["compression_ratio"] = compressed_ratio(handle.modules, spec.describe)

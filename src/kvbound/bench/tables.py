@@ -429,7 +429,7 @@ def encoder_calibration_table(rows: list[dict]) -> tuple[list[str], list[list[st
     return headers, table
 
 
-MODEL_VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
+MODEL_VARIANTS = ("unpatched", "patch-dense", "patch-compressed", "unpatched-graph", "patch-dense-graph")
 
 
 def _gib(n: float | None) -> str:

@@ -1,0 +1,192 @@
+"""kvbound.capture: a forward captured in a CUDA graph, its NaN/Inf checks read after every replay.
+
+The staging of the checks (what the graph captures and what is read after a replay) is tested on the CPU; the
+capture itself needs a GPU (``gpu`` tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvbound
+from kvbound import _checks
+
+
+def _qkv(seed: int = 0, n: int = 24, d: int = 16, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, d, generator=g).to(device) for _ in range(3)]
+
+
+def test_a_staged_read_can_be_called_after_every_replay():
+    """A repeatable stage reads the same device buffers at every call (once per replay of the graph that captured
+    it): finite checks pass each time, a non-finite one raises each time, naming the call and tensor."""
+    q, k, v = _qkv()
+    v_bad = v.clone()
+    v_bad[0, 1, 3, 2] = float("nan")
+    with _checks.graph_staging() as staged:
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)
+            kvbound.attention(q, k, v)
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)
+            kvbound.attention(q, k, v_bad)  # not read here
+        with kvbound.deferred_checks():
+            pass
+    assert len(staged) == 3
+    for _ in range(2):
+        staged[0]()
+        staged[2]()
+        with pytest.raises(ValueError, match=r"^v: expected finite values, found NaN .*call 2 of 2"):
+            staged[1]()
+
+
+def test_staging_is_off_outside_capture_and_blocks_read_at_their_end():
+    q, k, v = _qkv()
+    v[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"^v: expected finite values, found Inf"):
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)
+    with _checks.graph_staging() as staged:
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)  # not read here
+        assert len(staged) == 1
+        with pytest.raises(RuntimeError, match="already capturing"):
+            with _checks.graph_staging():
+                pass
+    with pytest.raises(ValueError, match=r"^v: expected finite values, found Inf"):
+        staged[0]()
+    assert getattr(_checks._LOCAL, "graph", None) is None
+
+
+def test_retry_flags_cannot_be_staged_for_replay():
+    scope = _checks.DeferredChecks(speculative=True)
+    scope.queue_retry("residual where none was forecast", torch.zeros(3))
+    with pytest.raises(RuntimeError, match="cannot replay"):
+        scope.stage(repeatable=True)
+    scope = _checks.DeferredChecks(speculative=True)
+    scope.queue_retry("residual where none was forecast", torch.ones(1))
+    with pytest.raises(_checks.Retry, match="residual"):
+        scope.read()  # read once: as before
+
+
+def test_a_patched_forward_refuses_a_foreign_graph_capture(monkeypatch):
+    """Captured by torch.cuda.graph directly, a patched forward would skip its checks: it raises instead."""
+    model = torch.nn.Linear(4, 4)
+    model.forward = _checks.DeferredForward(model.forward)
+    monkeypatch.setattr(_checks, "_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"outside kvbound.capture.*use\s+kvbound.capture"):
+        model(torch.randn(2, 4))
+    with _checks.graph_staging() as staged:  # inside kvbound.capture: runs, its read staged
+        model(torch.randn(2, 4))
+    assert len(staged) == 1  # the block's staged read (nothing queued in it)
+    staged[0]()
+
+
+def test_capture_validates_its_arguments():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"warmup: expected an int >= 1, got 0"):
+        kvbound.capture(model, x, warmup=0)
+    with pytest.raises(TypeError, match="clone_outputs: expected a bool"):
+        kvbound.capture(model, x, clone_outputs="yes")
+    with pytest.raises(TypeError, match="fn: expected a module or callable"):
+        kvbound.capture(3, x)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+            kvbound.capture(model, x)
+    else:
+        with pytest.raises(ValueError, match=r"args\[0\]: expected a tensor on a CUDA device, got one on cpu"):
+            kvbound.capture(model.cuda(), x)
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+def _tiny_enformer(seed: int = 0):
+    port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
+    torch.manual_seed(seed)
+    model = port.Enformer.from_hparams(
+        dim=192, depth=2, heads=4, attn_dim_key=32, num_downsamples=3, dim_divisible_by=8, target_length=-1,
+        output_heads=dict(human=16),
+    ).eval()
+    for module in model.modules():  # Enformer zero-initialises to_out: attention would add nothing
+        if type(module).__name__ == "Attention":
+            torch.nn.init.normal_(module.to_out.weight, std=0.05)
+    return model.cuda()
+
+
+def _dna(batch: int, tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.one_hot(torch.randint(0, 4, (batch, tokens * 8), generator=g), 4).float().cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("patched", [False, True])
+def test_gpu_captured_forward_equals_the_eager_forward_on_new_inputs(patched):
+    """Replays with inputs other than the capture's give the eager forward's output (bf16 autocast); the caller's
+    tensors are not written; each call returns its own output."""
+    model = _tiny_enformer()
+    handle = kvbound.patch(model, compress=False) if patched else None
+    example, later = _dna(2, 256, 1), [_dna(2, 256, s) for s in (2, 3)]
+    kept = example.clone()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured = kvbound.capture(model, example)
+        outs = [captured(x)["human"] for x in later]
+        eager = [model(x)["human"] for x in later]
+    torch.cuda.synchronize()
+    assert torch.equal(example, kept)
+    for got, want in zip(outs, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(outs[0], outs[1])  # the clones are the call's own
+    assert captured.replays == 2
+    if patched:
+        assert len(captured._finishers) >= 1
+        handle.undo()
+        with pytest.raises(RuntimeError, match="patched, unpatched or undone since the capture"):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                captured(later[0])
+
+
+@pytest.mark.gpu
+def test_gpu_captured_patched_forward_raises_for_nan_after_the_replay():
+    model = _tiny_enformer()
+    kvbound.patch(model, compress=False)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured = kvbound.capture(model, _dna(1, 256, 1))
+        bad = _dna(1, 256, 2)
+        bad[0, 100, 2] = float("nan")
+        with pytest.raises(ValueError, match=r"expected finite values, found NaN \(kvbound.attention call 1 of"):
+            captured(bad)
+        captured(_dna(1, 256, 3))  # the graph runs on after an error
+
+
+@pytest.mark.gpu
+def test_gpu_captured_forward_names_what_differs_from_the_capture():
+    model = _tiny_enformer()
+    kvbound.patch(model, compress=False)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured = kvbound.capture(model, _dna(1, 256, 1))
+        with pytest.raises(ValueError, match=r"args\[0\]: expected shape \[1, 2048, 4\], float32 on cuda:0 as "
+                                             r"captured, got \[2, 2048, 4\]"):
+            captured(_dna(2, 256, 1))
+        with pytest.raises(TypeError, match="expected 1 positional arguments as captured, got 2"):
+            captured(_dna(1, 256, 1), 3)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"autocast state of the capture \(autocast bfloat16\), "
+                                                            r"got \(no autocast\)"):
+        captured(_dna(1, 256, 1))
+    first = next(model.parameters())
+    model.load_state_dict(model.state_dict())  # in place: the graph sees it
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured(_dna(1, 256, 1))
+    with torch.no_grad():
+        first.data = first.data.clone()  # another tensor: the graph would read the old one
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="was "
+                                                                                          "moved or replaced"):
+        captured(_dna(1, 256, 1))
+
+
+@pytest.mark.gpu
+def test_gpu_compressed_patch_cannot_be_captured_and_says_why():
+    model = _tiny_enformer()
+    kvbound.patch(model, kvbound.CompressionConfig(block_size=64, rank=8, bits=4, tau=2**-4), compress=True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="could not be captured in a CUDA graph.*compressed K/V"):
+            kvbound.capture(model, _dna(1, 256, 1))
