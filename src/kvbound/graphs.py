@@ -234,9 +234,9 @@ def _weights(module: nn.Module | None) -> tuple[list[str], list[torch.Tensor], l
 
 
 def _cached_device_tensors(handles: list) -> list:
-    from kvbound import attention as attention_module
+    from kvbound.attention import _RUN_LAYOUTS, _RUNS_ON_DEVICE
 
-    kept: list = [list(attention_module._RUN_LAYOUTS.values()), list(attention_module._RUNS_ON_DEVICE.values())]
+    kept: list = [list(_RUN_LAYOUTS.values()), list(_RUNS_ON_DEVICE.values())]
     for handle in handles:
         kept += [list(handle._features.values()), list(handle._features_runs.values()),
                  list(handle._features_run_rows.values())]
