@@ -347,6 +347,111 @@ def _linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
     return torch.ops.aten._addmm_activation(bias, x, weight.t(), use_gelu=False)
 
 
+def fused_pool_enabled() -> bool:
+    """``KVBOUND_FUSED_POOL``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
+    (``false``, ``off``, ``no``); other values raise. On: in a model whose Enformer attention is patched, each
+    ``AttentionPool`` (pool size 2) runs its softmax pool in one kernel after the logits' matmul
+    (``attention_pool_forward``); in a model whose Borzoi attention is patched, each ``nn.MaxPool1d(2)`` runs in one
+    kernel (``max_pool_forward``, exact). Read at each call."""
+    return _switch("KVBOUND_FUSED_POOL")
+
+
+def _no_global_hooks() -> bool:
+    hooks = nn.modules.module
+    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def _fusable_attention_pool(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether Enformer's ``AttentionPool`` ``module`` may run on ``x`` as :func:`attention_pool_forward` does:
+    exactly the port's class with pool size 2, a CUDA input ``[B, D, N]`` (float32/16, bfloat16) with N even (the
+    port pads odd lengths), under float16 or bfloat16 autocast (the port's logits are then the autocast dtype's),
+    where autocast runs the softmax in float32 (CUDA's policy; the CPU's keeps the autocast dtype), its
+    ``to_attn_logits`` exactly a 1x1 ``nn.Conv2d`` D -> D without bias, float32 weight on x's device, no hooks
+    on it or globally (the fused path does not call it), and no autograd to feed."""
+    cls = lookup_class("enformer_pytorch.modeling_enformer", "AttentionPool")
+    if cls is None or type(module) is not cls or getattr(module, "pool_size", None) != 2:
+        return False
+    if not _fused_norm_device(x) or x.dim() != 3 or x.shape[-1] % 2 or x.numel() == 0:
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not torch.is_autocast_enabled(x.device.type):
+        return False
+    dtype = torch.get_autocast_dtype(x.device.type)
+    if dtype not in (torch.float16, torch.bfloat16) or not _softmax_in_float32(x.device.type, dtype):
+        return False
+    conv, d = getattr(module, "to_attn_logits", None), x.shape[1]
+    if type(conv) is not nn.Conv2d or conv.bias is not None or conv.groups != 1 or conv.padding_mode != "zeros":
+        return False
+    if (conv.kernel_size, conv.stride, conv.padding, conv.dilation) != ((1, 1), (1, 1), (0, 0), (1, 1)):
+        return False
+    weight = conv.weight
+    if weight.dtype != torch.float32 or weight.device != x.device or tuple(weight.shape) != (d, d, 1, 1):
+        return False
+    for child in module.children():
+        if child._forward_hooks or child._forward_pre_hooks:
+            return False
+    if not _no_global_hooks():
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+_SOFTMAX_IN_FLOAT32: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _softmax_in_float32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether autocast to ``dtype`` on ``device_type`` runs ``softmax`` in float32 (CUDA's policy: the port's pool
+    is then float32 from the softmax on, as the kernel computes it). Asked once per device type and dtype, under
+    the caller's autocast."""
+    key = (device_type, dtype)
+    found = _SOFTMAX_IN_FLOAT32.get(key)
+    if found is None:
+        probe = torch.zeros(1, 2, dtype=dtype, device=device_type)
+        found = _SOFTMAX_IN_FLOAT32[key] = probe.softmax(-1).dtype == torch.float32
+    return found
+
+
+def attention_pool_forward(module, record, handle, x):
+    """Forward of Enformer's ``AttentionPool`` in a model whose Enformer attention is patched (``record.target``).
+    Where :func:`_fusable_attention_pool` allows it and ``KVBOUND_FUSED_POOL`` is on: the logits as one matmul of
+    the 1x1 convolution's weight with x (autocast casts both, as for the convolution; float32 accumulation,
+    rounded to the autocast dtype as the port's are), then :func:`~kvbound.kernels.pair_pool.softmax_pair_pool`:
+    the float32 softmax of each pair of logits and the weighted sum of the pair, in one pass, written in float32
+    as the port's product and sum are. Everywhere else the module's own forward runs."""
+    if fused_pool_enabled() and handle._patches_attention(record.target) and _fusable_attention_pool(module, x):
+        from kvbound.kernels.pair_pool import softmax_pair_pool
+
+        d = x.shape[1]
+        logits = torch.matmul(module.to_attn_logits.weight.view(d, d), x)
+        return softmax_pair_pool(x, logits)
+    return type(module).forward(module, x)
+
+
+def _fusable_max_pool(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``module`` is exactly ``nn.MaxPool1d(2)`` (stride 2, no padding, dilation 1, floor mode, no indices)
+    on a CUDA float input whose last dimension is even, with no autograd to feed."""
+    if type(module) is not nn.MaxPool1d or not _fused_norm_device(x) or x.dim() not in (2, 3):
+        return False
+    settings = (module.kernel_size, module.stride, module.padding, module.dilation)
+    if any(value not in (k, (k,)) for value, k in zip(settings, (2, 2, 0, 1), strict=True)):
+        return False
+    if module.ceil_mode or module.return_indices or x.shape[-1] % 2 or x.numel() == 0:
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    return not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def max_pool_forward(module, record, handle, x):
+    """Forward of an ``nn.MaxPool1d`` in a model whose Borzoi attention is patched (``record.target``): where
+    :func:`_fusable_max_pool` allows it and ``KVBOUND_FUSED_POOL`` is on, the larger of each pair in one kernel
+    (:func:`~kvbound.kernels.pair_pool.max_pair_pool`: the same values as ``max_pool1d``, NaN included). Everywhere
+    else the module's own forward runs."""
+    if fused_pool_enabled() and handle._patches_attention(record.target) and _fusable_max_pool(module, x):
+        from kvbound.kernels.pair_pool import max_pair_pool
+
+        return max_pair_pool(x)
+    return nn.MaxPool1d.forward(module, x)
+
+
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
     """``(cos, sin)``, each ``[s, c / 2]`` float32, of the port's ``apply_rope`` (in place, as ``MHABlock`` calls it)
     on a ``[1, s, 1, c]`` tensor of ``dtype`` under the autocast state of this call: on pairs ``(1, 0)`` it

@@ -28,9 +28,11 @@ from kvbound.models._ports import (
     PORTS,
     UNSUPPORTED,
     Port,
+    attention_pool_forward,
     feed_forward_forward,
     is_feed_forward,
     lookup_class,
+    max_pool_forward,
     port_class,
     pre_norm_forward,
 )
@@ -67,7 +69,8 @@ class PatchedModule:
     role: str
     module: nn.Module = field(repr=False)
     method: str = "forward"
-    # For a helper: the patched attention module it serves (role "norm") or whose block it is in ("feed-forward").
+    # For a helper: the patched attention module it serves (role "norm"), whose block it is in ("feed-forward") or
+    # whose model it is in ("pool").
     target: nn.Module | None = field(default=None, repr=False)
     basis_k: Basis | None = None
     basis_v: Basis | None = None
@@ -152,7 +155,9 @@ class PatchHandle:
             bias at tile resolution), the ``nn.LayerNorm`` in front of each patched Enformer/Borzoi attention
             module (role ``norm``: it writes the attention's operand dtype in one kernel, ``pre_norm_forward``),
             and the feed-forward ``nn.Sequential`` of the same transformer block (role ``feed-forward``: that
-            kernel, then the first ``Linear`` with its ReLU in one matmul, ``feed_forward_forward``).
+            kernel, then the first ``Linear`` with its ReLU in one matmul, ``feed_forward_forward``), and the
+            pools of a model whose Enformer or Borzoi attention is patched (role ``pool``: Enformer's
+            ``AttentionPool``, ``attention_pool_forward``; Borzoi's ``nn.MaxPool1d``, ``max_pool_forward``).
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
         calibration_forward_seconds: time of the sample forward that captured K and V.
@@ -442,6 +447,7 @@ class PatchHandle:
             what = {
                 "norm": "LayerNorm in the attention's operand dtype",
                 "feed-forward": "feed-forward: fused LayerNorm, Linear with ReLU",
+                "pool": "pool in one kernel",
             }.get(r.role, "tile-resolution bias")
             lines.append(f"  {r.name} [{r.kind} {r.method}: {what}]")
         for name, reason in self.skipped:
@@ -547,6 +553,30 @@ def _install_feed_forwards(named: list[tuple[str, nn.Module]], handle: PatchHand
                 break
 
 
+def _install_pools(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
+    """Patch the pooling layers of a model whose Enformer or Borzoi attention the handle patches, as helpers (role
+    ``pool``, target: the first patched attention module of that port): Enformer's ``AttentionPool``
+    (``attention_pool_forward``) and, for Borzoi, every ``nn.MaxPool1d`` (``max_pool_forward``; it runs fused only
+    as ``MaxPool1d(2)``, else as it is)."""
+    targets: dict[str, nn.Module] = {}
+    for record in handle.modules:
+        targets.setdefault(record.kind, record.module)
+    pool_class = lookup_class("enformer_pytorch.modeling_enformer", "AttentionPool")
+    for name, module in named:
+        if module in _ACTIVE or "forward" in vars(module):
+            continue
+        if "enformer" in targets and pool_class is not None and type(module) is pool_class:
+            kind, impl = "enformer", attention_pool_forward
+        elif "borzoi" in targets and type(module) is nn.MaxPool1d:
+            kind, impl = "borzoi", max_pool_forward
+        else:
+            continue
+        record = PatchedModule(name=name or type(module).__name__, kind=kind, role="pool", module=module,
+                               target=targets[kind])
+        _install(module, record, handle, impl)
+        handle.helpers.append(record)
+
+
 def patch(
     model: nn.Module,
     config: CompressionConfig | None = None,
@@ -567,8 +597,10 @@ def patch(
             ``nn.LayerNorm`` right before each patched Enformer/Borzoi attention module is patched too: on CUDA
             under autocast it writes the attention's operand dtype in one kernel; so is the feed-forward of the
             same transformer block: its LayerNorm in that kernel and its first ``Linear`` with the ReLU in one
-            matmul (``KVBOUND_FUSED_NORM=0``: their own forwards). All are listed in ``handle.helpers`` and
-            restored by ``undo``.
+            matmul (``KVBOUND_FUSED_NORM=0``: their own forwards). In a model whose Enformer attention is patched,
+            each ``AttentionPool`` runs its softmax pool in one kernel after the logits' matmul; in one whose Borzoi
+            attention is patched, each ``nn.MaxPool1d(2)`` runs in one kernel (``KVBOUND_FUSED_POOL=0``: their own
+            forwards). All are listed in ``handle.helpers`` and restored by ``undo``.
         config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
         compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
             exact and only makes attention memory-lean.
@@ -676,6 +708,7 @@ def patch(
                 handle.helpers.append(record)
     _install_pre_norms(named, handle)
     _install_feed_forwards(named, handle)
+    _install_pools(named, handle)
 
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
