@@ -42,7 +42,10 @@ def capture(fn: Callable, *args, kwargs: dict | None = None, warmup: int = 2, cl
     graph's own output buffers, which the next call overwrites.
 
     A dense patch (``kvbound.patch(model, compress=False)``) and unpatched models capture; a compressed patch reads
-    its block modes on the host and raises ``RuntimeError`` saying so."""
+    its block modes on the host and raises ``RuntimeError`` saying so, before anything is captured. Code that reads
+    device values on the host inside the forward (``.item()``, ``.tolist()``, a synchronisation) cannot be captured
+    either: that raises ``RuntimeError`` too, after a capture that CUDA abandoned (torch's random generator may then
+    refuse further use in the process)."""
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"warmup: expected an int >= 1, got {warmup!r}")
     if not isinstance(clone_outputs, bool):
@@ -91,6 +94,15 @@ class CapturedForward:
         self._module = module if isinstance(module, nn.Module) else None
         self._forward_attr = _forward_attr(self._module)
         self._handles = _patch_handles(self._module)
+        compressed = [h for h in self._handles if h.compress]
+        if compressed:
+            # Refused before capturing: a capture that fails part-way leaves the CUDA random generator of the
+            # process in capture mode.
+            raise RuntimeError(
+                "kvbound.capture: the model is patched with compressed K/V (kvbound.patch(..., compress=True)), "
+                "whose block modes are read on the host in each forward; a CUDA graph cannot replay that. Capture a "
+                "dense patch (compress=False) or the unpatched model"
+            )
         self._weights = _weights(self._module)
 
         before = torch.cuda.memory_allocated(self.device)
