@@ -42,7 +42,8 @@
 #   sweep-d128  ~5 min    the same at d = 128 (2 tile configs)
 #   models      ~7 min    attention suite on the models' shapes (Enformer, Borzoi, AlphaGenome: every provider
 #                         incl. eager and SDPA + materialised bias, FlexAttention compiles, 3 configs; 4) | whole
-#                         forwards of Enformer and Borzoi at batch 1, unpatched / patch-dense / patch-compressed (3)
+#                         forwards of Enformer and Borzoi at batch 1, unpatched / patch-dense / patch-compressed,
+#                         and unpatched / patch-dense replayed from CUDA graphs (3)
 #   models2     ~7 min    whole forwards of AlphaGenome (1 Mb input) at batch 1 and 2 (4.5) | Enformer and Borzoi
 #                         at their larger batches 8 and 4 (2.5)
 #   ring        ~6 min    context-parallel attention N = 65536 .. 524288, d = 64: 1 GPU (2.5), then 2 GPUs (3.5);
@@ -387,7 +388,7 @@ models)
         --shapes benchmarks/shapes/models.toml --configs r8b4 quant-r0b4 lowrank-r8 --no-calibration
     step attention-models 270 "$RES/attention_models.csv" "${CMD[@]}"
     bench "$RES/models_b1.csv" --suite models \
-        --only 'enformer*' 'borzoi*' --batches 1
+        --only 'enformer*' 'borzoi*' --batches 1 --graphs
     step ports-enformer-borzoi 240 "$RES/models_b1.csv" "${CMD[@]}"
     ;;
 models2)

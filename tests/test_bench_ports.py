@@ -110,6 +110,16 @@ def test_rows_for_a_model_without_port_modules(tmp_path):
     assert len(body) == 6 and dict(zip(headers, body[0], strict=True))["vs unpatched"] == "1.00x"
 
 
+def test_graph_variants_are_unsupported_without_cuda():
+    """``--graphs`` adds the two graph variants after the three others; on the CPU they are ``unsupported`` rows
+    that say why, and the other variants run as before."""
+    options = ports.ModelOptions(warmup=0, repeats=1, batches=(1,), graphs=True)
+    rows = list(ports.model_rows((_toy_spec(),), torch.device("cpu"), SMOKE, options))
+    assert [r["provider"] for r in rows] == [*ports.VARIANTS, *ports.GRAPH_VARIANTS]
+    assert [r["status"] for r in rows] == ["ok"] * 3 + ["unsupported"] * 2
+    assert all(r["reason"] == "CUDA graphs need a CUDA device" for r in rows[3:])
+
+
 def test_missing_port_gives_unsupported_rows():
     spec = _toy_spec(package="kvbound_no_such_port", distribution="no-such-port==1.0")
     rows = list(ports.model_rows((spec,), torch.device("cpu"), SMOKE, OPTIONS))

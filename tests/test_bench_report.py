@@ -488,3 +488,31 @@ def test_report_shows_the_fused_norm_comparison(tmp_path):
     assert "| alphagenome | 1 | patch-dense | 1 | 420.0 | 1.357x | 13.50 | 11.1x | 9.382e-02 | 3.700e-03 |" in section
     assert "| alphagenome | 1 | patch-dense-port-norms | 1 | 435.0 | 1.310x | 18.00 | 8.3x |" in section
     assert "fused_norm_ab.csv` (3 rows of `benchmarks/fused_norm_ab.py`)" in text
+
+
+def test_model_speedups_plot_divides_by_its_own_runs_unpatched_forward(tmp_path, monkeypatch):
+    """Each bar is the unpatched forward of the same run over the variant's; the graph-replayed patched forward gets
+    one bar against the eager and one against the graph-replayed unpatched forward; models without a target (the
+    smoke configs) and runs without an unpatched forward are left out."""
+    run = {"commit": "ccccccc", "date": "2026-12-03", "command": "bench --graphs"}
+    rows = [
+        _model("enformer", 1, "unpatched", 30.0, 7.0, 2.0, **run),
+        _model("enformer", 1, "patch-dense", 20.0, 4.0, 1.0, **run),
+        _model("enformer", 1, "unpatched-graph", 24.0, 0.0, 2.0, **run),
+        _model("enformer", 1, "patch-dense-graph", 15.0, 0.0, 1.0, **run),
+        _model("borzoi", 4, "patch-dense", 70.0, 9.0, 5.0, commit="ddddddd", date="2026-12-03", command="other"),
+        _model("enformer-tiny", 1, "unpatched", 3.0, 1.0, 0.1, **run),
+    ]
+    seen = {}
+    real_bar = plots._pyplot().Axes.bar
+
+    def bar(self, xs, ys, *args, **kwargs):
+        seen[kwargs.get("label")] = [round(y, 6) for y in ys]
+        return real_bar(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(plots._pyplot().Axes, "bar", bar)
+    path = plots.model_speedups(rows, tmp_path / "s.png")
+    assert path is not None and path.read_bytes()[:8] == PNG_MAGIC
+    assert seen == {"patched dense": [1.5], "patched dense, CUDA graph / unpatched eager": [2.0],
+                    "patched dense / unpatched, both CUDA graphs": [1.6]}
+    assert plots.model_speedups(fixture_rows(), tmp_path / "none.png") is None

@@ -20,6 +20,10 @@ and the sizes it wrote (``queue_value``). If any retry flag is set when the bloc
 :class:`Retry` and :class:`DeferredForward` runs the forward once more in an ordinary block, where every such value
 is read where it is needed. Values queued with ``queue_value`` reach their callbacks only from a block that ended
 without error and without retry.
+
+Inside ``kvbound.capture`` (:func:`graph_staging`) a block that ends does not read: it queues its concatenation on
+the device, where the CUDA graph captures it, and hands over the function that reads it
+(:meth:`DeferredChecks.stage`), which the captured forward calls after every replay.
 """
 
 from __future__ import annotations

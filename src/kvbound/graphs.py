@@ -127,7 +127,7 @@ class CapturedForward:
                     "compressed K/V read their block modes on the host, and so does any code that calls .item(), "
                     ".tolist() or synchronises inside the forward"
                 ) from err
-        self._finishers = staged
+        self._finishers = [f for f in staged if f is not _checks._nothing]
         self._output = output
         # kvbound's per-length caches that the graph reads (relative-position layouts, run starts): kept alive
         # with the graph, whatever the caches evict later.

@@ -15,6 +15,7 @@ __all__ = [
     "bytes_vs_rank_bits",
     "draw_roofline",
     "model_forwards",
+    "model_speedups",
     "ring_vs_n",
     "main",
     "provider_label",
@@ -257,6 +258,62 @@ def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
     return _save(fig, path)
 
 
+# The whole-forward targets of kvbound.patch (issue text; benchmarks, not tests).
+MODEL_TARGETS = {"enformer": 1.3, "borzoi": 1.8, "alphagenome": 1.3}
+
+
+def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
+    """Whole-forward speed-up over the unpatched port of the same run (same commit and command line), per (model,
+    batch), for the patched variants, and for the graph-replayed patched forward against both the eager and the
+    graph-replayed unpatched one; the target of each model drawn over its groups. The latest run of each (model,
+    batch), its commit under the group's label."""
+    from kvbound.bench.tables import latest_rows
+
+    timed = [r for r in latest_rows(rows, "model", ("provider", "shape", "batch"))
+             if r["status"] == "ok" and r.get("ms_p50") and r["shape"] in MODEL_TARGETS]  # fmt: skip
+    own = {(r["shape"], r["batch"], r.get("commit"), r.get("command"), r["provider"]): r["ms_p50"] for r in timed}
+    bars = (("patch-dense", "unpatched", "patched dense"),
+            ("patch-compressed", "unpatched", "patched compressed"),
+            ("patch-dense-graph", "unpatched", "patched dense, CUDA graph / unpatched eager"),
+            ("patch-dense-graph", "unpatched-graph", "patched dense / unpatched, both CUDA graphs"))  # fmt: skip
+    order = list(MODEL_TARGETS)
+    groups = sorted({(r["shape"], int(r["batch"])) for r in timed}, key=lambda g: (order.index(g[0]), g[1]))
+    values: dict[tuple, float] = {}
+    for r in timed:
+        for variant, base, label in bars:
+            ref = own.get((r["shape"], r["batch"], r.get("commit"), r.get("command"), base))
+            if r["provider"] == variant and ref:
+                values[(r["shape"], int(r["batch"]), label)] = ref / r["ms_p50"]
+    if not values:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(groups) + 3), 4.6))
+    width = 0.8 / len(bars)
+    for j, (_, _, label) in enumerate(bars):
+        xs = [i + (j - (len(bars) - 1) / 2) * width for i, g in enumerate(groups) if (*g, label) in values]
+        ys = [values[(*g, label)] for g in groups if (*g, label) in values]
+        if xs:
+            ax.bar(xs, ys, width=width, color=f"C{j}", label=label)
+            for x, y in zip(xs, ys, strict=True):
+                ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6)
+    for i, (model, _) in enumerate(groups):
+        ax.hlines(MODEL_TARGETS[model], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1,
+                  label="target" if i == 0 else None)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(groups)))
+    commit_of = {(r["shape"], int(r["batch"])): (r.get("commit") or "?")[:7]
+                 for r in timed if r["provider"] == "unpatched"}  # fmt: skip
+    ax.set_xticklabels([f"{model}\nB={batch}\n{commit_of.get((model, batch), '?')}" for model, batch in groups],
+                       fontsize=8)
+    ax.set_ylabel("whole-forward speed-up over the unpatched port (median times)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    commits = {r.get("commit") for r in timed}
+    ax.set_title("kvbound.patch, whole forward, bf16 autocast" + ("" if len(commits) == 1 else " (latest run of each)"))
+    fig.suptitle(_footer(timed), fontsize=8)
+    return _save(fig, path)
+
+
 def ring_vs_n(rows: list[dict], path: str | Path) -> Path | None:
     """Context-parallel attention: ms per layer and bytes sent per rank vs N, one line per (provider, processes)."""
     from kvbound.bench.tables import latest_rows
@@ -375,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         speed_vs_n(rows, args.out_dir / "speed_vs_n.png"),
         bytes_vs_rank_bits(rows, args.out_dir / "bytes_vs_rank_bits.png"),
         model_forwards(rows, args.out_dir / "model_forwards.png"),
+        model_speedups(rows, args.out_dir / "model_speedups.png"),
         ring_vs_n(rows, args.out_dir / "ring_vs_n.png"),
     ]
     from kvbound.bench.roofline import roofline_from_rows

@@ -406,7 +406,8 @@ def _measure_variant(spec: PortModel, model: nn.Module, inputs: Inputs, referenc
         _forward(spec, model, inputs, device)
         torch.cuda.synchronize(device)
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        row["note"] = f"one CUDA graph per forward (kvbound.capture, {len(model._finishers)} staged check reads)"
+        reads = len(model._finishers)
+        row["note"] = f"one CUDA graph per forward (kvbound.capture, {reads} staged check read{'s' * (reads != 1)})"
     out = _forward(spec, model, inputs, device)
     if not bool(torch.isfinite(out).all()):
         row.update(status="check_failed", reason="output has NaN or Inf")

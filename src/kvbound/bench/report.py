@@ -64,7 +64,12 @@ published; `patch-dense`: `kvbound.patch(model, compress=False)`; `patch-compres
 `kvbound.patch(model, compress=True)` calibrated on a forward over another input. With `--alternatives`
 (Enformer, Borzoi): `sdpa-built-bias` and `flex-built-table`, the ports' layers with their attention core replaced by
 what a user could assemble from stock kernels (SDPA with a built `[B, H, N, N]` position bias; compiled FlexAttention
-over a built `[B, H, N, 2N - 1]` table; `kvbound/bench/alternatives.py`). Forward: median of timed calls
+over a built `[B, H, N, 2N - 1]` table; `kvbound/bench/alternatives.py`). With `--graphs`: `unpatched-graph` and
+`patch-dense-graph`, the same forwards captured once in a CUDA graph (`kvbound.capture`, NaN/Inf checks read after
+each replay) and replayed per call; their peak is the allocator's peak while capturing and replaying once, and
+their attention modules are not timed (hooks do not run in a replay). Since 82f1383 `patch-dense` and
+`patch-compressed` also run Enformer's `AttentionPool` and Borzoi's `MaxPool1d(2)` in one kernel each
+(`kvbound/models/README.md`, "Pools"). Forward: median of timed calls
 (CUDA events) after warm-up. Attention: the attention modules' forwards summed, timed by forward hooks in separate
 calls. Peak: `torch.cuda.max_memory_allocated` during one forward; "above baseline" subtracts what was allocated
 before it (weights, inputs, the reference output). Diff: the output against the unpatched output on the same input
@@ -703,7 +708,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for file_rows in rows_by_file.values() for r in file_rows]
     plots: dict[str, Path | None] = {}
     if not args.no_plots:
-        from kvbound.bench.plots import bytes_vs_rank_bits, model_forwards, ring_vs_n, speed_vs_n, speed_vs_share
+        from kvbound.bench.plots import (
+            bytes_vs_rank_bits,
+            model_forwards,
+            model_speedups,
+            ring_vs_n,
+            speed_vs_n,
+            speed_vs_share,
+        )
         from kvbound.bench.roofline import roofline_from_rows
 
         plots["speed vs N"] = speed_vs_n(rows, args.plots_dir / "speed_vs_n.png")
@@ -711,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         plots["roofline"] = roofline_from_rows(rows, args.plots_dir / "roofline.png")
         plots["bytes vs (rank, bits)"] = bytes_vs_rank_bits(rows, args.plots_dir / "bytes_vs_rank_bits.png")
         plots["model forwards"] = model_forwards(rows, args.plots_dir / "model_forwards.png")
+        plots["model speed-ups"] = model_speedups(rows, args.plots_dir / "model_speedups.png")
         plots["ring vs N"] = ring_vs_n(rows, args.plots_dir / "ring_vs_n.png")
     root = args.out.resolve().parent
     others = [f for f in files if f.kind != "bench"]
