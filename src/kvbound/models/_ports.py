@@ -218,12 +218,16 @@ def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
     return _unobserved(norm, x, weight, bias)
 
 
+def _no_global_hooks() -> bool:
+    """No global forward hook or pre-hook is registered (``nn.modules.module.register_module_forward_hook``)."""
+    hooks = nn.modules.module
+    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
 def _unobserved(norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
     """Whether replacing ``norm(x)`` by a kernel is invisible: no forward hook on ``norm`` or globally (it would
     see the kernel's output, or be skipped), and no autograd to feed (the kernels have no backward)."""
-    if norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks:
-        return False
-    if nn.modules.module._global_forward_pre_hooks:
+    if norm._forward_hooks or norm._forward_pre_hooks or not _no_global_hooks():
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
 
@@ -354,11 +358,6 @@ def fused_pool_enabled() -> bool:
     (``attention_pool_forward``); in a model whose Borzoi attention is patched, each ``nn.MaxPool1d(2)`` runs in one
     kernel (``max_pool_forward``, exact). Read at each call."""
     return _switch("KVBOUND_FUSED_POOL")
-
-
-def _no_global_hooks() -> bool:
-    hooks = nn.modules.module
-    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
 def _fusable_attention_pool(module: nn.Module, x: torch.Tensor) -> bool:
