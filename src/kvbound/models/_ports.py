@@ -451,6 +451,92 @@ def max_pool_forward(module, record, handle, x):
     return nn.MaxPool1d.forward(module, x)
 
 
+def fused_conv_enabled() -> bool:
+    """``KVBOUND_FUSED_CONV``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
+    (``false``, ``off``, ``no``); other values raise. On: in a model whose Enformer or Borzoi attention is patched,
+    each convolution block ``BatchNorm1d -> GELU -> Conv1d`` runs its normalisation and GELU in one kernel
+    (``conv_block_forward``). Read at each call."""
+    return _switch("KVBOUND_FUSED_CONV")
+
+
+def conv_block_parts(module: nn.Module) -> tuple[nn.BatchNorm1d, nn.Module, str, nn.Conv1d] | None:
+    """``(norm, activation, GELU form, conv)`` when ``module`` is one of the ports' convolution blocks: Enformer's
+    ``ConvBlock``, an ``nn.Sequential`` of exactly ``nn.BatchNorm1d``, the port's ``GELU`` (``sigmoid(1.702 x) x``)
+    and ``nn.Conv1d``; Borzoi's ``ConvBlock`` with ``nn.BatchNorm1d``, ``nn.GELU(approximate="tanh")`` and
+    ``nn.Conv1d`` (its "standard" type; the separable one has no norm). Otherwise None."""
+    if type(module) is nn.Sequential:
+        children = list(module.children())
+        gelu = lookup_class("enformer_pytorch.modeling_enformer", "GELU")
+        if gelu is None or len(children) != 3:
+            return None
+        norm, activation, conv = children
+        if type(norm) is nn.BatchNorm1d and type(activation) is gelu and type(conv) is nn.Conv1d:
+            return norm, activation, "sigmoid", conv
+        return None
+    block = lookup_class("borzoi_pytorch.pytorch_borzoi_model", "ConvBlock")
+    if block is None or type(module) is not block:
+        return None
+    norm, activation = getattr(module, "norm", None), getattr(module, "activation", None)
+    conv = getattr(module, "conv_layer", None)
+    if type(norm) is nn.BatchNorm1d and type(activation) is nn.GELU and type(conv) is nn.Conv1d:
+        if activation.approximate == "tanh":
+            return norm, activation, "tanh", conv
+    return None
+
+
+def _fusable_conv_block(norm: nn.BatchNorm1d, activation: nn.Module, conv: nn.Conv1d, x: torch.Tensor):
+    """The dtype in which ``activation(norm(x))`` may be written by
+    :func:`~kvbound.kernels.norm_gelu.batch_norm_gelu` for ``conv``, or None where the block must run itself.
+    It needs a non-empty ``[B, C, L]`` CUDA input (float32/16, bfloat16) with C the norm's channels, the norm in
+    inference (``eval()``, running statistics present: else torch normalises with the batch's statistics), its
+    buffers and parameters of float dtypes on x's device, no hooks on the norm or the activation or globally and no
+    instance-level forward on them (the kernel skips their calls), and no autograd to feed. The dtype: under
+    float16/bfloat16 autocast on x's device the autocast dtype, which the convolution multiplies in (its weight
+    float32 or of that dtype); without autocast x's own, the convolution's weight of the same dtype."""
+    if not _fused_norm_device(x) or x.dim() != 3 or x.numel() == 0 or x.dtype not in _FLOAT_DTYPES:
+        return None
+    if norm.training or x.shape[1] != norm.num_features or not isinstance(norm.eps, float):
+        return None
+    mean, var, weight, bias = norm.running_mean, norm.running_var, norm.weight, norm.bias
+    tensors = [mean, var] + ([weight, bias] if weight is not None or bias is not None else [])
+    if not all(isinstance(t, torch.Tensor) and t.dtype in _FLOAT_DTYPES and t.device == x.device for t in tensors):
+        return None
+    for child in (norm, activation):
+        if child._forward_hooks or child._forward_pre_hooks or "forward" in vars(child):
+            return None
+    if not _no_global_hooks():
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
+        return None
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype not in (torch.float16, torch.bfloat16) or conv.weight.dtype not in (torch.float32, dtype):
+            return None
+        return dtype
+    return x.dtype if conv.weight.dtype == x.dtype else None
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def conv_block_forward(module, record, handle, x):
+    """Forward of one of the ports' convolution blocks (:func:`conv_block_parts`) in a model whose attention is
+    patched (``record.target``): where :func:`_fusable_conv_block` allows it and ``KVBOUND_FUSED_CONV`` is on, the
+    inference ``BatchNorm1d`` and the GELU in one kernel
+    (:func:`~kvbound.kernels.norm_gelu.batch_norm_gelu`: float32 arithmetic, written in the convolution's operand
+    dtype), then the block's ``Conv1d`` called as a module. Everywhere else the block's own forward runs."""
+    parts = conv_block_parts(module) if fused_conv_enabled() and handle._patches_attention(record.target) else None
+    dtype = _fusable_conv_block(parts[0], parts[1], parts[3], x) if parts is not None else None
+    if dtype is None:
+        return type(module).forward(module, x)
+    from kvbound.kernels.norm_gelu import batch_norm_gelu
+
+    norm, _, form, conv = parts
+    y = batch_norm_gelu(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps, form, dtype)
+    return conv(y)
+
+
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
     """``(cos, sin)``, each ``[s, c / 2]`` float32, of the port's ``apply_rope`` (in place, as ``MHABlock`` calls it)
     on a ``[1, s, 1, c]`` tensor of ``dtype`` under the autocast state of this call: on pairs ``(1, 0)`` it

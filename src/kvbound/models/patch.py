@@ -29,6 +29,8 @@ from kvbound.models._ports import (
     UNSUPPORTED,
     Port,
     attention_pool_forward,
+    conv_block_forward,
+    conv_block_parts,
     feed_forward_forward,
     is_feed_forward,
     lookup_class,
@@ -70,7 +72,7 @@ class PatchedModule:
     module: nn.Module = field(repr=False)
     method: str = "forward"
     # For a helper: the patched attention module it serves (role "norm"), whose block it is in ("feed-forward") or
-    # whose model it is in ("pool").
+    # whose model it is in ("pool", "conv").
     target: nn.Module | None = field(default=None, repr=False)
     basis_k: Basis | None = None
     basis_v: Basis | None = None
@@ -157,7 +159,9 @@ class PatchHandle:
             and the feed-forward ``nn.Sequential`` of the same transformer block (role ``feed-forward``: that
             kernel, then the first ``Linear`` with its ReLU in one matmul, ``feed_forward_forward``), and the
             pools of a model whose Enformer or Borzoi attention is patched (role ``pool``: Enformer's
-            ``AttentionPool``, ``attention_pool_forward``; Borzoi's ``nn.MaxPool1d``, ``max_pool_forward``).
+            ``AttentionPool``, ``attention_pool_forward``; Borzoi's ``nn.MaxPool1d``, ``max_pool_forward``), and the
+            convolution blocks of such a model (role ``conv``: ``BatchNorm1d -> GELU -> Conv1d`` with the norm and
+            the GELU in one kernel, ``conv_block_forward``).
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
         calibration_forward_seconds: time of the sample forward that captured K and V.
@@ -448,6 +452,7 @@ class PatchHandle:
                 "norm": "LayerNorm in the attention's operand dtype",
                 "feed-forward": "feed-forward: fused LayerNorm, Linear with ReLU",
                 "pool": "pool in one kernel",
+                "conv": "BatchNorm and GELU in one kernel",
             }.get(r.role, "tile-resolution bias")
             lines.append(f"  {r.name} [{r.kind} {r.method}: {what}]")
         for name, reason in self.skipped:
@@ -577,6 +582,26 @@ def _install_pools(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> N
         handle.helpers.append(record)
 
 
+def _install_conv_blocks(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
+    """Patch the convolution blocks (``_ports.conv_block_parts``: ``BatchNorm1d -> GELU -> Conv1d``) of a model
+    whose Enformer or Borzoi attention the handle patches, as helpers (role ``conv``, target: the first patched
+    attention module of that port; ``conv_block_forward``)."""
+    targets: dict[str, nn.Module] = {}
+    for record in handle.modules:
+        targets.setdefault(record.kind, record.module)
+    for name, module in named:
+        if module in _ACTIVE or "forward" in vars(module):
+            continue
+        parts = conv_block_parts(module)
+        kind = None if parts is None else ("enformer" if parts[2] == "sigmoid" else "borzoi")
+        if kind not in targets:
+            continue
+        record = PatchedModule(name=name or type(module).__name__, kind=kind, role="conv", module=module,
+                               target=targets[kind])
+        _install(module, record, handle, conv_block_forward)
+        handle.helpers.append(record)
+
+
 def patch(
     model: nn.Module,
     config: CompressionConfig | None = None,
@@ -600,6 +625,8 @@ def patch(
             matmul (``KVBOUND_FUSED_NORM=0``: their own forwards). In a model whose Enformer attention is patched,
             each ``AttentionPool`` runs its softmax pool in one kernel after the logits' matmul; in one whose Borzoi
             attention is patched, each ``nn.MaxPool1d(2)`` runs in one kernel (``KVBOUND_FUSED_POOL=0``: their own
+            forwards); in both, each convolution block ``BatchNorm1d -> GELU -> Conv1d`` runs its inference norm
+            and GELU in one kernel that writes the convolution's operand dtype (``KVBOUND_FUSED_CONV=0``: their own
             forwards). All are listed in ``handle.helpers`` and restored by ``undo``.
         config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
         compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
@@ -709,6 +736,7 @@ def patch(
     _install_pre_norms(named, handle)
     _install_feed_forwards(named, handle)
     _install_pools(named, handle)
+    _install_conv_blocks(named, handle)
 
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
