@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from kvbound.kernels.norm_gelu import batch_norm_gelu  # noqa: E402
+from kvbound.kernels.norm_gelu import add_channel_bias_, batch_norm_gelu  # noqa: E402
 from kvbound.models import patch  # noqa: E402
 
 _GELUS = {
@@ -91,6 +91,30 @@ def test_batch_norm_gelu_rejects_bad_input():
         batch_norm_gelu(torch.zeros(1, 4, 8), mean, var, weight, bias, -1.0, "tanh")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_add_channel_bias_equals_torch_add_bit_for_bit(dtype):
+    """In place, the bias rounded to the output's dtype first (as autocast casts a convolution's bias), any
+    non-overlapping strides; the same bits as ``add_``."""
+    g = torch.Generator().manual_seed(4)
+    bias = 10 * torch.randn(6, generator=g)
+    for out in (torch.randn(2, 6, 1500, generator=g).to(dtype),
+                torch.randn(2, 1500, 6, generator=g).to(dtype).transpose(1, 2)):  # fmt: skip
+        want = out.clone().add_(bias.to(dtype).view(1, -1, 1))
+        assert add_channel_bias_(out, bias) is out
+        assert torch.equal(out, want)
+
+
+def test_add_channel_bias_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"out: expected a \[B, C, L\] float32, float16 or bfloat16 tensor, got \[4\] "
+                                         r"float32"):
+        add_channel_bias_(torch.zeros(4), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"out: expected non-overlapping elements \(written in place\), got strides "
+                                         r"\(0, 3, 1\)"):
+        add_channel_bias_(torch.zeros(1, 4, 3).expand(2, 4, 3), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"bias: expected shape \[4\]"):
+        add_channel_bias_(torch.zeros(1, 4, 3), torch.zeros(3))
+
+
 # ---------------------------------------------------------------------------------------------- in the models
 def _randomise_norms(model: nn.Module, seed: int) -> None:
     """Running statistics and affine parameters away from their initial 0 / 1 (else the norm is nearly the
@@ -120,19 +144,25 @@ def enformer():
 
 @pytest.fixture
 def conv_calls(monkeypatch):
-    """Allow the fused blocks on CPU tensors (interpreter) and count the kernel's calls."""
+    """Allow the fused blocks on CPU tensors (interpreter) and count the kernels' calls: ``n`` the norm-and-GELU
+    kernel's, ``bias`` the bias kernel's."""
     import kvbound.kernels.norm_gelu as kernel
     import kvbound.models._ports as ports
 
     monkeypatch.setattr(ports, "_fused_norm_device", lambda x: True)
-    calls = {"n": 0}
-    real = kernel.batch_norm_gelu
+    calls = {"n": 0, "bias": 0}
+    real, real_bias = kernel.batch_norm_gelu, kernel.add_channel_bias_
 
     def spy(*args):
         calls["n"] += 1
         return real(*args)
 
+    def bias_spy(*args):
+        calls["bias"] += 1
+        return real_bias(*args)
+
     monkeypatch.setattr(kernel, "batch_norm_gelu", spy)
+    monkeypatch.setattr(kernel, "add_channel_bias_", bias_spy)
     return calls
 
 
@@ -148,12 +178,17 @@ def test_patch_installs_the_conv_blocks_as_helpers_and_undo_restores_them(enform
     # the stem's residual block, two per tower stage (num_downsamples=3: two stages), the final pointwise block
     assert len(blocks) == 1 + 2 * 2 + 1
     assert all(type(m[1]) is port.modeling_enformer.GELU for m in blocks)
+    convs = [m for m in model.modules() if type(m) is nn.Conv1d and m.bias is not None]
+    assert len(convs) == 1 + len(blocks)  # the stem's convolution and each block's
     with patch(model, compress=False, backend="eager") as handle:
         helpers = [r for r in handle.helpers if r.role == "conv"]
         assert [r.module for r in helpers] == blocks
-        assert all(r.kind == "enformer" and r.target is handle.modules[0].module for r in helpers)
+        assert [r.module for r in handle.helpers if r.role == "conv-bias"] == convs
+        assert all(r.kind == "enformer" and r.target is handle.modules[0].module
+                   for r in handle.helpers if r.role in ("conv", "conv-bias"))  # fmt: skip
         assert "BatchNorm and GELU in one kernel" in handle.summary()
-    assert not any("forward" in vars(m) for m in blocks)
+        assert "Conv1d, its bias added in one pass" in handle.summary()
+    assert not any("forward" in vars(m) for m in blocks + convs)
     with patch(model, compress=False, backend="eager", filter_fn=lambda name, m: False) as handle:
         assert handle.helpers == [] and not any("forward" in vars(m) for m in blocks)
 
@@ -197,10 +232,10 @@ def test_fused_conv_blocks_in_the_whole_model_and_where_a_block_runs_itself(enfo
     with torch.no_grad(), patch(model, compress=False, backend="eager", query_chunk=16):
         with torch.autocast("cpu", dtype=torch.float16):
             fused = model(x)["human"]
-            assert conv_calls["n"] == len(blocks)
+            assert conv_calls["n"] == len(blocks) and conv_calls["bias"] == len(blocks) + 1
             monkeypatch.setenv("KVBOUND_FUSED_CONV", "0")
             plain = model(x)["human"]
-            assert conv_calls["n"] == len(blocks)
+            assert conv_calls["n"] == len(blocks) and conv_calls["bias"] == len(blocks) + 1
             monkeypatch.delenv("KVBOUND_FUSED_CONV")
         # no autocast: float32 in and out, fused too
         fused32 = model(x)["human"]
@@ -232,7 +267,7 @@ def test_conv_block_runs_itself_where_autograd_needs_it(enformer, conv_calls):
     x = torch.randn(1, block[0].num_features, 32, requires_grad=True)
     with patch(model, compress=False, backend="eager"):
         out = block(x)
-        assert conv_calls["n"] == 0
+        assert conv_calls["n"] == 0 and conv_calls["bias"] == 0
         out.sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
 
@@ -256,6 +291,9 @@ def test_borzoi_conv_blocks_fused(conv_calls):
             assert all(r.kind == "borzoi" for r in handle.helpers if r.role == "conv")
             got = model(x)
             assert conv_calls["n"] == len(blocks)
+            convs = [m for m in model.modules() if type(m) is nn.Conv1d and m.bias is not None]
+            assert [r.module for r in handle.helpers if r.role == "conv-bias"] == convs
+            assert conv_calls["bias"] >= len(blocks)
         assert not any("forward" in vars(b) for b in blocks)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # float32 throughout
 
@@ -281,3 +319,24 @@ def test_gpu_batch_norm_gelu_at_enformer_width_bf16(form):
     out32 = batch_norm_gelu(x32, mean, var, weight, bias, 1e-3, form, out_dtype=torch.bfloat16)
     want = _GELUS[form](F.batch_norm(x32.double(), *stats[:2], *stats[2:], False, 0.0, 1e-3)).to(torch.bfloat16)
     assert (out32.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+
+
+@pytest.mark.gpu
+def test_gpu_conv_bias_bit_for_bit_with_the_port_under_autocast():
+    """A full-width ``Conv1d`` (Enformer's tower, 768 -> 896, kernel 5) under bfloat16 autocast: the convolution
+    without its bias plus the bias kernel gives the bits of the module's own forward (cuDNN, then ``add_``)."""
+    from types import SimpleNamespace
+
+    from kvbound.models._ports import _fusable_conv_bias, conv_bias_forward
+
+    conv = nn.Conv1d(768, 896, 5, padding=2).cuda().eval()
+    with torch.no_grad():
+        conv.bias.normal_(0, 1)
+    x = torch.randn(2, 768, 8192, device="cuda")
+    handle = SimpleNamespace(_patches_attention=lambda target: True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert _fusable_conv_bias(conv, x)
+        fused = conv_bias_forward(conv, SimpleNamespace(target=None), handle, x)
+        own = conv(x)
+    assert fused.dtype == own.dtype == torch.bfloat16
+    assert torch.equal(fused, own)

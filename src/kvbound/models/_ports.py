@@ -455,7 +455,8 @@ def fused_conv_enabled() -> bool:
     """``KVBOUND_FUSED_CONV``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
     (``false``, ``off``, ``no``); other values raise. On: in a model whose Enformer or Borzoi attention is patched,
     each convolution block ``BatchNorm1d -> GELU -> Conv1d`` runs its normalisation and GELU in one kernel
-    (``conv_block_forward``). Read at each call."""
+    (``conv_block_forward``), and each ``nn.Conv1d`` adds its bias in one pass (``conv_bias_forward``). Read at
+    each call."""
     return _switch("KVBOUND_FUSED_CONV")
 
 
@@ -535,6 +536,34 @@ def conv_block_forward(module, record, handle, x):
     norm, _, form, conv = parts
     y = batch_norm_gelu(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps, form, dtype)
     return conv(y)
+
+
+def _fusable_conv_bias(conv: nn.Conv1d, x: torch.Tensor) -> bool:
+    """Whether ``conv`` (exactly ``nn.Conv1d``, with a bias) may add its bias in
+    :func:`~kvbound.kernels.norm_gelu.add_channel_bias_` after the convolution without one: a ``[B, C, L]`` CUDA
+    input of a float dtype, the bias of a float dtype on that device, and no autograd to feed."""
+    bias = conv.bias
+    if type(conv) is not nn.Conv1d or not isinstance(bias, torch.Tensor) or not _fused_norm_device(x):
+        return False
+    if x.dim() != 3 or x.dtype not in _FLOAT_DTYPES or bias.dtype not in _FLOAT_DTYPES or bias.device != x.device:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad or bias.requires_grad))
+
+
+def conv_bias_forward(module, record, handle, x):
+    """Forward of an ``nn.Conv1d`` with a bias in a model whose Enformer or Borzoi attention is patched
+    (``record.target``): where :func:`_fusable_conv_bias` allows it and ``KVBOUND_FUSED_CONV`` is on, the
+    convolution without its bias, then the bias added in place in one pass
+    (:func:`~kvbound.kernels.norm_gelu.add_channel_bias_`), the values PyTorch's cuDNN path gives, whose own
+    ``add_`` of the broadcast bias is a slower elementwise kernel. Everywhere else the module's own forward runs."""
+    if not (fused_conv_enabled() and handle._patches_attention(record.target) and _fusable_conv_bias(module, x)):
+        return nn.Conv1d.forward(module, x)
+    from kvbound.kernels import norm_gelu
+
+    out = module._conv_forward(x, module.weight, None)
+    if out.dim() == 3 and out.dtype in _FLOAT_DTYPES and norm_gelu._dense(out):
+        return norm_gelu.add_channel_bias_(out, module.bias)
+    return out.add_(module.bias.to(out.dtype).view(1, -1, 1))
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):
