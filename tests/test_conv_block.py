@@ -157,9 +157,9 @@ def conv_calls(monkeypatch):
         calls["n"] += 1
         return real(*args)
 
-    def bias_spy(*args):
+    def bias_spy(*args, **kwargs):
         calls["bias"] += 1
-        return real_bias(*args)
+        return real_bias(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "batch_norm_gelu", spy)
     monkeypatch.setattr(kernel, "add_channel_bias_", bias_spy)
@@ -180,15 +180,18 @@ def test_patch_installs_the_conv_blocks_as_helpers_and_undo_restores_them(enform
     assert all(type(m[1]) is port.modeling_enformer.GELU for m in blocks)
     convs = [m for m in model.modules() if type(m) is nn.Conv1d and m.bias is not None]
     assert len(convs) == 1 + len(blocks)  # the stem's convolution and each block's
+    residuals = [m for m in model.modules() if type(m) is port.modeling_enformer.Residual and m.fn in blocks]
+    assert len(residuals) == 3  # the stem's and one per tower stage
     with patch(model, compress=False, backend="eager") as handle:
         helpers = [r for r in handle.helpers if r.role == "conv"]
         assert [r.module for r in helpers] == blocks
         assert [r.module for r in handle.helpers if r.role == "conv-bias"] == convs
+        assert [r.module for r in handle.helpers if r.role == "conv-residual"] == residuals
         assert all(r.kind == "enformer" and r.target is handle.modules[0].module
                    for r in handle.helpers if r.role in ("conv", "conv-bias"))  # fmt: skip
         assert "BatchNorm and GELU in one kernel" in handle.summary()
         assert "Conv1d, its bias added in one pass" in handle.summary()
-    assert not any("forward" in vars(m) for m in blocks + convs)
+    assert not any("forward" in vars(m) for m in blocks + convs + residuals)
     with patch(model, compress=False, backend="eager", filter_fn=lambda name, m: False) as handle:
         assert handle.helpers == [] and not any("forward" in vars(m) for m in blocks)
 
@@ -261,6 +264,50 @@ def test_fused_conv_blocks_in_the_whole_model_and_where_a_block_runs_itself(enfo
     torch.testing.assert_close(fused32, plain32, rtol=1e-5, atol=1e-6)
 
 
+def test_residual_block_adds_bias_and_residual_in_one_pass_with_the_same_bits(enformer, conv_calls):
+    """Enformer's ``Residual`` around a convolution block: one kernel adds the convolution's bias and the residual,
+    each sum rounded as the port's ``add_`` and ``+``; the result has the bits of the fused block plus a separate
+    addition (a hook on the block makes the residual run itself: ``fn(x) + x``)."""
+    model, port = enformer
+    residual = next(m for m in model.modules() if type(m) is port.modeling_enformer.Residual and m.fn in _blocks(model))
+    c = residual.fn[0].num_features
+    x = torch.randn(2, c, 80, generator=torch.Generator().manual_seed(9)).to(torch.float16)
+    with torch.no_grad(), patch(model, compress=False, backend="eager"):
+        with torch.autocast("cpu", dtype=torch.float16):
+            one_pass = residual(x)
+            assert conv_calls["n"] == 1 and conv_calls["bias"] == 1
+            hook = residual.fn.register_forward_hook(lambda *a: None)
+            try:
+                two_passes = residual(x)
+            finally:
+                hook.remove()
+            assert conv_calls["n"] == 2 and conv_calls["bias"] == 2
+    assert one_pass.dtype == two_passes.dtype == torch.float16
+    assert torch.equal(one_pass, two_passes)
+
+
+@pytest.mark.parametrize("padding", [7, "same", "valid"])
+def test_narrow_convolution_as_one_matmul(padding):
+    """A convolution over few input channels (the stem's one-hot DNA: 4 x 15 columns) as one matmul of its weight
+    with the unfolded input: the convolution's values (no bias), under autocast in its dtype."""
+    from kvbound.models._ports import _narrow_conv1d
+
+    conv = nn.Conv1d(4, 24, 15, padding=padding).double()
+    seq = torch.randint(0, 4, (2, 300), generator=torch.Generator().manual_seed(1))
+    x = F.one_hot(seq, 4).double().transpose(1, 2)  # the port's rearranged one-hot input: not contiguous
+    got = _narrow_conv1d(conv, x)
+    want = conv._conv_forward(x, conv.weight, None)
+    assert got.shape == want.shape and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        conv32 = conv.float()
+        low = _narrow_conv1d(conv32, x.float())
+        assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.double(), want, rtol=2e-2, atol=2e-2)
+    assert _narrow_conv1d(nn.Conv1d(8, 4, 9), torch.zeros(1, 8, 20)) is None  # 72 columns: cuDNN's own
+    assert _narrow_conv1d(nn.Conv1d(4, 4, 3, stride=2), torch.zeros(1, 4, 20)) is None
+
+
 def test_conv_block_runs_itself_where_autograd_needs_it(enformer, conv_calls):
     model, _ = enformer
     block = _blocks(model)[0]
@@ -293,6 +340,7 @@ def test_borzoi_conv_blocks_fused(conv_calls):
             assert conv_calls["n"] == len(blocks)
             convs = [m for m in model.modules() if type(m) is nn.Conv1d and m.bias is not None]
             assert [r.module for r in handle.helpers if r.role == "conv-bias"] == convs
+            assert not [r for r in handle.helpers if r.role == "conv-residual"]  # Enformer's Residual only
             assert conv_calls["bias"] >= len(blocks)
         assert not any("forward" in vars(b) for b in blocks)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # float32 throughout
@@ -340,3 +388,29 @@ def test_gpu_conv_bias_bit_for_bit_with_the_port_under_autocast():
         own = conv(x)
     assert fused.dtype == own.dtype == torch.bfloat16
     assert torch.equal(fused, own)
+
+
+@pytest.mark.gpu
+def test_gpu_stem_convolution_as_one_matmul_against_float64():
+    """Enformer's stem (4 -> 768 channels, width 15) over one-hot DNA under bfloat16 autocast: the matmul over the
+    unfolded input plus the bias kernel is within twice the module's own error against float64 (both round the
+    float32 sums to bfloat16, then add the bias rounded to bfloat16)."""
+    from types import SimpleNamespace
+
+    from kvbound.models._ports import _narrow_conv1d, conv_bias_forward
+
+    conv = nn.Conv1d(4, 768, 15, padding=7).cuda().eval()
+    seq = torch.randint(0, 4, (2, 20_000), generator=torch.Generator().manual_seed(3))
+    x = F.one_hot(seq, 4).float().cuda().transpose(1, 2)  # as the port's stem receives it
+    handle = SimpleNamespace(_patches_attention=lambda target: True)
+    weight = conv.weight.to(torch.bfloat16).double()
+    bias = conv.bias.to(torch.bfloat16).double()
+    exact = F.conv1d(x.double(), weight, bias, padding=7)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert _narrow_conv1d(conv, x) is not None
+        fused = conv_bias_forward(conv, SimpleNamespace(target=None), handle, x)
+        own = conv(x)
+    assert fused.dtype == own.dtype == torch.bfloat16 and fused.shape == own.shape
+    own_error = (own.double() - exact).abs().max().item()
+    error = (fused.double() - exact).abs().max().item()
+    assert 0 < own_error and error <= 2 * own_error, (error, own_error)

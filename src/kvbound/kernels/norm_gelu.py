@@ -148,7 +148,19 @@ def batch_norm_gelu(
 
 @triton.jit
 def _add_channel_bias_kernel(
-    out_ptr, bias_ptr, channels, length, stride_b, stride_c, stride_l, BLOCK: tl.constexpr
+    out_ptr,
+    bias_ptr,
+    residual_ptr,
+    channels,
+    length,
+    stride_b,
+    stride_c,
+    stride_l,
+    stride_rb,
+    stride_rc,
+    stride_rl,
+    RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)  # batch * channels + channel
     batch = row // channels
@@ -158,8 +170,13 @@ def _add_channel_bias_kernel(
     ptrs = out_ptr + batch.to(tl.int64) * stride_b + channel.to(tl.int64) * stride_c + offs.to(tl.int64) * stride_l
     # the bias rounded to the output's dtype, then the sum in float32 rounded once: torch's add_ on that dtype
     bias = tl.load(bias_ptr + channel).to(out_ptr.dtype.element_ty).to(tl.float32)
-    value = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + bias
-    tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask)
+    value = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + bias).to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        # then the residual added to that rounded sum, rounded again: fn(x) + x after the convolution's add_
+        r_row = residual_ptr + batch.to(tl.int64) * stride_rb + channel.to(tl.int64) * stride_rc
+        residual = tl.load(r_row + offs.to(tl.int64) * stride_rl, mask=mask, other=0.0).to(tl.float32)
+        value = (value.to(tl.float32) + residual).to(out_ptr.dtype.element_ty)
+    tl.store(ptrs, value, mask=mask)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -172,9 +189,11 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def add_channel_bias_(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def add_channel_bias_(out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``out.add_(bias.to(out.dtype).view(1, -1, 1))`` for ``out`` ``[B, C, L]`` (float32/16, bfloat16, any
-    non-overlapping strides) and ``bias`` ``[C]`` (a float dtype, out's device); returns ``out``."""
+    non-overlapping strides) and ``bias`` ``[C]`` (a float dtype, out's device); returns ``out``. With ``residual``
+    (out's shape and dtype, any strides) it then adds that too, in the same pass: ``out.add_(bias).add_(residual)``,
+    each sum rounded to out's dtype, as ``fn(x) + x`` rounds after a convolution's bias."""
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.dtype not in _FLOATS:
         got = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')}" if isinstance(out, torch.Tensor) else out
         raise ValueError(f"out: expected a [B, C, L] float32, float16 or bfloat16 tensor, got {got}")
@@ -182,7 +201,18 @@ def add_channel_bias_(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"out: expected non-overlapping elements (written in place), got strides {out.stride()}")
     b, c, n = out.shape
     _check_channel_vector(bias, "bias", c, out.device)
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != out.shape or residual.dtype != out.dtype:
+            got = (f"{list(residual.shape)} {str(residual.dtype).removeprefix('torch.')}"
+                   if isinstance(residual, torch.Tensor) else type(residual).__name__)  # fmt: skip
+            raise ValueError(f"residual: expected out's shape {list(out.shape)} and dtype "
+                             f"{str(out.dtype).removeprefix('torch.')}, got {got}")  # fmt: skip
+        if residual.device != out.device:
+            raise ValueError(f"residual: expected out's device {out.device}, got {residual.device}")
     if out.numel():
         grid = (b * c, triton.cdiv(n, _BLOCK))
-        _add_channel_bias_kernel[grid](out, bias, c, n, *out.stride(), BLOCK=_BLOCK)
+        r = out if residual is None else residual
+        _add_channel_bias_kernel[grid](
+            out, bias, r, c, n, *out.stride(), *r.stride(), RESIDUAL=residual is not None, BLOCK=_BLOCK
+        )
     return out

@@ -455,8 +455,9 @@ def fused_conv_enabled() -> bool:
     """``KVBOUND_FUSED_CONV``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
     (``false``, ``off``, ``no``); other values raise. On: in a model whose Enformer or Borzoi attention is patched,
     each convolution block ``BatchNorm1d -> GELU -> Conv1d`` runs its normalisation and GELU in one kernel
-    (``conv_block_forward``), and each ``nn.Conv1d`` adds its bias in one pass (``conv_bias_forward``). Read at
-    each call."""
+    (``conv_block_forward``), each ``nn.Conv1d`` adds its bias in one pass (``conv_bias_forward``; a narrow input
+    as one matmul, ``_narrow_conv1d``), and Enformer's residual convolution blocks add the bias and the residual
+    in one pass (``conv_residual_forward``). Read at each call."""
     return _switch("KVBOUND_FUSED_CONV")
 
 
@@ -550,20 +551,107 @@ def _fusable_conv_bias(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad or bias.requires_grad))
 
 
+# Input channels times kernel width up to which a convolution runs as one matmul over its unfolded input
+# (_narrow_conv1d): the stems' one-hot DNA (4 channels, width 15).
+NARROW_CONV_COLUMNS = 64
+
+
+def _narrow_conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor | None:
+    """``conv`` without its bias as one matmul of its weight ``[C_out, C_in k]`` with the unfolded input ``[B, C_in
+    k, L]`` (im2col), in the operand dtype (autocast's, as the convolution's), where ``C_in k <=
+    NARROW_CONV_COLUMNS``, stride and dilation 1, one group and zero padding; else None. cuDNN runs such a narrow
+    input (the ports' stem over one-hot DNA) in a slow generic kernel. Float32 accumulation, as there."""
+    c_in, k = conv.in_channels, conv.kernel_size[0]
+    if c_in * k > NARROW_CONV_COLUMNS or conv.groups != 1 or conv.stride != (1,) or conv.dilation != (1,):
+        return None
+    if conv.padding_mode != "zeros" or x.shape[1] != c_in:
+        return None
+    if conv.padding == "same":
+        left = (k - 1) // 2
+        right = k - 1 - left
+    elif conv.padding == "valid":
+        left = right = 0
+    else:
+        left = right = conv.padding[0]
+    weight = conv.weight
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if dtype not in _FLOAT_DTYPES or weight.dtype not in (torch.float32, dtype):
+            return None
+    elif weight.dtype == x.dtype:
+        dtype = x.dtype
+    else:
+        return None
+    b, n = x.shape[0], x.shape[2] + left + right - k + 1
+    if n < 1:
+        return None
+    padded = F.pad(x.to(dtype), (left, right))
+    columns = padded.unfold(2, k, 1).transpose(2, 3).reshape(b, c_in * k, n)  # [B, C_in k, L], one copy
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.matmul(weight.to(dtype).reshape(conv.out_channels, c_in * k), columns)
+
+
 def conv_bias_forward(module, record, handle, x):
     """Forward of an ``nn.Conv1d`` with a bias in a model whose Enformer or Borzoi attention is patched
     (``record.target``): where :func:`_fusable_conv_bias` allows it and ``KVBOUND_FUSED_CONV`` is on, the
-    convolution without its bias, then the bias added in place in one pass
-    (:func:`~kvbound.kernels.norm_gelu.add_channel_bias_`), the values PyTorch's cuDNN path gives, whose own
-    ``add_`` of the broadcast bias is a slower elementwise kernel. Everywhere else the module's own forward runs."""
+    convolution without its bias (a narrow input, such as the stem's one-hot DNA, as one matmul:
+    :func:`_narrow_conv1d`), then the bias added in place in one pass
+    (:func:`~kvbound.kernels.norm_gelu.add_channel_bias_`), as PyTorch's cuDNN path adds it, whose own ``add_`` of
+    the broadcast bias is a slower elementwise kernel. Everywhere else the module's own forward runs."""
     if not (fused_conv_enabled() and handle._patches_attention(record.target) and _fusable_conv_bias(module, x)):
         return nn.Conv1d.forward(module, x)
     from kvbound.kernels import norm_gelu
 
-    out = module._conv_forward(x, module.weight, None)
+    out = _narrow_conv1d(module, x)
+    if out is None:
+        out = module._conv_forward(x, module.weight, None)
     if out.dim() == 3 and out.dtype in _FLOAT_DTYPES and norm_gelu._dense(out):
         return norm_gelu.add_channel_bias_(out, module.bias)
     return out.add_(module.bias.to(out.dtype).view(1, -1, 1))
+
+
+def conv_residual_block(module: nn.Module) -> nn.Module | None:
+    """The convolution block inside Enformer's ``Residual`` ``module`` (``fn(x) + x``) when its ``fn`` is one
+    (:func:`conv_block_parts`), else None."""
+    residual = lookup_class("enformer_pytorch.modeling_enformer", "Residual")
+    if residual is None or type(module) is not residual:
+        return None
+    fn = getattr(module, "fn", None)
+    return fn if isinstance(fn, nn.Module) and conv_block_parts(fn) is not None else None
+
+
+def _bypassable(module: nn.Module, own: Callable) -> bool:
+    """No hooks on ``module`` and its forward is its class's or kvbound's helper ``own``: calling its pieces
+    directly instead of ``module(x)`` changes nothing observable."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
+    installed = vars(module).get("forward")
+    return installed is None or getattr(installed, "_impl", None) is own
+
+
+def conv_residual_forward(module, record, handle, x, **kwargs):
+    """Forward of Enformer's ``Residual`` around a convolution block (:func:`conv_residual_block`) in a model whose
+    Enformer attention is patched (``record.target``): where the block would run fused (:func:`_fusable_conv_block`,
+    :func:`_fusable_conv_bias`), the convolution's input dtype equals x's, and ``KVBOUND_FUSED_CONV`` is on, the
+    block's norm and GELU in one kernel, its convolution without the bias, then the bias and the residual ``x`` added
+    in one pass (:func:`~kvbound.kernels.norm_gelu.add_channel_bias_` with ``residual``; each sum rounded as the
+    port's ``add_`` and ``+`` round). Everywhere else the module's own forward runs."""
+    block = conv_residual_block(module) if not kwargs and fused_conv_enabled() else None
+    if block is None or not handle._patches_attention(record.target) or not _bypassable(block, conv_block_forward):
+        return type(module).forward(module, x, **kwargs)
+    norm, activation, form, conv = conv_block_parts(block)
+    dtype = _fusable_conv_block(norm, activation, conv, x)
+    if dtype != x.dtype or not _fusable_conv_bias(conv, x) or not _bypassable(conv, conv_bias_forward):
+        return type(module).forward(module, x, **kwargs)
+    from kvbound.kernels import norm_gelu
+
+    y = norm_gelu.batch_norm_gelu(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps, form, dtype)
+    out = _narrow_conv1d(conv, y)
+    if out is None:
+        out = conv._conv_forward(y, conv.weight, None)
+    if out.shape == x.shape and out.dtype == x.dtype and norm_gelu._dense(out):
+        return norm_gelu.add_channel_bias_(out, conv.bias, residual=x)
+    return out.add_(conv.bias.to(out.dtype).view(1, -1, 1)) + x
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):

@@ -32,6 +32,8 @@ from kvbound.models._ports import (
     conv_bias_forward,
     conv_block_forward,
     conv_block_parts,
+    conv_residual_block,
+    conv_residual_forward,
     feed_forward_forward,
     is_feed_forward,
     lookup_class,
@@ -162,8 +164,9 @@ class PatchHandle:
             pools of a model whose Enformer or Borzoi attention is patched (role ``pool``: Enformer's
             ``AttentionPool``, ``attention_pool_forward``; Borzoi's ``nn.MaxPool1d``, ``max_pool_forward``), and the
             convolution blocks of such a model (role ``conv``: ``BatchNorm1d -> GELU -> Conv1d`` with the norm and
-            the GELU in one kernel, ``conv_block_forward``) and its ``nn.Conv1d`` s with a bias (role
-            ``conv-bias``: the bias added in one pass, ``conv_bias_forward``).
+            the GELU in one kernel, ``conv_block_forward``), its ``nn.Conv1d`` s with a bias (role
+            ``conv-bias``: the bias added in one pass, ``conv_bias_forward``), and Enformer's ``Residual`` around
+            such a block (role ``conv-residual``: bias and residual added in one pass, ``conv_residual_forward``).
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
         calibration_forward_seconds: time of the sample forward that captured K and V.
@@ -456,6 +459,7 @@ class PatchHandle:
                 "pool": "pool in one kernel",
                 "conv": "BatchNorm and GELU in one kernel",
                 "conv-bias": "Conv1d, its bias added in one pass",
+                "conv-residual": "residual convolution block: its bias and the residual added in one pass",
             }.get(r.role, "tile-resolution bias")
             lines.append(f"  {r.name} [{r.kind} {r.method}: {what}]")
         for name, reason in self.skipped:
@@ -588,8 +592,9 @@ def _install_pools(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> N
 def _install_conv_blocks(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
     """Patch the convolution blocks (``_ports.conv_block_parts``: ``BatchNorm1d -> GELU -> Conv1d``) of a model
     whose Enformer or Borzoi attention the handle patches, as helpers (role ``conv``, target: the first patched
-    attention module of that port; ``conv_block_forward``), and every ``nn.Conv1d`` with a bias in such a model
-    (role ``conv-bias``, target: the first patched Enformer or Borzoi attention module; ``conv_bias_forward``)."""
+    attention module of that port; ``conv_block_forward``), every ``nn.Conv1d`` with a bias in such a model
+    (role ``conv-bias``, target: the first patched Enformer or Borzoi attention module; ``conv_bias_forward``), and
+    Enformer's ``Residual`` around a convolution block (role ``conv-residual``; ``conv_residual_forward``)."""
     targets: dict[str, nn.Module] = {}
     for record in handle.modules:
         if record.kind in _PRE_NORM_KINDS:
@@ -602,6 +607,12 @@ def _install_conv_blocks(named: list[tuple[str, nn.Module]], handle: PatchHandle
             record = PatchedModule(name=name or "Conv1d", kind=kind, role="conv-bias", module=module,
                                    target=targets[kind])
             _install(module, record, handle, conv_bias_forward)
+            handle.helpers.append(record)
+            continue
+        if "enformer" in targets and conv_residual_block(module) is not None:
+            record = PatchedModule(name=name or "Residual", kind="enformer", role="conv-residual", module=module,
+                                   target=targets["enformer"])
+            _install(module, record, handle, conv_residual_forward)
             handle.helpers.append(record)
             continue
         parts = conv_block_parts(module)
@@ -638,8 +649,10 @@ def patch(
             each ``AttentionPool`` runs its softmax pool in one kernel after the logits' matmul; in one whose Borzoi
             attention is patched, each ``nn.MaxPool1d(2)`` runs in one kernel (``KVBOUND_FUSED_POOL=0``: their own
             forwards); in both, each convolution block ``BatchNorm1d -> GELU -> Conv1d`` runs its inference norm
-            and GELU in one kernel that writes the convolution's operand dtype, and each ``nn.Conv1d`` adds its
-            bias in one pass (``KVBOUND_FUSED_CONV=0``: their own forwards). All are listed in ``handle.helpers``
+            and GELU in one kernel that writes the convolution's operand dtype, each ``nn.Conv1d`` adds its bias
+            in one pass (a narrow input such as the stem's one-hot DNA convolved as one matmul), and Enformer's
+            residual blocks add the bias and the residual in one pass (``KVBOUND_FUSED_CONV=0``: their own
+            forwards). All are listed in ``handle.helpers``
             and restored by ``undo``.
         config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
         compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
