@@ -69,6 +69,19 @@ def test_environment_has_provenance():
     assert env["torch"] and env["triton"] and env["date"].endswith("Z")
 
 
+def test_environment_records_the_switches_that_were_set(monkeypatch):
+    """``KVBOUND_*`` switches open the command line as the shell would take them (``KVBOUND_COMMIT`` only labels
+    rows and is left out); a row's switches are read back from it."""
+    monkeypatch.setenv("KVBOUND_FUSED_CONV", "0")
+    monkeypatch.setenv("KVBOUND_DV_SPLIT", "1")
+    monkeypatch.setenv("KVBOUND_COMMIT", "abc123")
+    env = records.environment(["--suite", "models"])
+    assert env["command"] == "KVBOUND_DV_SPLIT=1 KVBOUND_FUSED_CONV=0 python -m kvbound.bench --suite models"
+    assert records.row_settings(env) == ["KVBOUND_DV_SPLIT=1", "KVBOUND_FUSED_CONV=0"]
+    assert not records.default_settings(env)
+    assert records.default_settings({"command": "python -m kvbound.bench --note KVBOUND_X=1"})
+
+
 _NCU_COLUMNS = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
                 "Grid Size", "Device", "CC", "dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
                 "lts__t_sectors_srcunit_tex_op_read.sum", "lts__t_sectors_srcunit_tex_op_write.sum"]

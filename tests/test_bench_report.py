@@ -306,6 +306,27 @@ def test_models_table_lists_repeated_runs_with_their_own_unpatched_forward():
     assert [r["forward p50 ms"] for r in got][:2] == ["26", "21.5"] and got[5]["forward p50 ms"] == "40"
 
 
+def test_models_table_and_plot_take_the_latest_run_without_switches(tmp_path):
+    """A later run with a ``KVBOUND_*`` switch (its command line opens with it) is not the latest run of a variant:
+    it is listed with the other runs of its commit, its switch in the note, and the speed-up plot leaves it out."""
+    default = {"commit": "bbbbbbb", "date": "2026-12-02", "command": "bench --out run1.csv"}
+    switched = {"commit": "bbbbbbb", "date": "2026-12-03", "command": "KVBOUND_FUSED_CONV=0 bench --out run2.csv"}
+    rows = [
+        _model("enformer", 1, "unpatched", 26.0, 7.0, 2.0, **default),
+        _model("enformer", 1, "patch-dense", 13.0, 2.3, 2.0, **default),
+        _model("enformer", 1, "unpatched", 26.0, 7.0, 2.0, **switched),
+        _model("enformer", 1, "patch-dense", 20.0, 2.3, 2.0, **switched),
+    ]
+    headers, body = tables.models_table(rows)
+    got = [dict(zip(headers, r, strict=True)) for r in body]
+    assert [(r["variant"], r["vs unpatched"]) for r in got] == [
+        ("unpatched", "1.00x"), ("patch-dense", "2.00x"), ("unpatched", "1.00x"), ("patch-dense", "1.30x")]
+    assert got[3]["note / reason"].startswith("KVBOUND_FUSED_CONV=0") and "KVBOUND" not in got[1]["note / reason"]
+    assert records.row_settings(rows[2]) == ["KVBOUND_FUSED_CONV=0"] and records.default_settings(rows[0])
+    assert plots.model_speedups(rows, tmp_path / "speedups.png") is not None
+    assert plots.model_speedups(rows[2:], tmp_path / "none.png") is None  # only switched runs: nothing to draw
+
+
 def test_ring_table():
     headers, body = tables.ring_table(suite_rows())
     rows = [dict(zip(headers, r, strict=True)) for r in body]

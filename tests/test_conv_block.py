@@ -17,6 +17,7 @@ from torch import nn  # noqa: E402
 
 from kvbound.kernels.norm_gelu import add_channel_bias_, batch_norm_gelu  # noqa: E402
 from kvbound.models import patch  # noqa: E402
+from small_models import small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
 _GELUS = {
     "sigmoid": lambda y: torch.sigmoid(1.702 * y) * y,  # Enformer's
@@ -132,12 +133,7 @@ def _randomise_norms(model: nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def enformer():
-    port = pytest.importorskip("enformer_pytorch", reason="enformer_pytorch is not installed (kvbound[models])")
-    torch.manual_seed(0)
-    model = port.Enformer.from_hparams(
-        dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
-        output_heads=dict(human=8),
-    ).eval()  # fmt: skip
+    model, port = small_enformer()
     _randomise_norms(model, 4)
     return model, port
 

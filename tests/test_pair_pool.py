@@ -18,6 +18,7 @@ from torch import nn  # noqa: E402
 
 from kvbound.kernels.pair_pool import max_pair_pool, softmax_pair_pool  # noqa: E402
 from kvbound.models import patch  # noqa: E402
+from small_models import small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
 
 def _pool_reference(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -79,12 +80,7 @@ def test_pair_pools_reject_bad_input():
 # ---------------------------------------------------------------------------------------------- in the models
 @pytest.fixture(scope="module")
 def enformer():
-    port = pytest.importorskip("enformer_pytorch", reason="enformer_pytorch is not installed (kvbound[models])")
-    torch.manual_seed(0)
-    model = port.Enformer.from_hparams(
-        dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
-        output_heads=dict(human=8),
-    ).eval()  # fmt: skip
+    model, port = small_enformer()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for module in model.modules():  # the port starts its logits at the identity (dirac x 2): make them mix

@@ -18,6 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kvbound.models import patch  # noqa: E402
+from small_models import small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
 
 def _randomize_(module: nn.Module, seed: int) -> None:
@@ -48,12 +49,7 @@ def borzoi():
 
 @pytest.fixture(scope="module")
 def enformer():
-    port = pytest.importorskip("enformer_pytorch", reason="enformer_pytorch is not installed (kvbound[models])")
-    torch.manual_seed(0)
-    model = port.Enformer.from_hparams(
-        dim=96, depth=2, heads=4, attn_dim_key=16, num_downsamples=3, dim_divisible_by=8, target_length=-1,
-        output_heads=dict(human=8),
-    ).eval()  # fmt: skip
+    model, _ = small_enformer(depth=2)
     _randomize_(model.transformer, seed=4)  # to_out starts at zero
     return model
 

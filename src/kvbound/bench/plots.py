@@ -203,10 +203,12 @@ def _save(fig, path: str | Path) -> Path:
 def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
     """Whole-forward time per (model, batch) and variant, attention modules' share hatched; and, when measured,
     the allocator's peak above the baseline (CUDA)."""
+    from kvbound.bench.records import default_settings
     from kvbound.bench.tables import MODEL_VARIANTS, latest_rows
 
     timed = [
-        r for r in latest_rows(rows, "model", ("provider", "shape", "batch")) if r["status"] == "ok" and r.get("ms_p50")
+        r for r in latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
+        if r["status"] == "ok" and r.get("ms_p50")
     ]
     if not timed:
         return None
@@ -266,10 +268,11 @@ def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
     """Whole-forward speed-up over the unpatched port of the same run (same commit and command line), per (model,
     batch), for the patched variants, and for the graph-replayed patched forward against both the eager and the
     graph-replayed unpatched one; the target of each model drawn over its groups. The latest run of each (model,
-    batch), its commit under the group's label."""
+    batch) measured without ``KVBOUND_*`` switches, its commit under the group's label."""
+    from kvbound.bench.records import default_settings
     from kvbound.bench.tables import latest_rows
 
-    timed = [r for r in latest_rows(rows, "model", ("provider", "shape", "batch"))
+    timed = [r for r in latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
              if r["status"] == "ok" and r.get("ms_p50") and r["shape"] in MODEL_TARGETS]  # fmt: skip
     own = {(r["shape"], r["batch"], r.get("commit"), r.get("command"), r["provider"]): r["ms_p50"] for r in timed}
     bars = (("patch-dense", "unpatched", "patched dense"),

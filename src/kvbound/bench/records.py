@@ -233,6 +233,29 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def settings() -> list[str]:
+    """The ``KVBOUND_*`` switches set in this process's environment (``KVBOUND_COMMIT`` aside, which only labels
+    rows), as ``NAME=value`` in name order: what a row's command line needs to be run again as it was."""
+    return [f"{name}={shlex.quote(value)}" for name, value in sorted(os.environ.items())
+            if name.startswith("KVBOUND_") and name != "KVBOUND_COMMIT"]  # fmt: skip
+
+
+def row_settings(row: dict) -> list[str]:
+    """The ``KVBOUND_NAME=value`` assignments that open ``row``'s command line (:func:`settings`)."""
+    found = []
+    for word in (row.get("command") or "").split():
+        if "=" not in word or word.startswith("-"):
+            break
+        if word.startswith("KVBOUND_"):
+            found.append(word)
+    return found
+
+
+def default_settings(row: dict) -> bool:
+    """Whether ``row`` was measured without ``KVBOUND_*`` switches."""
+    return not row_settings(row)
+
+
 def environment(argv: list[str] | None, *, program: str = "python -m kvbound.bench",
                 commit: str | None = None) -> dict:
     """Provenance columns shared by every row of a run."""
@@ -257,5 +280,5 @@ def environment(argv: list[str] | None, *, program: str = "python -m kvbound.ben
         "cudnn": str(cudnn) if cudnn else "none",
         "commit": commit or _git_commit(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": " ".join([program, *map(shlex.quote, argv or [])]),
+        "command": " ".join([*settings(), program, *map(shlex.quote, argv or [])]),
     }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 
 from kvbound.bench.formulas import attention_flops, rank_space_flops, reconstruction_overhead
+from kvbound.bench.records import default_settings, row_settings
 from kvbound.bench.summary import format_bytes
 
 __all__ = [
@@ -437,16 +438,18 @@ def _gib(n: float | None) -> str:
 
 
 def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """``--suite models``: whole forwards per (model, batch, variant), the latest run of each variant. Where the
-    newest commit of a (model, batch) was measured more than once (repeated runs, each its own process), every run
-    of that commit is listed, one row per variant and run: a model forward at batch 1 waits on the host, and its time
-    can vary between runs far beyond one run's p20-p80. ``vs unpatched`` divides by the unpatched forward of the same
-    run (same commit and command line) where that run has one, else by the latest unpatched row, marked ``*``."""
+    """``--suite models``: whole forwards per (model, batch, variant), the latest run of each variant measured without
+    ``KVBOUND_*`` switches (a run with them is listed with the others of its commit, its switches in the note).
+    Where the newest commit of a (model, batch) was measured more than once (repeated runs, each its own process),
+    every run of that commit is listed, one row per variant and run: a model forward at batch 1 waits on the host,
+    and its time can vary between runs far beyond one run's p20-p80. ``vs unpatched`` divides by the unpatched
+    forward of the same run (same commit and command line) where that run has one, else by the latest unpatched
+    row, marked ``*``."""
     headers = ["model", "batch", "variant", "status", "forward p50 ms", "p20-p80 ms", "vs unpatched",
                "attention p50 ms", "attention share", "peak GiB", "peak above baseline GiB", "K+V ratio",
                "max abs diff", "rel diff", "calibration s", "encode ms / forward", "commit", "note / reason"]
     every = [r for r in rows if r["mode"] == "model"]
-    latest = latest_rows(rows, "model", ("provider", "shape", "batch"))
+    latest = latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
     unpatched = {(r["shape"], r["batch"], r.get("commit"), r.get("command")): r for r in every
                  if r["provider"] == "unpatched" and r.get("ms_p50")}
 
@@ -476,7 +479,8 @@ def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 "-" if not ms or att is None else f"{att / ms:.0%}", _gib(r.get("peak_bytes")), _gib(above),
                 _f(r.get("compression_ratio"), ".2f"), _f(r.get("diff_max_abs"), ".2e"), _f(r.get("diff_rel"), ".2e"),
                 "-" if r.get("calibration_ms") is None else f"{r['calibration_ms'] / 1e3:.3f}",
-                _f(r.get("compress_ms"), ".3g"), r.get("commit") or "-", _why(r, 90)])
+                _f(r.get("compress_ms"), ".3g"), r.get("commit") or "-",
+                "; ".join(x for x in (" ".join(row_settings(r)), _why(r, 90)) if x)])
     return headers, table
 
 

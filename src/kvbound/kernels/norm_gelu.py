@@ -33,6 +33,21 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _row_block(channels, length, BLOCK: tl.constexpr):
+    """This program's row of ``[B, C, L]`` (grid axis 0: ``batch * C + channel``) and block of positions (axis 1):
+    ``(batch, channel, offsets, mask)``."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return row // channels, row % channels, offs, offs < length
+
+
+@triton.jit
+def _at(ptr, batch, channel, offs, stride_b, stride_c, stride_l):
+    """Addresses of ``t[batch, channel, offs]`` for a ``[B, C, L]`` tensor at ``ptr`` with these strides."""
+    return ptr + batch.to(tl.int64) * stride_b + channel.to(tl.int64) * stride_c + offs.to(tl.int64) * stride_l
+
+
+@triton.jit
 def _batch_norm_gelu_kernel(
     x_ptr,
     mean_ptr,
@@ -45,18 +60,15 @@ def _batch_norm_gelu_kernel(
     stride_b,
     stride_c,
     stride_l,
+    stride_ob,
+    stride_oc,
     eps,
     ACTIVATION: tl.constexpr,
     AFFINE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)  # batch * channels + channel
-    batch = row // channels
-    channel = row % channels
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < length
-    x_row = x_ptr + batch.to(tl.int64) * stride_b + channel.to(tl.int64) * stride_c
-    x = tl.load(x_row + offs.to(tl.int64) * stride_l, mask=mask, other=0.0).to(tl.float32)
+    batch, channel, offs, mask = _row_block(channels, length, BLOCK)
+    x = tl.load(_at(x_ptr, batch, channel, offs, stride_b, stride_c, stride_l), mask=mask, other=0.0).to(tl.float32)
     mean = tl.load(mean_ptr + channel).to(tl.float32)
     inv_std = 1.0 / tl.sqrt_rn(tl.load(var_ptr + channel).to(tl.float32) + eps)
     y = (x - mean) * inv_std
@@ -67,7 +79,8 @@ def _batch_norm_gelu_kernel(
     else:
         z = 1.5957691216057308 * (y + 0.044715 * y * y * y)  # 2 u
     out = y / (1.0 + tl.exp(-z))
-    tl.store(out_ptr + row.to(tl.int64) * length + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = _at(out_ptr, batch, channel, offs, stride_ob, stride_oc, 1)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_channel_vector(t: torch.Tensor | None, name: str, channels: int, device: torch.device) -> None:
@@ -138,6 +151,7 @@ def batch_norm_gelu(
         c,
         n,
         *x.stride(),
+        *out.stride()[:2],
         eps,
         ACTIVATION=ACTIVATIONS.index(activation),
         AFFINE=affine,
@@ -162,19 +176,15 @@ def _add_channel_bias_kernel(
     RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)  # batch * channels + channel
-    batch = row // channels
-    channel = row % channels
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < length
-    ptrs = out_ptr + batch.to(tl.int64) * stride_b + channel.to(tl.int64) * stride_c + offs.to(tl.int64) * stride_l
+    batch, channel, offs, mask = _row_block(channels, length, BLOCK)
+    ptrs = _at(out_ptr, batch, channel, offs, stride_b, stride_c, stride_l)
     # the bias rounded to the output's dtype, then the sum in float32 rounded once: torch's add_ on that dtype
     bias = tl.load(bias_ptr + channel).to(out_ptr.dtype.element_ty).to(tl.float32)
     value = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + bias).to(out_ptr.dtype.element_ty)
     if RESIDUAL:
         # then the residual added to that rounded sum, rounded again: fn(x) + x after the convolution's add_
-        r_row = residual_ptr + batch.to(tl.int64) * stride_rb + channel.to(tl.int64) * stride_rc
-        residual = tl.load(r_row + offs.to(tl.int64) * stride_rl, mask=mask, other=0.0).to(tl.float32)
+        r_ptrs = _at(residual_ptr, batch, channel, offs, stride_rb, stride_rc, stride_rl)
+        residual = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
         value = (value.to(tl.float32) + residual).to(out_ptr.dtype.element_ty)
     tl.store(ptrs, value, mask=mask)
 

@@ -591,6 +591,13 @@ def _narrow_conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor | None:
         return torch.matmul(weight.to(dtype).reshape(conv.out_channels, c_in * k), columns)
 
 
+def _conv_without_bias(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """``conv`` on ``x`` without its bias: a narrow input as one matmul (:func:`_narrow_conv1d`), else the module's
+    own convolution."""
+    out = _narrow_conv1d(conv, x)
+    return conv._conv_forward(x, conv.weight, None) if out is None else out
+
+
 def conv_bias_forward(module, record, handle, x):
     """Forward of an ``nn.Conv1d`` with a bias in a model whose Enformer or Borzoi attention is patched
     (``record.target``): where :func:`_fusable_conv_bias` allows it and ``KVBOUND_FUSED_CONV`` is on, the
@@ -602,9 +609,7 @@ def conv_bias_forward(module, record, handle, x):
         return nn.Conv1d.forward(module, x)
     from kvbound.kernels import norm_gelu
 
-    out = _narrow_conv1d(module, x)
-    if out is None:
-        out = module._conv_forward(x, module.weight, None)
+    out = _conv_without_bias(module, x)
     if out.dim() == 3 and out.dtype in _FLOAT_DTYPES and norm_gelu._dense(out):
         return norm_gelu.add_channel_bias_(out, module.bias)
     return out.add_(module.bias.to(out.dtype).view(1, -1, 1))
@@ -646,9 +651,7 @@ def conv_residual_forward(module, record, handle, x, **kwargs):
     from kvbound.kernels import norm_gelu
 
     y = norm_gelu.batch_norm_gelu(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps, form, dtype)
-    out = _narrow_conv1d(conv, y)
-    if out is None:
-        out = conv._conv_forward(y, conv.weight, None)
+    out = _conv_without_bias(conv, y)
     if out.shape == x.shape and out.dtype == x.dtype and norm_gelu._dense(out):
         return norm_gelu.add_channel_bias_(out, conv.bias, residual=x)
     return out.add_(conv.bias.to(out.dtype).view(1, -1, 1)) + x
