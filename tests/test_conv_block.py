@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 
 from kvbound.kernels.norm_gelu import add_channel_bias_, batch_norm_gelu  # noqa: E402
 from kvbound.models import patch  # noqa: E402
-from small_models import small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
+from small_models import small_borzoi, small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
 _GELUS = {
     "sigmoid": lambda y: torch.sigmoid(1.702 * y) * y,  # Enformer's
@@ -316,15 +316,8 @@ def test_conv_block_runs_itself_where_autograd_needs_it(enformer, conv_calls):
 
 
 def test_borzoi_conv_blocks_fused(conv_calls):
-    port = pytest.importorskip("borzoi_pytorch", reason="borzoi_pytorch is not installed (kvbound[models])")
-    from borzoi_pytorch.config_borzoi import BorzoiConfig
-
-    torch.manual_seed(0)
-    model = port.Borzoi(
-        BorzoiConfig(dim=64, depth=1, heads=2, attn_dim_key=8, attn_dim_value=16, bins_to_return=64)
-    ).eval()
+    model, x = small_borzoi()
     _randomise_norms(model, 5)
-    x = torch.randn(1, 4, 128 * 32, generator=torch.Generator().manual_seed(2))
     blocks = _blocks(model)
     assert blocks and all(b.activation.approximate == "tanh" for b in blocks)
     with torch.no_grad():

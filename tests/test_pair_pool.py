@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 
 from kvbound.kernels.pair_pool import max_pair_pool, softmax_pair_pool  # noqa: E402
 from kvbound.models import patch  # noqa: E402
-from small_models import small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
+from small_models import small_borzoi, small_enformer  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
 
 def _pool_reference(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -189,14 +189,7 @@ def test_fused_pools_in_the_whole_model_and_where_the_module_runs_itself(enforme
 
 
 def test_borzoi_max_pools_fused_bit_for_bit(pool_calls):
-    port = pytest.importorskip("borzoi_pytorch", reason="borzoi_pytorch is not installed (kvbound[models])")
-    from borzoi_pytorch.config_borzoi import BorzoiConfig
-
-    torch.manual_seed(0)
-    model = port.Borzoi(
-        BorzoiConfig(dim=64, depth=1, heads=2, attn_dim_key=8, attn_dim_value=16, bins_to_return=64)
-    ).eval()
-    x = torch.randn(1, 4, 128 * 32, generator=torch.Generator().manual_seed(2))
+    model, x = small_borzoi()
     pools = [m for m in model.modules() if type(m) is nn.MaxPool1d]
     with torch.no_grad():
         want = model(x)

@@ -203,13 +203,9 @@ def _save(fig, path: str | Path) -> Path:
 def model_forwards(rows: list[dict], path: str | Path) -> Path | None:
     """Whole-forward time per (model, batch) and variant, attention modules' share hatched; and, when measured,
     the allocator's peak above the baseline (CUDA)."""
-    from kvbound.bench.records import default_settings
-    from kvbound.bench.tables import MODEL_VARIANTS, latest_rows
+    from kvbound.bench.tables import MODEL_VARIANTS, latest_model_rows
 
-    timed = [
-        r for r in latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
-        if r["status"] == "ok" and r.get("ms_p50")
-    ]
+    timed = [r for r in latest_model_rows(rows) if r["status"] == "ok" and r.get("ms_p50")]
     if not timed:
         return None
     plt = _pyplot()
@@ -269,10 +265,9 @@ def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
     batch), for the patched variants, and for the graph-replayed patched forward against both the eager and the
     graph-replayed unpatched one; the target of each model drawn over its groups. The latest run of each (model,
     batch) measured without ``KVBOUND_*`` switches, its commit under the group's label."""
-    from kvbound.bench.records import default_settings
-    from kvbound.bench.tables import latest_rows
+    from kvbound.bench.tables import latest_model_rows
 
-    timed = [r for r in latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
+    timed = [r for r in latest_model_rows(rows)
              if r["status"] == "ok" and r.get("ms_p50") and r["shape"] in MODEL_TARGETS]  # fmt: skip
     own = {(r["shape"], r["batch"], r.get("commit"), r.get("command"), r["provider"]): r["ms_p50"] for r in timed}
     bars = (("patch-dense", "unpatched", "patched dense"),

@@ -378,6 +378,12 @@ def latest_rows(rows: list[dict], mode: str, key: tuple[str, ...]) -> list[dict]
     return [latest[k] for k in order]
 
 
+def latest_model_rows(rows: list[dict]) -> list[dict]:
+    """``--suite models`` rows, the latest of each (variant, model, batch) among the runs without ``KVBOUND_*``
+    switches (``records.default_settings``)."""
+    return latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
+
+
 def _f(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -449,7 +455,7 @@ def models_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                "attention p50 ms", "attention share", "peak GiB", "peak above baseline GiB", "K+V ratio",
                "max abs diff", "rel diff", "calibration s", "encode ms / forward", "commit", "note / reason"]
     every = [r for r in rows if r["mode"] == "model"]
-    latest = latest_rows([r for r in rows if default_settings(r)], "model", ("provider", "shape", "batch"))
+    latest = latest_model_rows(rows)
     unpatched = {(r["shape"], r["batch"], r.get("commit"), r.get("command")): r for r in every
                  if r["provider"] == "unpatched" and r.get("ms_p50")}
 

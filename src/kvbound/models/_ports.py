@@ -607,12 +607,20 @@ def conv_bias_forward(module, record, handle, x):
     the broadcast bias is a slower elementwise kernel. Everywhere else the module's own forward runs."""
     if not (fused_conv_enabled() and handle._patches_attention(record.target) and _fusable_conv_bias(module, x)):
         return nn.Conv1d.forward(module, x)
+    return _add_bias_(_conv_without_bias(module, x), module.bias)
+
+
+def _add_bias_(out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``out.add_(bias)`` (then ``+ residual``) as PyTorch's convolution and ``fn(x) + x`` round it: in one pass
+    (:func:`~kvbound.kernels.norm_gelu.add_channel_bias_`) where ``out`` is a dense ``[B, C, L]`` float tensor (and
+    ``residual`` of its shape and dtype), else with torch's operations."""
     from kvbound.kernels import norm_gelu
 
-    out = _conv_without_bias(module, x)
     if out.dim() == 3 and out.dtype in _FLOAT_DTYPES and norm_gelu._dense(out):
-        return norm_gelu.add_channel_bias_(out, module.bias)
-    return out.add_(module.bias.to(out.dtype).view(1, -1, 1))
+        if residual is None or (residual.shape == out.shape and residual.dtype == out.dtype):
+            return norm_gelu.add_channel_bias_(out, bias, residual=residual)
+    out = out.add_(bias.to(out.dtype).view(1, -1, 1))
+    return out if residual is None else out + residual
 
 
 def conv_residual_block(module: nn.Module) -> nn.Module | None:
@@ -641,20 +649,18 @@ def conv_residual_forward(module, record, handle, x, **kwargs):
     block's norm and GELU in one kernel, its convolution without the bias, then the bias and the residual ``x`` added
     in one pass (:func:`~kvbound.kernels.norm_gelu.add_channel_bias_` with ``residual``; each sum rounded as the
     port's ``add_`` and ``+`` round). Everywhere else the module's own forward runs."""
-    block = conv_residual_block(module) if not kwargs and fused_conv_enabled() else None
-    if block is None or not handle._patches_attention(record.target) or not _bypassable(block, conv_block_forward):
+    block = getattr(module, "fn", None) if not kwargs and fused_conv_enabled() else None
+    parts = conv_block_parts(block) if isinstance(block, nn.Module) else None
+    if parts is None or not handle._patches_attention(record.target) or not _bypassable(block, conv_block_forward):
         return type(module).forward(module, x, **kwargs)
-    norm, activation, form, conv = conv_block_parts(block)
+    norm, activation, form, conv = parts
     dtype = _fusable_conv_block(norm, activation, conv, x)
     if dtype != x.dtype or not _fusable_conv_bias(conv, x) or not _bypassable(conv, conv_bias_forward):
         return type(module).forward(module, x, **kwargs)
-    from kvbound.kernels import norm_gelu
+    from kvbound.kernels.norm_gelu import batch_norm_gelu
 
-    y = norm_gelu.batch_norm_gelu(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps, form, dtype)
-    out = _conv_without_bias(conv, y)
-    if out.shape == x.shape and out.dtype == x.dtype and norm_gelu._dense(out):
-        return norm_gelu.add_channel_bias_(out, conv.bias, residual=x)
-    return out.add_(conv.bias.to(out.dtype).view(1, -1, 1)) + x
+    y = batch_norm_gelu(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps, form, dtype)
+    return _add_bias_(_conv_without_bias(conv, y), conv.bias, residual=x)
 
 
 def _rope_tables(handle, port, s: int, c: int, dtype: torch.dtype, device: torch.device):

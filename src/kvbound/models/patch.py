@@ -505,6 +505,14 @@ def _install(module: nn.Module, record: PatchedModule, handle: PatchHandle, impl
     _ACTIVE[module] = handle
 
 
+def _install_helper(handle: PatchHandle, module: nn.Module, impl: Callable, **fields) -> None:
+    """Patch ``module`` as a helper of ``handle`` (a :class:`PatchedModule` of ``fields``, listed in
+    ``handle.helpers``)."""
+    record = PatchedModule(module=module, **fields)
+    _install(module, record, handle, impl)
+    handle.helpers.append(record)
+
+
 # Ports whose attention module sits in ``Sequential(LayerNorm, Attention, ...)`` and multiplies the norm's output.
 _PRE_NORM_KINDS = frozenset({"enformer", "borzoi"})
 
@@ -521,15 +529,8 @@ def _install_pre_norms(named: list[tuple[str, nn.Module]], handle: PatchHandle) 
             target = targets.get(id(attention))
             if target is None or type(norm) is not nn.LayerNorm or norm in _ACTIVE or "forward" in vars(norm):
                 continue
-            record = PatchedModule(
-                name=f"{name}.{child_name}" if name else child_name,
-                kind=target.kind,
-                role="norm",
-                module=norm,
-                target=attention,
-            )
-            _install(norm, record, handle, pre_norm_forward)
-            handle.helpers.append(record)
+            path = f"{name}.{child_name}" if name else child_name
+            _install_helper(handle, norm, pre_norm_forward, name=path, kind=target.kind, role="norm", target=attention)
 
 
 def _install_feed_forwards(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
@@ -557,72 +558,50 @@ def _install_feed_forwards(named: list[tuple[str, nn.Module]], handle: PatchHand
                 if not is_feed_forward(ffn) or ffn in _ACTIVE or "forward" in vars(ffn):
                     continue
                 path = ".".join(p for p in (name, child_name, sub_name) if p)
-                record = PatchedModule(
-                    name=path, kind=target.kind, role="feed-forward", module=ffn, target=target.module
-                )
-                _install(ffn, record, handle, feed_forward_forward)
-                handle.helpers.append(record)
+                _install_helper(handle, ffn, feed_forward_forward, name=path, kind=target.kind, role="feed-forward",
+                                target=target.module)  # fmt: skip
                 break
 
 
-def _install_pools(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
-    """Patch the pooling layers of a model whose Enformer or Borzoi attention the handle patches, as helpers (role
-    ``pool``, target: the first patched attention module of that port): Enformer's ``AttentionPool``
-    (``attention_pool_forward``) and, for Borzoi, every ``nn.MaxPool1d`` (``max_pool_forward``; it runs fused only
-    as ``MaxPool1d(2)``, else as it is)."""
-    targets: dict[str, nn.Module] = {}
-    for record in handle.modules:
-        targets.setdefault(record.kind, record.module)
-    pool_class = lookup_class("enformer_pytorch.modeling_enformer", "AttentionPool")
-    for name, module in named:
-        if module in _ACTIVE or "forward" in vars(module):
-            continue
-        if "enformer" in targets and pool_class is not None and type(module) is pool_class:
-            kind, impl = "enformer", attention_pool_forward
-        elif "borzoi" in targets and type(module) is nn.MaxPool1d:
-            kind, impl = "borzoi", max_pool_forward
-        else:
-            continue
-        record = PatchedModule(name=name or type(module).__name__, kind=kind, role="pool", module=module,
-                               target=targets[kind])
-        _install(module, record, handle, impl)
-        handle.helpers.append(record)
+def _tower_helper(module: nn.Module, kinds: dict, pool_class: type | None) -> tuple[str, str, Callable] | None:
+    """``(kind, role, forward)`` of the helper for ``module`` in a model whose attention of the port kinds ``kinds``
+    is patched, or None: Enformer's ``AttentionPool`` and Borzoi's ``nn.MaxPool1d`` (``pool``), every ``nn.Conv1d``
+    with a bias (``conv-bias``), Enformer's ``Residual`` around a convolution block (``conv-residual``), and the
+    convolution blocks ``BatchNorm1d -> GELU -> Conv1d`` (``conv``)."""
+    if "enformer" in kinds and pool_class is not None and type(module) is pool_class:
+        return "enformer", "pool", attention_pool_forward
+    if "borzoi" in kinds and type(module) is nn.MaxPool1d:
+        return "borzoi", "pool", max_pool_forward
+    if type(module) is nn.Conv1d and module.bias is not None:
+        return next(iter(kinds)), "conv-bias", conv_bias_forward
+    if "enformer" in kinds and conv_residual_block(module) is not None:
+        return "enformer", "conv-residual", conv_residual_forward
+    parts = conv_block_parts(module)
+    kind = None if parts is None else ("enformer" if parts[2] == "sigmoid" else "borzoi")
+    return (kind, "conv", conv_block_forward) if kind in kinds else None
 
 
-def _install_conv_blocks(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
-    """Patch the convolution blocks (``_ports.conv_block_parts``: ``BatchNorm1d -> GELU -> Conv1d``) of a model
-    whose Enformer or Borzoi attention the handle patches, as helpers (role ``conv``, target: the first patched
-    attention module of that port; ``conv_block_forward``), every ``nn.Conv1d`` with a bias in such a model
-    (role ``conv-bias``, target: the first patched Enformer or Borzoi attention module; ``conv_bias_forward``), and
-    Enformer's ``Residual`` around a convolution block (role ``conv-residual``; ``conv_residual_forward``)."""
+def _install_tower(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> None:
+    """Patch the pooling and convolution layers of a model whose Enformer or Borzoi attention the handle patches
+    (:func:`_tower_helper`), as helpers whose target is the first patched attention module of that port:
+    Enformer's ``AttentionPool`` (``attention_pool_forward``), Borzoi's ``nn.MaxPool1d`` (``max_pool_forward``; fused
+    only as ``MaxPool1d(2)``), each ``nn.Conv1d`` with a bias (``conv_bias_forward``), Enformer's ``Residual`` around
+    a convolution block (``conv_residual_forward``), and the convolution blocks (``conv_block_forward``)."""
     targets: dict[str, nn.Module] = {}
     for record in handle.modules:
         if record.kind in _PRE_NORM_KINDS:
             targets.setdefault(record.kind, record.module)
+    if not targets:
+        return
+    pool_class = lookup_class("enformer_pytorch.modeling_enformer", "AttentionPool")
     for name, module in named:
-        if module in _ACTIVE or "forward" in vars(module) or not targets:
+        if module in _ACTIVE or "forward" in vars(module):
             continue
-        if type(module) is nn.Conv1d and module.bias is not None:
-            kind = next(iter(targets))
-            record = PatchedModule(name=name or "Conv1d", kind=kind, role="conv-bias", module=module,
-                                   target=targets[kind])
-            _install(module, record, handle, conv_bias_forward)
-            handle.helpers.append(record)
-            continue
-        if "enformer" in targets and conv_residual_block(module) is not None:
-            record = PatchedModule(name=name or "Residual", kind="enformer", role="conv-residual", module=module,
-                                   target=targets["enformer"])
-            _install(module, record, handle, conv_residual_forward)
-            handle.helpers.append(record)
-            continue
-        parts = conv_block_parts(module)
-        kind = None if parts is None else ("enformer" if parts[2] == "sigmoid" else "borzoi")
-        if kind not in targets:
-            continue
-        record = PatchedModule(name=name or type(module).__name__, kind=kind, role="conv", module=module,
-                               target=targets[kind])
-        _install(module, record, handle, conv_block_forward)
-        handle.helpers.append(record)
+        found = _tower_helper(module, targets, pool_class)
+        if found is not None:
+            kind, role, impl = found
+            _install_helper(handle, module, impl, name=name or type(module).__name__, kind=kind, role=role,
+                            target=targets[kind])  # fmt: skip
 
 
 def patch(
@@ -652,8 +631,7 @@ def patch(
             and GELU in one kernel that writes the convolution's operand dtype, each ``nn.Conv1d`` adds its bias
             in one pass (a narrow input such as the stem's one-hot DNA convolved as one matmul), and Enformer's
             residual blocks add the bias and the residual in one pass (``KVBOUND_FUSED_CONV=0``: their own
-            forwards). All are listed in ``handle.helpers``
-            and restored by ``undo``.
+            forwards). All are listed in ``handle.helpers`` and restored by ``undo``.
         config: compression settings (default ``CompressionConfig()``); ``rank`` must be below both head dims.
         compress: compress K and V with :func:`kvbound.compress_kv` on every forward. ``False`` keeps K and V
             exact and only makes attention memory-lean.
@@ -756,13 +734,11 @@ def patch(
                 continue
             feeds = any(id(m) in handle._attention_ids for m in module.modules())
             if feeds and module not in _ACTIVE and port.method not in vars(module):
-                record = PatchedModule(name=name, kind=port.kind, role=port.role, module=module, method=port.method)
-                _install(module, record, handle, port.forward)
-                handle.helpers.append(record)
+                _install_helper(handle, module, port.forward, name=name, kind=port.kind, role=port.role,
+                                method=port.method)  # fmt: skip
     _install_pre_norms(named, handle)
     _install_feed_forwards(named, handle)
-    _install_pools(named, handle)
-    _install_conv_blocks(named, handle)
+    _install_tower(named, handle)
 
     if handle.modules:
         # One host read of the attention calls' NaN/Inf checks per forward of the model, not one per layer.
