@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvbound
 from kvbound import _checks
@@ -48,6 +49,47 @@ def test_huge_finite_values_do_not_raise():
     v[0, 0, :, :] = 3e38  # a float32 sum of these overflows; the largest magnitude does not
     with kvbound.deferred_checks():
         kvbound.attention(q, k, v)
+
+
+class _RecordOps(TorchDispatchMode):
+    """The aten ops dispatched while open, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_queued_check_runs_one_norm_per_dtype_and_joins_at_the_end():
+    """Per call a block runs only the multi-tensor norms, one per dtype: no stack, no cast to float64 (on a GPU at
+    batch 1 each of those is a launch the layer waits for). Each tensor's own peak is read at the end: a dtype's
+    largest finite value passes, and Inf in the float32 group or NaN in the bfloat16 group is named."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "q": torch.randn(1, 2, 8, 4, generator=g).to(torch.bfloat16),
+        "k": torch.randn(1, 2, 8, 4, generator=g).to(torch.bfloat16).transpose(2, 3),
+        "relative_content_bias": torch.randn(2, 4, generator=g),
+        "relative_position_bias": torch.randn(2, 4, generator=g),
+    }
+    tensors["k"][0, 1, 2, 3] = torch.finfo(torch.bfloat16).max
+    tensors["relative_position_bias"][1, 1] = -torch.finfo(torch.float32).max
+    for bad_name, bad in ((None, None), ("relative_content_bias", float("inf")), ("q", float("nan"))):
+        scope = _checks.DeferredChecks()
+        calls = {name: t.clone() for name, t in tensors.items()}
+        if bad_name is not None:
+            calls[bad_name][0, 1] = bad
+        with _RecordOps() as ops:
+            scope.queue("first", tensors)
+            scope.queue("second", calls)
+        assert ops.names == ["_foreach_norm", "_foreach_norm"] * 2
+        if bad_name is None:
+            scope.read()
+        else:
+            with pytest.raises(ValueError, match=rf"^{bad_name}: expected finite values.*call 2 of 2.*second"):
+                scope.read()
 
 
 def test_an_exception_inside_the_block_propagates_unchanged():

@@ -49,30 +49,37 @@ def largest_magnitude(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, ord=math.inf).to(torch.float64)
 
 
-def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``largest_magnitude`` of each of ``tensors`` (floating, one device), as one float64 tensor ``[len(tensors)]``.
+def largest_magnitude_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``largest_magnitude`` of each of ``tensors`` (floating), as 0-dim tensors in each tensor's own dtype, in order.
 
-    One multi-tensor call per dtype (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm propagates NaN)
-    and one stack, instead of a Python-level reduction and cast per tensor: a patched model layer checks six tensors
-    per call (q, k, v and the relative keys in bfloat16, the two biases in float32), and on a GPU at batch 1 the host
-    cost of those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some
-    order (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes
-    one reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
-    magnitude is one of the values, so it cannot overflow); the stack widens them to their common dtype, then to
-    float64, which keeps every finite value finite."""
+    One multi-tensor call per (device, dtype) (``torch._foreach_norm`` with ``ord=inf``, whose infinity norm
+    propagates NaN) instead of a Python-level reduction per tensor: a patched model layer checks six tensors per call
+    (q, k, v and the relative keys in bfloat16, the two biases in float32), and on a GPU at batch 1 the host cost of
+    those calls is what the layer waits for. On CUDA a list of one dtype whose tensors are each dense in some order
+    (the heads-split views of a projection are) takes the multi-tensor kernel; a list of mixed dtypes takes one
+    reduction kernel per tensor, hence the grouping. Each norm is taken in its tensor's own dtype (the largest
+    magnitude is one of the values, so it cannot overflow). Nothing is joined or widened here: a deferred block
+    (:meth:`DeferredChecks.queue`) keeps the parts as they are and joins every call's parts once at its end."""
     if not tensors:
         raise ValueError("largest_magnitudes: expected at least one tensor, got none")
-    if len({t.device for t in tensors}) == 1:
-        groups: dict[torch.dtype, list[int]] = {}
-        for index, t in enumerate(tensors):
-            groups.setdefault(t.dtype, []).append(index)
-        peaks: list[torch.Tensor] = [tensors[0]] * len(tensors)
-        for indices in groups.values():
-            for index, peak in zip(indices, torch._foreach_norm([tensors[i] for i in indices], math.inf), strict=True):
-                peaks[index] = peak
-    else:
-        peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in tensors]
-    return torch.stack(peaks).to(torch.float64)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(index)
+    peaks: list[torch.Tensor] = [tensors[0]] * len(tensors)
+    for indices in groups.values():
+        for index, peak in zip(indices, torch._foreach_norm([tensors[i] for i in indices], math.inf), strict=True):
+            peaks[index] = peak
+    return peaks
+
+
+def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``largest_magnitude`` of each of ``tensors`` (floating, one device), as one float64 tensor ``[len(tensors)]``:
+    :func:`largest_magnitude_parts` stacked, widened to their common dtype, then to float64, which keeps every
+    finite value finite."""
+    devices = sorted({str(t.device) for t in tensors})
+    if len(devices) > 1:
+        raise ValueError(f"largest_magnitudes: expected tensors on one device, got {devices}")
+    return torch.stack(largest_magnitude_parts(tensors)).to(torch.float64)
 
 
 class Retry(Exception):
@@ -97,7 +104,7 @@ class DeferredChecks:
     def __init__(self, *, speculative: bool = False) -> None:
         self.speculative = speculative
         self._parts: list[torch.Tensor] = []
-        # (label, names, index of the peaks part or -1, messages, indices of the count parts)
+        # (label, names, indices of the names' peak parts, messages, indices of the count parts)
         self._pending: list[tuple[object, list[str], int, list[str], list[int]]] = []
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
@@ -108,11 +115,23 @@ class DeferredChecks:
 
     def _keep(self, t: torch.Tensor) -> int:
         """Keep ``t`` for the block's read; its index among the parts."""
-        if t.is_cuda:  # the block's end may read on another stream: remember which one wrote
-            stream = torch.cuda.current_stream(t.device)
-            self._streams.setdefault((t.device, stream.cuda_stream), stream)
-        self._parts.append(t)
-        return len(self._parts) - 1
+        return self._keep_all([t])[0]
+
+    def _keep_all(self, parts: list[torch.Tensor]) -> list[int]:
+        """Keep ``parts`` for the block's read; their indices among the parts. The block's end may read on another
+        stream, so the stream that wrote each device's parts is remembered (looked up once per device and call)."""
+        device = None
+        for t in parts:
+            if t.is_cuda and t.device != device:
+                device = t.device
+                # (stream id, device index, device type): what torch.cuda.current_stream builds its Stream from
+                data = torch._C._cuda_getCurrentStream(device.index)
+                if data not in self._streams:
+                    stream_id, index, kind = data
+                    self._streams[data] = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
+        start = len(self._parts)
+        self._parts.extend(parts)
+        return list(range(start, len(self._parts)))
 
     def queue(
         self,
@@ -127,7 +146,7 @@ class DeferredChecks:
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
-        peaks = self._keep(largest_magnitudes([t for _, t in present])) if present else -1
+        peaks = self._keep_all(largest_magnitude_parts([t for _, t in present])) if present else []
         messages, counts = [], []
         for message, count in conditions:
             messages.append(message)
@@ -174,8 +193,8 @@ class DeferredChecks:
                 "K/V), which a CUDA graph cannot replay; capture a dense patch (kvbound.patch(model, "
                 "compress=False)) or an unpatched model"
             )
-        for (device, _), stream in streams.items():
-            current = torch.cuda.current_stream(device)
+        for stream in streams.values():
+            current = torch.cuda.current_stream(stream.device)
             if current.cuda_stream != stream.cuda_stream:
                 current.wait_stream(stream)
         gathered = _gather(parts)
@@ -186,7 +205,8 @@ class DeferredChecks:
             values = _read_gathered(gathered, sizes)
             for index, (label, names, peaks, messages, counts) in enumerate(pending):
                 where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
-                for name, value in zip(names, values[peaks] if peaks >= 0 else [], strict=True):
+                for name, part in zip(names, peaks, strict=True):
+                    (value,) = values[part]
                     if not math.isfinite(value):
                         raise ValueError(
                             f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
