@@ -162,6 +162,48 @@ def test_merge_partials_is_attention_over_the_union():
     assert torch.equal(out, torch.zeros(1, 1, 1, 2)) and lse.item() == -math.inf
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_merge_kernel_matches_the_pytorch_merge(dtype):
+    """The one-kernel merge of two partials (the split launch's: float32, in q's memory order, a value head dim that
+    is not a power of two) against the PyTorch operations it replaces: the same log-sum-exps and outputs up to the
+    last bits of exp and log (so the rounded outputs may differ by one unit in the last place), rows that one or no
+    set saw included; the partials are left as they were."""
+    g = torch.Generator().manual_seed(5)
+    b, h, n, dv = 2, 3, 37, 24
+
+    def in_q_order(t: torch.Tensor) -> torch.Tensor:  # [B, N, H, D] in memory, [B, H, N, D] as seen
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    partial = []
+    for _ in range(2):
+        part = in_q_order(torch.randn(b, h, n, dv, generator=g))
+        part_lse = torch.randn(b, h, n, generator=g) * 4
+        partial.append((part, part_lse))
+    partial[0][1][0, 1, 3] = -math.inf  # the first set saw no key of this row
+    partial[1][0][0, 1, 3] = 0.0
+    partial[1][1][1, 2, 5] = -math.inf
+    partial[0][0][1, 2, 5] = 0.0
+    for part, part_lse in partial:
+        part_lse[1, 0, 7] = -math.inf  # no set saw this row
+        part[1, 0, 7] = 0.0
+    kept = [(p.clone(), lse.clone()) for p, lse in partial]
+    out, lse = in_q_order(torch.empty(b, h, n, dv, dtype=dtype)), torch.empty(b, h, n)
+    assert kernels._mergeable_in_one_kernel(partial, out, lse)
+    merge_partials(partial, out, lse)
+    for (p, p_lse), (k, k_lse) in zip(partial, kept, strict=True):
+        assert torch.equal(p, k) and torch.equal(p_lse, k_lse)
+    # the PyTorch path: three partials of which one saw nothing give the same merge
+    nothing = (torch.zeros_like(kept[0][0]), torch.full_like(kept[0][1], -math.inf))
+    want, want_lse = torch.empty(b, h, n, dv, dtype=dtype), torch.empty(b, h, n)
+    merge_partials([*kept, nothing], want, want_lse)
+    torch.testing.assert_close(lse, want_lse, rtol=2e-6, atol=2e-6)
+    # float32 results a bit apart may round to neighbouring values: one unit in the last place of the dtype
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(out.float(), want.float(), rtol=ulp, atol=ulp)
+    assert lse[1, 0, 7].item() == -math.inf and torch.equal(out[1, 0, 7].float(), torch.zeros(dv))
+    assert lse[0, 1, 3].item() == kept[1][1][0, 1, 3].item()
+
+
 def test_split_setting_reads_the_environment(monkeypatch):
     monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK", raising=False)
     assert split_setting() == "auto"

@@ -2865,8 +2865,27 @@ def merge_partials(
     partial: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of disjoint key sets from each set's normalised output and log-sum-exp (natural
-    log; ``-inf`` and a zero output for a row that saw no key), written into ``out`` and ``lse``. The partial
-    outputs are overwritten (the merge runs in place in them, so that it needs no further output-sized buffer)."""
+    log; ``-inf`` and a zero output for a row that saw no key), written into ``out`` and ``lse``.
+
+    Two float32 partials of ``out``'s shape (the split launch's) merge in one kernel (``_merge_two_kernel``: each
+    partial and its log-sum-exp read once, ``out`` and ``lse`` written once); other counts with PyTorch operations,
+    in place in the partial outputs (they are overwritten). Both compute, per row, ``top`` = the largest
+    log-sum-exp (0 where it is not finite), the weights ``w_s = exp(lse_s - top)``, their sum ``total`` and
+    ``out = sum_s partial_s * (w_s / total)`` (0 where ``total`` is 0), then ``lse = top + log(total)`` (``-inf``
+    where ``total`` is 0), in float32; ``out`` is rounded once to its dtype."""
+    if _mergeable_in_one_kernel(partial, out, lse):
+        (out0, lse0), (out1, lse1) = partial
+        b, h, n, dv = out.shape
+        rows = b * h * n
+        block_d = next_power_of_2(dv)
+        block_rows = max(1, min(64, 4096 // block_d))
+        options = {} if interpreting() else {"enable_fp_fusion": False}  # the products and sum as PyTorch rounds them
+        _merge_two_kernel[(triton.cdiv(rows, block_rows),)](
+            out0, lse0, out1, lse1, out, lse, rows, h, n, dv,
+            *out0.stride(), *out.stride(), *lse.stride(),
+            BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4, **options,
+        )  # fmt: skip
+        return out, lse
     top = partial[0][1].clone()
     for _, part_lse in partial[1:]:
         torch.maximum(top, part_lse, out=top)
@@ -2880,3 +2899,59 @@ def merge_partials(
     out.copy_(merged)
     lse.copy_(torch.where(total > 0, safe + torch.log(total), torch.full_like(total, float("-inf"))))
     return out, lse
+
+
+def _mergeable_in_one_kernel(
+    partial: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, lse: torch.Tensor
+) -> bool:
+    """Whether :func:`merge_partials` can run ``_merge_two_kernel``: two float32 partials on ``out``'s device (a CUDA
+    device, or the CPU under Triton's interpreter), the outputs of ``out``'s shape and strides, the log-sum-exps
+    float32 of ``lse``'s shape and strides, ``out`` in float32, float16 or bfloat16."""
+    if len(partial) != 2 or out.dim() != 4 or lse.dim() != 3 or not (out.is_cuda or interpreting()):
+        return False
+    (out0, lse0), (out1, lse1) = partial
+    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16) or lse.dtype != torch.float32:
+        return False
+    for t in (out0, out1):
+        if t.dtype != torch.float32 or t.shape != out.shape or t.stride() != out0.stride() or t.device != out.device:
+            return False
+    for t in (lse0, lse1):
+        if t.dtype != torch.float32 or t.shape != lse.shape or t.stride() != lse.stride() or t.device != out.device:
+            return False
+    return lse.shape == out.shape[:3] and lse.device == out.device
+
+
+@triton.jit
+def _merge_two_kernel(
+    out0, lse0, out1, lse1, out, lse, rows, heads, n, dv,
+    s0_b, s0_h, s0_n, s0_d, so_b, so_h, so_n, so_d, sl_b, sl_h, sl_n,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``merge_partials`` of two partials for ``BLOCK_ROWS`` rows (``(b, h, i)`` flattened) per program."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = row < rows
+    i = row % n
+    bh = row // n
+    hh = bh % heads
+    bb = bh // heads
+    at_lse = bb.to(tl.int64) * sl_b + hh.to(tl.int64) * sl_h + i.to(tl.int64) * sl_n
+    a0 = tl.load(lse0 + at_lse, mask=row_ok, other=float("-inf"))
+    a1 = tl.load(lse1 + at_lse, mask=row_ok, other=float("-inf"))
+    top = tl.maximum(a0, a1, propagate_nan=tl.PropagateNan.ALL)
+    safe = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # NaN and +-Inf compare false
+    w0 = tl.exp(a0 - safe)
+    w1 = tl.exp(a1 - safe)
+    total = w0 + w1
+    denominator = tl.where(total > 0, total, 1.0)
+    c0 = (w0 / denominator)[:, None]
+    c1 = (w1 / denominator)[:, None]
+    d = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (d < dv)[None, :]
+    base0 = bb.to(tl.int64) * s0_b + hh.to(tl.int64) * s0_h + i.to(tl.int64) * s0_n
+    at0 = base0[:, None] + (d * s0_d)[None, :]
+    x0 = tl.load(out0 + at0, mask=ok, other=0.0)
+    x1 = tl.load(out1 + at0, mask=ok, other=0.0)
+    merged = x0 * c0 + x1 * c1
+    base = bb.to(tl.int64) * so_b + hh.to(tl.int64) * so_h + i.to(tl.int64) * so_n
+    tl.store(out + base[:, None] + (d * so_d)[None, :], merged.to(out.dtype.element_ty), mask=ok)
+    tl.store(lse + at_lse, tl.where(total > 0, safe + tl.log(denominator), float("-inf")), mask=row_ok)
