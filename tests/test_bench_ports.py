@@ -111,12 +111,13 @@ def test_rows_for_a_model_without_port_modules(tmp_path):
 
 
 def test_graph_variants_are_unsupported_without_cuda():
-    """``--graphs`` adds the two graph variants after the three others; on the CPU they are ``unsupported`` rows
-    that say why, and the other variants run as before."""
+    """``--graphs`` adds the three graph variants (unpatched, dense, compressed) after the three others; on the CPU
+    they are ``unsupported`` rows that say why, and the other variants run as before."""
     options = ports.ModelOptions(warmup=0, repeats=1, batches=(1,), graphs=True)
     rows = list(ports.model_rows((_toy_spec(),), torch.device("cpu"), SMOKE, options))
-    assert [r["provider"] for r in rows] == [*ports.VARIANTS, *ports.GRAPH_VARIANTS]
-    assert [r["status"] for r in rows] == ["ok"] * 3 + ["unsupported"] * 2
+    assert [r["provider"] for r in rows] == [*ports.VARIANTS, "unpatched-graph", "patch-dense-graph",
+                                             "patch-compressed-graph"]  # fmt: skip
+    assert [r["status"] for r in rows] == ["ok"] * 3 + ["unsupported"] * 3
     assert all(r["reason"] == "CUDA graphs need a CUDA device" for r in rows[3:])
 
 

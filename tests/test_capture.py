@@ -58,15 +58,32 @@ def test_staging_is_off_outside_capture_and_blocks_read_at_their_end():
     assert getattr(_checks._LOCAL, "graph", None) is None
 
 
-def test_retry_flags_cannot_be_staged_for_replay():
+def test_retry_flags_and_values_are_read_after_every_replay():
+    """A speculative block staged for replay (a compressed patch's forward in kvbound.capture): each call of its
+    read raises Retry while a retry flag is set (calling the flag's callback), and hands the queued values to their
+    callbacks when none is; a non-finite input raises ValueError first."""
+    flagged, values = [], []
     scope = _checks.DeferredChecks(speculative=True)
-    scope.queue_retry("residual where none was forecast", torch.zeros(3))
-    with pytest.raises(RuntimeError, match="cannot replay"):
-        scope.stage(repeatable=True)
+    scope.queue("call", {}, [("x: expected finite values, found NaN or Inf", torch.zeros(1))])
+    scope.queue_retry("residual where none was forecast", torch.zeros(3), lambda: flagged.append(1))
+    scope.queue_value(torch.tensor([7.0, 2.0]), values.append)
+    finish = scope.stage(repeatable=True)
+    for _ in range(2):
+        finish()
+    assert values == [[7.0, 2.0], [7.0, 2.0]] and not flagged
     scope = _checks.DeferredChecks(speculative=True)
+    scope.queue_retry("residual where none was forecast", torch.tensor([0.0, 1.0]), lambda: flagged.append(1))
+    scope.queue_value(torch.tensor([7.0]), values.append)
+    finish = scope.stage(repeatable=True)
+    for _ in range(2):
+        with pytest.raises(_checks.Retry, match="residual where none was forecast"):
+            finish()
+    assert flagged == [1, 1] and len(values) == 2  # no value from a replay that cannot be used
+    scope = _checks.DeferredChecks(speculative=True)
+    scope.queue("call", {}, [("x: expected finite values, found NaN or Inf", torch.ones(1))])
     scope.queue_retry("residual where none was forecast", torch.ones(1))
-    with pytest.raises(_checks.Retry, match="residual"):
-        scope.read()  # read once: as before
+    with pytest.raises(ValueError, match="x: expected finite values"):
+        scope.stage(repeatable=True)()
 
 
 def test_a_patched_forward_refuses_a_foreign_graph_capture(monkeypatch):
@@ -183,11 +200,67 @@ def test_gpu_captured_forward_names_what_differs_from_the_capture():
         captured(_dna(1, 256, 1))
 
 
-@pytest.mark.gpu
-def test_gpu_compressed_patch_cannot_be_captured_and_says_why():
-    model = _tiny_enformer()
-    kvbound.patch(model, kvbound.CompressionConfig(block_size=64, rank=8, bits=4, tau=2**-4), compress=True)
+def _compressed(model, tau: float):
+    """``model`` patched with compressed K/V, calibrated on one forward."""
+    config = kvbound.CompressionConfig(block_size=64, rank=8, bits=4, tau=tau)
+    calibration = _dna(1, 256, 9)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match=r"patched with compressed K/V .*Capture a\s+dense patch"):
+        return kvbound.patch(model, config, compress=True, calibrate_on=lambda m: m(calibration))
+
+
+def _close_to(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within 1 % of the output's scale: the eager forward may split a layer's launch where the capture's forecast
+    did not (the split and the single launch round differently)."""
+    assert float((got.float() - want.float()).abs().max()) <= 1e-2 * float(want.float().abs().max())
+
+
+@pytest.mark.gpu
+def test_gpu_captured_compressed_forward_equals_the_eager_forward():
+    """A compressed patch (speculative encoding) captures: replays on new inputs give the eager compressed
+    forward's output, with no eager fallback when every layer's forecast holds (a tau small enough that every
+    layer has residual blocks, which the warm-up forwards learn)."""
+    model = _tiny_enformer()
+    handle = _compressed(model, 2**-8)
+    later = [_dna(1, 256, s) for s in (2, 3)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured = kvbound.capture(model, _dna(1, 256, 1))
+        outs = [captured(x)["human"] for x in later]
+        eager = [model(x)["human"] for x in later]
+    assert all(r._forecast.get(role, (False,))[0] for r in handle.modules for role in ("k", "v"))
+    assert captured.replays == 2 and captured.fallbacks == 0
+    for got, want in zip(outs, eager, strict=True):
+        _close_to(got, want)
+    assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_captured_compressed_forward_runs_eagerly_after_a_retry(monkeypatch):
+    """A capture whose forecast says no layer has a residual (forced here), replayed on an input with residual
+    blocks: the replay's retry flag is read, its output is not returned, and the eager forward's is."""
+    from kvbound.models.patch import PatchedModule
+
+    model = _tiny_enformer()
+    handle = _compressed(model, 2**-8)
+    for record in handle.modules:  # what the calibration forward taught
+        record._forecast.clear()
+    learn = PatchedModule._learn
+    monkeypatch.setattr(PatchedModule, "_learn", lambda self, role, residual, share: learn(self, role, False, 1.0))
+    x = _dna(1, 256, 2)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured = kvbound.capture(model, _dna(1, 256, 1))
+        monkeypatch.setattr(PatchedModule, "_learn", learn)
+        got = captured(x)["human"]
+        assert captured.fallbacks == 1
+        want = model(x)["human"]
+    _close_to(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_compressed_patch_that_encodes_synchronously_cannot_be_captured_and_says_why():
+    model = _tiny_enformer()
+    handle = _compressed(model, 2**-4)
+    handle.speculative = False
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"encodes synchronously.*speculative=False.*compress=False"):
             kvbound.capture(model, _dna(1, 256, 1))
     torch.randn(4, device="cuda")  # nothing was captured: the generator is as it was

@@ -23,7 +23,9 @@ without error and without retry.
 
 Inside ``kvbound.capture`` (:func:`graph_staging`) a block that ends does not read: it queues its concatenation on
 the device, where the CUDA graph captures it, and hands over the function that reads it
-(:meth:`DeferredChecks.stage`), which the captured forward calls after every replay.
+(:meth:`DeferredChecks.stage`), which the captured forward calls after every replay. A patched model's forward is
+captured speculative where it would speculate eagerly (compressed K/V): a replay whose retry flag is set raises
+:class:`Retry` from that function, and the captured forward runs the model eagerly instead.
 """
 
 from __future__ import annotations
@@ -177,9 +179,10 @@ class DeferredChecks:
         does. The queued entries move into that function; the block starts empty again.
 
         ``repeatable``: the function may be called once after each replay of a CUDA graph that captured this
-        staging (``kvbound.capture``): it then reads the same device buffers each time. Retry flags and queued
-        values hand their results to the host once, so a block that holds them cannot be staged repeatably
-        (``RuntimeError``)."""
+        staging (``kvbound.capture``): it then reads the same device buffers each time, and each call raises or
+        hands over what that replay wrote: ``ValueError`` for NaN or Inf, :class:`Retry` for a retry flag (the
+        replay's results cannot be used: ``kvbound.capture`` then runs the forward eagerly), else the queued values
+        to their callbacks."""
         pending, self._pending = self._pending, []
         retries, self._retries = self._retries, []
         queued_values, self._values = self._values, []
@@ -187,12 +190,6 @@ class DeferredChecks:
         parts, self._parts = self._parts, []
         if not (pending or retries or queued_values):
             return _nothing
-        if repeatable and (retries or queued_values):
-            raise RuntimeError(
-                "kvbound.capture: this forward queues retry flags or values for the host (speculative compressed "
-                "K/V), which a CUDA graph cannot replay; capture a dense patch (kvbound.patch(model, "
-                "compress=False)) or an unpatched model"
-            )
         for stream in streams.values():
             current = torch.cuda.current_stream(stream.device)
             if current.cuda_stream != stream.cuda_stream:
@@ -380,7 +377,8 @@ class DeferredForward:
                     "checks are read on the host after the forward, which a graph cannot do; use "
                     "kvbound.capture(model, *inputs), which reads them after each replay"
                 )
-            with _block(speculative=False):  # nothing is read back during capture: no speculation
+            # Nothing is read during a capture: the block's read (its retry flags too) runs after each replay.
+            with _block(speculative=self.speculate is not None and self.speculate()):
                 return self.wrapped(*args, **kwargs)
         if self.speculate is not None and self.speculate():
             try:

@@ -41,8 +41,12 @@ def capture(fn: Callable, *args, kwargs: dict | None = None, warmup: int = 2, cl
     ``clone_outputs``: return copies of the graph's output tensors (default). With False the call returns the
     graph's own output buffers, which the next call overwrites.
 
-    A dense patch (``kvbound.patch(model, compress=False)``) and unpatched models capture; a compressed patch reads
-    its block modes on the host and raises ``RuntimeError`` saying so, before anything is captured. Code that reads
+    Unpatched models and dense patches (``kvbound.patch(model, compress=False)``) capture, and so do compressed
+    patches that encode speculatively (the default, in ``eval()``): the graph then runs the forecast kernel variant
+    of each layer, as the warm-up forwards taught it, and a replay whose encoding raises a retry flag (a residual
+    where none was forecast, coefficients beyond float16, a block the certificate rejects) is not returned: the
+    model's eager forward runs instead (``fallbacks`` counts those calls). A compressed patch that would encode
+    synchronously raises ``RuntimeError`` saying why, before anything is captured. Code that reads
     device values on the host inside the forward (``.item()``, ``.tolist()``, a synchronisation) cannot be captured
     either: that raises ``RuntimeError`` too, after a capture that CUDA abandoned (torch's random generator may then
     refuse further use in the process)."""
@@ -59,7 +63,8 @@ def capture(fn: Callable, *args, kwargs: dict | None = None, warmup: int = 2, cl
 class CapturedForward:
     """A forward captured by :func:`capture`; call it with arguments of the capture's shapes and dtypes.
 
-    ``replays``: calls so far. ``graph``: the ``torch.cuda.CUDAGraph``. ``pool_bytes``: the CUDA allocator's
+    ``replays``: calls so far; ``fallbacks``: calls of them that ran the eager forward after a retry flag (compressed
+    K/V). ``graph``: the ``torch.cuda.CUDAGraph``. ``pool_bytes``: the CUDA allocator's
     memory that grew while capturing (the graph's buffers, inputs and outputs)."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, *, warmup: int, clone_outputs: bool) -> None:
@@ -82,6 +87,7 @@ class CapturedForward:
         self.fn = fn
         self.clone_outputs = clone_outputs
         self.replays = 0
+        self.fallbacks = 0
         self._names = [name for name, _ in tensors]
         self._specs = [(t.shape, t.dtype) for _, t in tensors]
         # The graph reads its inputs from these buffers; the caller's tensors are only read.
@@ -94,14 +100,16 @@ class CapturedForward:
         self._module = module if isinstance(module, nn.Module) else None
         self._forward_attr = _forward_attr(self._module)
         self._handles = _patch_handles(self._module)
-        compressed = [h for h in self._handles if h.compress]
-        if compressed:
+        synchronous = [h for h in self._handles if h.compress and not (h._speculate() and h._anchor_index is None)]
+        if synchronous:
             # Refused before capturing: a capture that fails part-way leaves the CUDA random generator of the
             # process in capture mode.
             raise RuntimeError(
-                "kvbound.capture: the model is patched with compressed K/V (kvbound.patch(..., compress=True)), "
-                "whose block modes are read on the host in each forward; a CUDA graph cannot replay that. Capture a "
-                "dense patch (compress=False) or the unpatched model"
+                "kvbound.capture: the model is patched with compressed K/V (kvbound.patch(..., compress=True)) that "
+                "it encodes synchronously, reading block modes on the host in each forward, which a CUDA graph "
+                "cannot replay: speculative encoding is off (speculative=False), a module of the model is in "
+                "training mode, or a handle.variants() block is open. Capture in eval() with speculative encoding, "
+                "or capture a dense patch (compress=False)"
             )
         self._weights = _weights(self._module)
 
@@ -123,9 +131,8 @@ class CapturedForward:
             except Exception as err:
                 raise RuntimeError(
                     f"kvbound.capture: the forward could not be captured in a CUDA graph ({type(err).__name__}: "
-                    f"{str(err).splitlines()[0] if str(err) else ''}). Dense patches and unpatched models capture; "
-                    "compressed K/V read their block modes on the host, and so does any code that calls .item(), "
-                    ".tolist() or synchronises inside the forward"
+                    f"{str(err).splitlines()[0] if str(err) else ''}). Unpatched models and kvbound patches capture; "
+                    "code that calls .item(), .tolist() or synchronises inside the forward does not"
                 ) from err
         self._finishers = [f for f in staged if f is not _checks._nothing]
         self._output = output
@@ -144,8 +151,16 @@ class CapturedForward:
         self.graph.replay()
         self.replays += 1
         out = _pytree.tree_map_only(torch.Tensor, torch.clone, self._output) if self.clone_outputs else self._output
-        for finish in self._finishers:
-            finish()
+        try:
+            for finish in self._finishers:
+                finish()
+        except _checks.Retry:
+            # A compressed layer's encoding cannot be used as the graph ran it (a residual where the capture's
+            # forecast had none, coefficients beyond float16, a block the certificate rejects): the eager forward,
+            # which encodes again as it needs, gives this call's output.
+            self.fallbacks += 1
+            with torch.no_grad():
+                return self.fn(*args, **kwargs)
         return out
 
     def _check_call(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -194,7 +209,7 @@ class CapturedForward:
         inputs = ", ".join(f"{n}: {list(s)} {str(d).removeprefix('torch.')}" for n, (s, d) in zip(
             self._names, self._specs, strict=True))
         return f"<kvbound.CapturedForward of {getattr(self.fn, '__name__', type(self.fn).__name__)} ({inputs}), " \
-               f"{len(self._finishers)} staged check read(s), {self.replays} replays>"
+               f"{len(self._finishers)} staged check read(s), {self.replays} replays, {self.fallbacks} eager>"
 
 
 def _same(a: object, b: object) -> bool:

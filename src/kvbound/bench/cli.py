@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models suite: also time Enformer and Borzoi with their attention core replaced by SDPA with a "
                         "built position bias and by FlexAttention over a built table (kvbound/bench/alternatives.py)")
     g.add_argument("--graphs", action="store_true",
-                   help="models suite: also time the unpatched and the dense-patched forward replayed from one CUDA "
-                        "graph each (kvbound.capture; CUDA only)")
+                   help="models suite: also time the unpatched, the dense-patched and the compressed-patched forward "
+                        "replayed from one CUDA graph each (kvbound.capture; CUDA only)")
     g.add_argument("--warmup", type=int, default=None, help="models and ring suites: untimed calls (default 2 / 1)")
     g.add_argument("--repeats", type=int, default=None,
                    help="models and ring suites: timed calls (default 5; 2 on CPU)")

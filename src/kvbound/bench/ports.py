@@ -63,7 +63,7 @@ __all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "GRAPH_V
 
 VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
 # With --graphs: the same forwards replayed from one CUDA graph each (kvbound.capture).
-GRAPH_VARIANTS = ("unpatched-graph", "patch-dense-graph")
+GRAPH_VARIANTS = ("unpatched-graph", "patch-dense-graph", "patch-compressed-graph")
 
 
 @dataclass(frozen=True)
@@ -417,6 +417,8 @@ def _measure_variant(spec: PortModel, model: nn.Module, inputs: Inputs, referenc
                        repeats=options.repeats)
     row.update(zip(("ms_p20", "ms_p50", "ms_p80"), quantiles(times), strict=True))
     if graph:
+        if model.fallbacks:  # compressed K/V: replays whose retry flag was set ran the eager forward instead
+            row["note"] += f"; {model.fallbacks} of {model.replays} calls ran the eager forward after a retry flag"
         return row
     if handle is not None and handle.compress:
         calls = options.warmup + options.repeats
@@ -507,7 +509,7 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                 yield {**row, "status": "unsupported",
                        "reason": "alternatives are built for the relative-position ports (Enformer, Borzoi) only"}
                 continue
-            if variant == "patch-compressed":
+            if variant.removesuffix("-graph") == "patch-compressed":
                 row.update(config=config_label(config), rank=config.rank, bits=config.bits,
                            block_size=config.block_size, tau=config.tau, basis="calibrated")
             try:

@@ -64,10 +64,12 @@ published; `patch-dense`: `kvbound.patch(model, compress=False)`; `patch-compres
 `kvbound.patch(model, compress=True)` calibrated on a forward over another input. With `--alternatives`
 (Enformer, Borzoi): `sdpa-built-bias` and `flex-built-table`, the ports' layers with their attention core replaced by
 what a user could assemble from stock kernels (SDPA with a built `[B, H, N, N]` position bias; compiled FlexAttention
-over a built `[B, H, N, 2N - 1]` table; `kvbound/bench/alternatives.py`). With `--graphs`: `unpatched-graph` and
-`patch-dense-graph`, the same forwards captured once in a CUDA graph (`kvbound.capture`, NaN/Inf checks read after
-each replay) and replayed per call; their peak is the allocator's peak while capturing and replaying once, and
-their attention modules are not timed (hooks do not run in a replay). Since 82f1383 `patch-dense` and
+over a built `[B, H, N, 2N - 1]` table; `kvbound/bench/alternatives.py`). With `--graphs`: `unpatched-graph`,
+`patch-dense-graph` and (since 2026-12-04) `patch-compressed-graph`, the same forwards captured once in a CUDA graph
+(`kvbound.capture`, NaN/Inf checks and the compressed encoder's retry flags read after each replay; a call whose
+retry flag is set runs the eager forward, which the note counts) and replayed per call; their peak is the
+allocator's peak while capturing and replaying once, and their attention modules are not timed (hooks do not run in
+a replay). Since 82f1383 `patch-dense` and
 `patch-compressed` also run Enformer's `AttentionPool` and Borzoi's `MaxPool1d(2)` in one kernel each
 (`kvbound/models/README.md`, "Pools"). Forward: median of timed calls
 (CUDA events) after warm-up. Attention: the attention modules' forwards summed, timed by forward hooks in separate

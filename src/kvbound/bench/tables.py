@@ -436,7 +436,8 @@ def encoder_calibration_table(rows: list[dict]) -> tuple[list[str], list[list[st
     return headers, table
 
 
-MODEL_VARIANTS = ("unpatched", "patch-dense", "patch-compressed", "unpatched-graph", "patch-dense-graph")
+MODEL_VARIANTS = ("unpatched", "patch-dense", "patch-compressed", "unpatched-graph", "patch-dense-graph",
+                  "patch-compressed-graph")
 
 
 def _gib(n: float | None) -> str:

@@ -110,7 +110,8 @@ class PatchedModule:
     def encode_seconds(self) -> float:
         """Time spent compressing this module's K and V, over all its forwards. On CUDA it is the device time
         between events recorded around the encoder calls (host time would include waiting for the work queued
-        before them); reading it waits for those events. On the CPU, the encoders' own wall time."""
+        before them); reading it waits for those events. On the CPU, the encoders' own wall time. Forwards replayed
+        from a CUDA graph (``kvbound.capture``) are not counted."""
         for start, end in self._encode_events:
             end.synchronize()
             self._encode_total += start.elapsed_time(end) / 1e3
@@ -258,7 +259,7 @@ class PatchHandle:
         if not self.compress:
             return k, v
         events = None
-        if k.is_cuda:
+        if k.is_cuda and not _checks._stream_capturing():  # (a CUDA graph's replays are not timed)
             stream = torch.cuda.current_stream(k.device)  # where the encoder's kernels go
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), stream)
             events[0].record(stream)
@@ -295,7 +296,7 @@ class PatchHandle:
         if events is not None:
             events[1].record(events[2])
             record._add_encode_events(events[0], events[1])
-        else:
+        elif not k.is_cuda:
             record._encode_total += ck.encode_seconds + cv.encode_seconds
         return ck, cv
 
