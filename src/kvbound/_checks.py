@@ -107,7 +107,7 @@ class DeferredChecks:
         self.speculative = speculative
         self._parts: list[torch.Tensor] = []
         # (label, names, indices of the names' peak parts, messages, indices of the count parts)
-        self._pending: list[tuple[object, list[str], int, list[str], list[int]]] = []
+        self._pending: list[tuple[object, list[str], list[int], list[str], list[int]]] = []
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
