@@ -116,6 +116,33 @@ def test_capture_validates_its_arguments():
             kvbound.capture(model.cuda(), x)
 
 
+def test_a_compressed_patch_that_would_encode_synchronously_is_named_with_the_reason():
+    """What kvbound.capture checks before capturing a compressed patch (no GPU needed): each way a forward would read
+    block modes on the host gives its reason; a patch that speculates with calibrated bases gives none."""
+    from kvbound.graphs import _synchronous_reason
+    from small_models import small_enformer  # tests/ is on sys.path (rootdir conftest)
+
+    model, _ = small_enformer()
+    handle = kvbound.patch(model, kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=2**-4), compress=True)
+    assert "no calibrated basis" in _synchronous_reason(handle)
+    for record in handle.modules:  # stand-ins: only their presence is read here
+        record.basis_k = record.basis_v = object()
+    assert _synchronous_reason(handle) is None
+    handle.speculative = False
+    assert "handle.speculative = False" in _synchronous_reason(handle)
+    handle.speculative = True
+    model.train()
+    assert "training mode" in _synchronous_reason(handle)
+    model.eval()
+    with handle.variants([-1]):
+        assert "handle.variants()" in _synchronous_reason(handle)
+    handle.modules[0]._synchronous.add("v")
+    assert f"{handle.modules[0].name} V encode synchronously" in _synchronous_reason(handle)
+    handle.forget_forecasts()
+    assert _synchronous_reason(handle) is None
+    handle.undo()
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 def _tiny_enformer(seed: int = 0):
     port = pytest.importorskip("enformer_pytorch", reason="enformer-pytorch (kvbound[models]) is not installed")
@@ -261,6 +288,6 @@ def test_gpu_compressed_patch_that_encodes_synchronously_cannot_be_captured_and_
     handle = _compressed(model, 2**-4)
     handle.speculative = False
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match=r"encodes synchronously.*speculative=False.*compress=False"):
+        with pytest.raises(RuntimeError, match=r"encodes synchronously.*speculative = False.*compress=False"):
             kvbound.capture(model, _dna(1, 256, 1))
     torch.randn(4, device="cuda")  # nothing was captured: the generator is as it was

@@ -100,16 +100,15 @@ class CapturedForward:
         self._module = module if isinstance(module, nn.Module) else None
         self._forward_attr = _forward_attr(self._module)
         self._handles = _patch_handles(self._module)
-        synchronous = [h for h in self._handles if h.compress and not (h._speculate() and h._anchor_index is None)]
-        if synchronous:
+        reasons = [reason for h in self._handles if h.compress and (reason := _synchronous_reason(h))]
+        if reasons:
             # Refused before capturing: a capture that fails part-way leaves the CUDA random generator of the
             # process in capture mode.
             raise RuntimeError(
                 "kvbound.capture: the model is patched with compressed K/V (kvbound.patch(..., compress=True)) that "
                 "it encodes synchronously, reading block modes on the host in each forward, which a CUDA graph "
-                "cannot replay: speculative encoding is off (speculative=False), a module of the model is in "
-                "training mode, or a handle.variants() block is open. Capture in eval() with speculative encoding, "
-                "or capture a dense patch (compress=False)"
+                f"cannot replay: {reasons[0]}. Capture a compressed patch that encodes speculatively, or a dense "
+                "patch (compress=False)"
             )
         self._weights = _weights(self._module)
 
@@ -210,6 +209,23 @@ class CapturedForward:
             self._names, self._specs, strict=True))
         return f"<kvbound.CapturedForward of {getattr(self.fn, '__name__', type(self.fn).__name__)} ({inputs}), " \
                f"{len(self._finishers)} staged check read(s), {self.replays} replays, {self.fallbacks} eager>"
+
+
+def _synchronous_reason(handle) -> str | None:
+    """Why the compressed patch ``handle`` would encode some K/V synchronously (a host read per layer), or None."""
+    if not handle.speculative:
+        return "speculative encoding is off (handle.speculative = False)"
+    if handle._anchor_index is not None:
+        return "a handle.variants() block is open (anchored encoding reads on the host)"
+    if not handle._speculate():
+        return "a module of the model is in training mode, or the handle does not patch the captured model's forward"
+    if handle.config.rank == 0 or any(r.basis_k is None or r.basis_v is None for r in handle.modules):
+        return "a layer has no calibrated basis, so the eager encoder runs (pass calibrate_on to kvbound.patch)"
+    switched = [f"{r.name} {role.upper()}" for r in handle.modules for role in sorted(r._synchronous)]
+    if switched:
+        return (f"{', '.join(switched)} encode synchronously since a retry (handle.forget_forecasts() lets them "
+                "speculate again)")
+    return None
 
 
 def _same(a: object, b: object) -> bool:
