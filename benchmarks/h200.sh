@@ -43,7 +43,7 @@
 #   models      ~7 min    attention suite on the models' shapes (Enformer, Borzoi, AlphaGenome: every provider
 #                         incl. eager and SDPA + materialised bias, FlexAttention compiles, 3 configs; 4) | whole
 #                         forwards of Enformer and Borzoi at batch 1, unpatched / patch-dense / patch-compressed,
-#                         and unpatched / patch-dense replayed from CUDA graphs (3)
+#                         and unpatched / patch-dense / patch-compressed replayed from CUDA graphs (3.5)
 #   models2     ~7 min    whole forwards of AlphaGenome (1 Mb input) at batch 1 and 2 (4.5) | Enformer and Borzoi
 #                         at their larger batches 8 and 4 (2.5)
 #   ring        ~6 min    context-parallel attention N = 65536 .. 524288, d = 64: 1 GPU (2.5), then 2 GPUs (3.5);
