@@ -21,7 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
-FIELDS = ["piece", "host_us_per_call", "host_us_rounds", "calls", "gpu", "torch", "triton", "commit"]
+FIELDS = ["piece", "host_us_per_call", "host_us_rounds", "calls", "gpu", "torch", "triton", "commit", "date"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"piece": label, "host_us_per_call": f"{statistics.median(values):.1f}",
                    "host_us_rounds": " ".join(f"{t:.1f}" for t in values), "calls": args.calls,
                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "commit": args.commit}  # fmt: skip
+                   "commit": args.commit, "date": time.strftime("%Y-%m-%d", time.gmtime())}  # fmt: skip
             writer.writerow(row)
             print(f"{label:66s} {row['host_us_per_call']:>9s} us  ({row['host_us_rounds']})", flush=True)
     return 0
