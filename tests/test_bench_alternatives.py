@@ -1,7 +1,7 @@
-"""kvbound/bench/alternatives.py: the stock-attention cores a user could assemble for Enformer's and Borzoi's layers
-(SDPA with a built position bias, FlexAttention over a built table), run inside the ports' own layers by the models
-suite's ``--alternatives``. On the CPU in float32: each gives the port's output, runs in every layer, and leaves the
-layers exactly as they were."""
+"""kvbound/bench/alternatives.py: the stock-attention cores a user could assemble for the ports' layers (Enformer and
+Borzoi: SDPA with a built position bias, FlexAttention over a built table; AlphaGenome: FlexAttention reading the
+compact pair bias), run inside the ports' own layers by the models suite's ``--alternatives``. On the CPU in
+float32: each gives the port's output, runs in every layer, and leaves the layers exactly as they were."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 
 from kvbound.bench import alternatives, ports, relative
 from test_bench_ports import OPTIONS, SMOKE, _toy_spec
-from test_models_ports import _attention_modules, borzoi, enformer  # noqa: F401 (fixtures; skip without the ports)
+from test_models_ports import _alphagenome_input, _attention_modules, alphagenome, borzoi, enformer  # noqa: F401
 
 
 @pytest.mark.parametrize("port_name", ["enformer", "borzoi"])
-@pytest.mark.parametrize("name", alternatives.ALTERNATIVES)
+@pytest.mark.parametrize("name", alternatives.RELATIVE_ALTERNATIVES)
 def test_alternative_core_gives_the_port_output_in_every_layer(port_name, name, request, monkeypatch):
     model, attention_cls = request.getfixturevalue(port_name)[:2]
     modules = _attention_modules(model, attention_cls)
@@ -70,10 +70,104 @@ def test_alternative_core_refuses_other_layers_and_names(enformer):  # noqa: F81
     assert all("forward" not in m.__dict__ for m in modules)
 
 
-def test_models_suite_marks_alternatives_unsupported_where_there_is_no_relative_layer():
+def test_flex_tile_bias_gives_the_port_output_in_every_alphagenome_block(alphagenome, monkeypatch):  # noqa: F811
+    tower, mha_class = alphagenome[:2]
+    modules = _attention_modules(tower, mha_class)
+    x = _alphagenome_input(48)
+    calls = []
+    build = alternatives._flex_tile_bias
+
+    def counted(*args, **kwargs):
+        run = build(*args, **kwargs)
+
+        def run_counted(inputs):
+            calls.append(tuple(inputs["tiles"].shape))
+            return run(inputs)
+
+        return run_counted
+
+    monkeypatch.setattr(alternatives, "_flex_tile_bias", counted)
+    with torch.no_grad():
+        expected, expected_pair = tower(x)
+        with alternatives.alternative_core("flex-tile-bias", modules, torch.device("cpu"), tower):
+            got, got_pair = tower(x)
+            # the block hands the MHABlock its bias at tile resolution; an expanded bias is refused by name
+            with pytest.raises(ValueError, match=r"tiles: expected the compact pair bias \(1, 8, 3, 3\), got"):
+                modules[0](x, torch.zeros(1, 8, 48, 48))
+    assert calls == [(1, 8, 3, 3)] * len(modules) == [(1, 8, 3, 3)] * 9  # the core ran in every block, compact bias
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= 1e-5 * scale
+    # the pair stream is the port's own, updated from the blocks' (rounding-different) outputs
+    assert (got_pair - expected_pair).abs().max().item() <= 1e-5 * expected_pair.abs().max().item()
+    assert "_forward_block" not in tower.__dict__ and all("forward" not in m.__dict__ for m in modules)
+    with torch.no_grad():
+        torch.testing.assert_close(tower(x)[0], expected, rtol=0, atol=0)
+
+
+def test_flex_tile_bias_refuses_without_its_tower(alphagenome, enformer):  # noqa: F811
+    tower, mha_class = alphagenome[:2]
+    modules = _attention_modules(tower, mha_class)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="model is needed"):
+        with alternatives.alternative_core("flex-tile-bias", modules, cpu):
+            pass
+    with pytest.raises(ValueError, match=r"9 of 9 MHABlocks are in no TransformerTower"):
+        with alternatives.alternative_core("flex-tile-bias", modules, cpu, torch.nn.Linear(2, 2)):
+            pass
+    relative_layers = _attention_modules(*enformer[:2])
+    with pytest.raises(ValueError, match=r"flex-tile-bias: AlphaGenome's MHABlock layers only, got \['Attention'"):
+        with alternatives.alternative_core("flex-tile-bias", relative_layers, cpu, enformer[0]):
+            pass
+    with pytest.raises(ValueError, match=r"sdpa-built-bias: the ports' relative-position layers only, got \['MHA"):
+        with alternatives.alternative_core("sdpa-built-bias", modules, cpu, tower):
+            pass
+    assert "_forward_block" not in tower.__dict__ and all("forward" not in m.__dict__ for m in modules)
+    assert alternatives.supported_alternatives(modules) == alternatives.TILE_BIAS_ALTERNATIVES
+    assert alternatives.supported_alternatives(relative_layers) == alternatives.RELATIVE_ALTERNATIVES
+    assert alternatives.supported_alternatives([]) == alternatives.supported_alternatives(modules + relative_layers)
+    assert alternatives.supported_alternatives([]) == ()
+
+
+def test_models_suite_marks_alternatives_unsupported_where_no_layer_takes_them():
     options = ports.ModelOptions(warmup=0, repeats=1, batches=(1,), alternatives=alternatives.ALTERNATIVES)
     rows = list(ports.model_rows((_toy_spec(),), torch.device("cpu"), SMOKE, options))
     assert [r["provider"] for r in rows] == list(ports.VARIANTS + alternatives.ALTERNATIVES)
     for r in rows[len(ports.VARIANTS):]:
-        assert r["status"] == "unsupported" and "Enformer, Borzoi" in r["reason"]
+        assert r["status"] == "unsupported"
+        port = "Enformer, Borzoi" if r["provider"] in alternatives.RELATIVE_ALTERNATIVES else "AlphaGenome port"
+        assert port in r["reason"], r["reason"]
     assert OPTIONS.alternatives == ()  # off unless asked for
+
+
+def test_models_suite_times_flex_tile_bias_on_the_tiny_alphagenome_tower():
+    """The models suite's path: the variant runs the tower through ``alternative_core`` with the model, its output
+    is compared with the unpatched forward, and only the variants asked for run (``variants``)."""
+    pytest.importorskip("alphagenome_pytorch")
+    spec = next(s for s in ports.port_models(cpu_smoke=True) if s.name == "alphagenome-tower-tiny")
+    options = ports.ModelOptions(warmup=0, repeats=1, batches=(1,), alternatives=alternatives.ALTERNATIVES,
+                                 variants=("unpatched", "sdpa-built-bias", "flex-tile-bias"))  # fmt: skip
+    rows = list(ports.model_rows((spec,), torch.device("cpu"), SMOKE, options))
+    by = {r["provider"]: r for r in rows}
+    assert list(by) == ["unpatched", "sdpa-built-bias", "flex-tile-bias"]
+    assert by["unpatched"]["status"] == "ok" and by["sdpa-built-bias"]["status"] == "unsupported"
+    flex = by["flex-tile-bias"]
+    assert flex["status"] == "ok", flex["reason"]
+    # the suite runs under bfloat16 autocast: within bfloat16 rounding (2**-7) of the port's output, not equal to it
+    assert 0 < flex["diff_rel"] < 2**-7 and flex["ms_p50"] > 0 and flex["attention_ms_p50"] > 0
+    # without the unpatched forward there is nothing to compare with, and the row says why
+    alone = ports.ModelOptions(warmup=0, repeats=1, batches=(1,), alternatives=alternatives.ALTERNATIVES,
+                               variants=("flex-tile-bias",))  # fmt: skip
+    (row,) = ports.model_rows((spec,), torch.device("cpu"), SMOKE, alone)
+    assert row["status"] == "ok" and row.get("diff_rel") is None
+    assert "no output difference: the unpatched forward not run (--variants)" in row["note"]
+
+
+def test_cli_models_refuses_variants_not_offered(tmp_path):
+    from kvbound.bench import cli
+
+    out = tmp_path / "m.csv"
+    argv = ["--suite", "models", "--cpu-smoke", "--only", "alphagenome*", "--out", str(out), "--variants"]
+    assert cli.main([*argv, "flex-tile-bias"]) == 2  # an alternative without --alternatives
+    assert cli.main([*argv, "unpatched-graph"]) == 2  # a graph variant without --graphs
+    assert cli.main([*argv, "patch-sparse"]) == 2
+    assert not out.exists()

@@ -97,8 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--patch-backend", choices=("auto", "eager", "kvbound"), default="auto",
                    help="models suite: kvbound.patch backend (default auto: kvbound.attention on CUDA)")
     g.add_argument("--alternatives", action="store_true",
-                   help="models suite: also time Enformer and Borzoi with their attention core replaced by SDPA with a "
-                        "built position bias and by FlexAttention over a built table (kvbound/bench/alternatives.py)")
+                   help="models suite: also time the ports with their attention core replaced by what a user could "
+                        "assemble: Enformer and Borzoi by SDPA with a built position bias and by FlexAttention over a "
+                        "built table, AlphaGenome by FlexAttention reading its compact pair bias "
+                        "(kvbound/bench/alternatives.py)")
+    g.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                   help="models suite: time only these variants (of unpatched patch-dense patch-compressed, the "
+                        "-graph ones with --graphs and the alternatives with --alternatives)")
     g.add_argument("--graphs", action="store_true",
                    help="models suite: also time the unpatched, the dense-patched and the compressed-patched forward "
                         "replayed from one CUDA graph each (kvbound.capture; CUDA only)")
@@ -187,7 +192,7 @@ def _suite_rows(args, device, console):
         return encoder_rows(shapes, device, config, options)
     if args.suite == "models":
         from kvbound.bench.alternatives import ALTERNATIVES
-        from kvbound.bench.ports import ModelOptions, model_rows, port_models
+        from kvbound.bench.ports import ModelOptions, model_rows, model_variants, port_models
 
         specs = port_models(args.cpu_smoke)
         if args.only:
@@ -200,7 +205,14 @@ def _suite_rows(args, device, console):
             warmup=args.warmup if args.warmup is not None else 2,
             repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
             batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed,
-            alternatives=ALTERNATIVES if args.alternatives else (), graphs=args.graphs)
+            alternatives=ALTERNATIVES if args.alternatives else (), graphs=args.graphs,
+            variants=tuple(args.variants) if args.variants else None)
+        offered = set(model_variants(options))
+        unknown = [v for v in args.variants or () if v not in offered]
+        if unknown:
+            console.print(f"kvbound bench --suite models: --variants {unknown} are not offered with these flags "
+                          f"(offered: {sorted(offered)})")
+            return 2
         return model_rows(specs, device, config, options)
     if args.suite == "relative":
         from kvbound.bench.relative import RelativeOptions, relative_rows

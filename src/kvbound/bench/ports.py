@@ -58,8 +58,8 @@ from kvbound.bench.encoder import config_label
 from kvbound.bench.runner import quantiles, time_calls
 
 __all__ = ["PortModel", "PORT_MODELS", "SMOKE_PORT_MODELS", "VARIANTS", "GRAPH_VARIANTS", "ModelOptions",
-           "AttentionTimer", "model_rows", "port_models", "compressed_ratio", "largest_fitting", "largest_batch_rows",
-           "watched_search"]
+           "AttentionTimer", "model_rows", "model_variants", "port_models", "compressed_ratio", "largest_fitting",
+           "largest_batch_rows", "watched_search"]
 
 VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
 # With --graphs: the same forwards replayed from one CUDA graph each (kvbound.capture).
@@ -256,8 +256,9 @@ class ModelOptions:
     batches: tuple[int, ...] | None = None  # None: each model's own list
     backend: str = "auto"
     seed: int = 0
-    alternatives: tuple[str, ...] = ()  # kvbound.bench.alternatives.ALTERNATIVES to time as well (relative ports)
+    alternatives: tuple[str, ...] = ()  # kvbound.bench.alternatives.ALTERNATIVES to time as well
     graphs: bool = False  # also GRAPH_VARIANTS (CUDA only)
+    variants: tuple[str, ...] | None = None  # only these of the variants above (None: all of them)
 
 
 class AttentionTimer:
@@ -363,7 +364,7 @@ def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module
         return
     if name in ALTERNATIVES:
         device = next(model.parameters()).device
-        with alternative_core(name, list(modules or ()), device):
+        with alternative_core(name, list(modules or ()), device, model):
             yield None
         return
     with warnings.catch_warnings():
@@ -461,7 +462,7 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
             importlib.import_module(spec.package)
         except ImportError as err:
             for batch in batches:
-                for variant in _variants(options):
+                for variant in model_variants(options):
                     yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "unsupported",
                            "reason": f"{spec.package} is not installed ({spec.distribution}; "
                                      f"benchmarks/wheels.sh): {err}"}
@@ -471,7 +472,7 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
             model = spec.build().to(device)
         except Exception as err:  # noqa: BLE001 - recorded; the other ports still run
             for batch in batches:
-                for variant in _variants(options):
+                for variant in model_variants(options):
                     yield {**_base_row(spec, batch, None, 0, options), "provider": variant, "status": "error",
                            "reason": f"building the model: {_error_reason(err)}"}
             continue
@@ -483,8 +484,9 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
         _release(device)
 
 
-def _variants(options: ModelOptions) -> tuple[str, ...]:
-    return VARIANTS + (GRAPH_VARIANTS if options.graphs else ()) + tuple(options.alternatives)
+def model_variants(options: ModelOptions) -> tuple[str, ...]:
+    every = VARIANTS + (GRAPH_VARIANTS if options.graphs else ()) + tuple(options.alternatives)
+    return every if options.variants is None else tuple(v for v in every if v in options.variants)
 
 
 def _model_batches(spec, model, modules, describe, batches, device, config, options) -> Iterator[dict]:
@@ -493,21 +495,22 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
     def calibrate(m: nn.Module) -> None:
         _forward(spec, m, calibration_input, device)
 
-    from kvbound.bench.alternatives import supports_alternatives
+    from kvbound.bench.alternatives import RELATIVE_ALTERNATIVES, supported_alternatives
 
-    relative = bool(modules) and all(supports_alternatives(m) for m in modules)
+    supported = supported_alternatives(modules)
     for batch in batches:
         inputs = spec.make_input(batch, options.seed + 1, device)
         reference = unpatched_failure = None
-        for variant in _variants(options):
+        for variant in model_variants(options):
             row = {**_base_row(spec, batch, describe, len(modules), options), "provider": variant,
                    "status": "ok", "reason": "", "note": spec.note if variant == "unpatched" else ""}
             if variant in GRAPH_VARIANTS and device.type != "cuda":
                 yield {**row, "status": "unsupported", "reason": "CUDA graphs need a CUDA device"}
                 continue
-            if variant in options.alternatives and not relative:
-                yield {**row, "status": "unsupported",
-                       "reason": "alternatives are built for the relative-position ports (Enformer, Borzoi) only"}
+            if variant in options.alternatives and variant not in supported:
+                ports = "relative-position ports (Enformer, Borzoi)" if variant in RELATIVE_ALTERNATIVES else (
+                    "AlphaGenome port")
+                yield {**row, "status": "unsupported", "reason": f"{variant} is built for the {ports} only"}
                 continue
             if variant.removesuffix("-graph") == "patch-compressed":
                 row.update(config=config_label(config), rank=config.rank, bits=config.bits,
@@ -529,8 +532,10 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                             raise
                         row["ref_max_abs"] = float(reference.abs().max())
                     elif reference is None:
-                        row["note"] = "; ".join(x for x in (f"no output difference: the unpatched forward failed "
-                                                            f"({unpatched_failure})", row["note"]) if x)[:500]
+                        why = ("not run (--variants)" if unpatched_failure is None
+                               else f"failed ({unpatched_failure})")
+                        row["note"] = "; ".join(x for x in (f"no output difference: the unpatched forward {why}",
+                                                            row["note"]) if x)[:500]
                     measured = _measure_variant(spec, model, inputs, reference if variant != "unpatched" else None,
                                                 modules, handle, device, options, variant in GRAPH_VARIANTS)
                     if measured.get("note"):

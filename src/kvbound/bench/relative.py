@@ -180,16 +180,19 @@ def _flex_built_table(flex: Callable, kernel_options: dict | None = None) -> Cal
     return run
 
 
-def _flex_that_compiles(flex: Callable, x: dict, device: torch.device) -> tuple[Callable, str]:
+def _flex_that_compiles(flex: Callable, x: dict, device: torch.device,
+                        build: Callable[..., Callable[[dict], torch.Tensor]] | None = None) -> tuple[Callable, str]:
     """The first ``kernel_options`` (``providers.flex_kernel_options``) whose compiled kernel runs on ``x``: the
-    defaults run out of shared memory at dv = 192. On the CPU FlexAttention runs eagerly and takes the defaults."""
+    defaults run out of shared memory at dv = 192. On the CPU FlexAttention runs eagerly and takes the defaults.
+    ``build(flex, kernel_options)`` makes the core (default: FlexAttention over a built position table)."""
     from kvbound.bench.providers import flex_kernel_options
 
+    build = build or _flex_built_table
     if device.type != "cuda":
-        return _flex_built_table(flex), ""
+        return build(flex), ""
     failures = []
     for options in flex_kernel_options(x["k"].shape[-1], x["v"].shape[-1]):
-        fn = _flex_built_table(flex, options)
+        fn = build(flex, options)
         try:
             fn(x)
             torch.cuda.synchronize(device)
