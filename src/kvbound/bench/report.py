@@ -61,10 +61,13 @@ _MODELS_METHOD = """\
 `python -m kvbound.bench --suite models`: each port at its full size with random weights (Enformer's
 zero-initialised `to_out` re-randomised), bf16 autocast, `no_grad`, one-hot random DNA. `unpatched`: the port as
 published; `patch-dense`: `kvbound.patch(model, compress=False)`; `patch-compressed`:
-`kvbound.patch(model, compress=True)` calibrated on a forward over another input. With `--alternatives`
-(Enformer, Borzoi): `sdpa-built-bias` and `flex-built-table`, the ports' layers with their attention core replaced by
-what a user could assemble from stock kernels (SDPA with a built `[B, H, N, N]` position bias; compiled FlexAttention
-over a built `[B, H, N, 2N - 1]` table; `kvbound/bench/alternatives.py`). With `--graphs`: `unpatched-graph`,
+`kvbound.patch(model, compress=True)` calibrated on a forward over another input. With `--alternatives`, the ports'
+layers with their attention core replaced by what a user could assemble from stock kernels
+(`kvbound/bench/alternatives.py`): Enformer and Borzoi `sdpa-built-bias` (SDPA with a built `[B, H, N, N]` position
+bias) and `flex-built-table` (compiled FlexAttention over a built `[B, H, N, 2N - 1]` table); AlphaGenome (since
+2026-12-04) `flex-tile-bias` (compiled FlexAttention with one K/V head for the 8 query heads and a `score_mod` that
+adds the pair bias from its compact `[B, 8, S/16, S/16]` form and applies the soft-cap; SDPA cannot apply a soft-cap
+after a bias). `--variants` times a subset. With `--graphs`: `unpatched-graph`,
 `patch-dense-graph` and (since 2026-12-04) `patch-compressed-graph`, the same forwards captured once in a CUDA graph
 (`kvbound.capture`, NaN/Inf checks and the compressed encoder's retry flags read after each replay; a call whose
 retry flag is set runs the eager forward, which the note counts) and replayed per call; their peak is the
