@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "assemble: Enformer and Borzoi by SDPA with a built position bias and by FlexAttention over a "
                         "built table, AlphaGenome by FlexAttention reading its compact pair bias "
                         "(kvbound/bench/alternatives.py)")
+    g.add_argument("--checkpoint", nargs="+", default=None, metavar="MODEL=PATH",
+                   help="models suite: trained weights instead of random ones, per model (enformer=DIR_OR_REPO_ID, "
+                        "borzoi=DIR_OR_REPO_ID, alphagenome=WEIGHTS_FILE; kvbound.models.load, offline with "
+                        "HF_HUB_OFFLINE=1)")
     g.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help="models suite: time only these variants (of unpatched patch-dense patch-compressed, the "
                         "-graph ones with --graphs and the alternatives with --alternatives)")
@@ -201,12 +205,20 @@ def _suite_rows(args, device, console):
             console.print(f"kvbound bench --suite models: --only {args.only} matches no model of "
                           f"{[s.name for s in port_models(args.cpu_smoke)]}")
             return 2
+        checkpoints = {}
+        for item in args.checkpoint or ():
+            name, sep, path = item.partition("=")
+            if not sep or not path or name not in {s.name for s in specs}:
+                console.print(f"kvbound bench --suite models: --checkpoint {item!r}: expected MODEL=PATH with MODEL "
+                              f"one of {[s.name for s in specs]}")
+                return 2
+            checkpoints[name] = path
         options = ModelOptions(
             warmup=args.warmup if args.warmup is not None else 2,
             repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
             batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed,
             alternatives=ALTERNATIVES if args.alternatives else (), graphs=args.graphs,
-            variants=tuple(args.variants) if args.variants else None)
+            variants=tuple(args.variants) if args.variants else None, checkpoints=checkpoints or None)
         offered = set(model_variants(options))
         unknown = [v for v in args.variants or () if v not in offered]
         if unknown:

@@ -41,6 +41,7 @@ and the same with ``--only alphagenome --out results/models_h200_b.csv`` (two ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import math
@@ -259,6 +260,7 @@ class ModelOptions:
     alternatives: tuple[str, ...] = ()  # kvbound.bench.alternatives.ALTERNATIVES to time as well
     graphs: bool = False  # also GRAPH_VARIANTS (CUDA only)
     variants: tuple[str, ...] | None = None  # only these of the variants above (None: all of them)
+    checkpoints: dict[str, str] | None = None  # model name -> trained weights (kvbound.models.load) instead of random
 
 
 class AttentionTimer:
@@ -467,9 +469,18 @@ def model_rows(specs: tuple[PortModel, ...], device: torch.device, config, optio
                            "reason": f"{spec.package} is not installed ({spec.distribution}; "
                                      f"benchmarks/wheels.sh): {err}"}
             continue
+        checkpoint = (options.checkpoints or {}).get(spec.name)
         try:
             torch.manual_seed(options.seed)
-            model = spec.build().to(device)
+            if checkpoint is None:
+                model = spec.build().to(device)
+            else:
+                from kvbound.models import load
+                from kvbound.models.checkpoints import PORT_CHECKPOINTS
+
+                port = next(name for name, loader in PORT_CHECKPOINTS.items() if loader.package == spec.package)
+                model = load(port, checkpoint, device=device)
+                spec = dataclasses.replace(spec, note=f"trained weights: {checkpoint} (kvbound.models.load)")
         except Exception as err:  # noqa: BLE001 - recorded; the other ports still run
             for batch in batches:
                 for variant in model_variants(options):
