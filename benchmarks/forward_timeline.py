@@ -1,4 +1,5 @@
-"""Where a whole forward's time goes on the GPU: busy, idle, and which kernels, unpatched and patched (dense K/V).
+"""Where a whole forward's time goes on the GPU: busy, idle, and which kernels, unpatched and patched (dense K/V,
+and with ``--variants ... patch-compressed`` compressed K/V, calibrated as the models suite does).
 
 For each port at its full config (random weights, the models suite's inputs, bf16 autocast, ``no_grad``), one
 forward is traced by ``torch.profiler`` after warm-up. From the trace:
@@ -17,6 +18,7 @@ forward is traced by ``torch.profiler`` after warm-up. From the trace:
   the attention kernel, projections, casts, checks.
 
     python benchmarks/forward_timeline.py OUT.csv [--models enformer borzoi] [--batches 8 4] [--commit SHA]
+        [--variants unpatched patch-dense patch-compressed]
     python benchmarks/forward_timeline.py OUT.csv --replot      # only redraw OUT.png from OUT.csv
 """
 
@@ -33,7 +35,8 @@ from pathlib import Path
 import torch
 
 FIELDS = ["model", "batch", "variant", "row", "name", "calls", "ms", "commit"]
-VARIANTS = ("unpatched", "patch-dense")
+VARIANTS = ("unpatched", "patch-dense", "patch-compressed")
+DEFAULT_VARIANTS = ("unpatched", "patch-dense")
 # Kernels listed per variant in the ``module`` rows (the rest summed in one row), and the characters of a name kept.
 MODULE_KERNELS = 10
 KERNEL_NAME_CHARS = 90
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--models", nargs="+", default=["enformer", "borzoi"])
     parser.add_argument("--batches", nargs="+", type=int, default=None, help="one per model (default: its largest)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--replot", action="store_true", help="only redraw OUT's plot (OUT with .png) from OUT")
@@ -238,8 +241,17 @@ def main(argv: list[str] | None = None) -> int:
             def forward(spec=spec, model=model, inputs=inputs):  # the models suite's forward (bf16 autocast, no_grad)
                 return _forward(spec, model, inputs, device)
 
+            calibration = spec.make_input(1, 2, device)  # another input, as the models suite calibrates
+
+            def calibrate(m, spec=spec, calibration=calibration):
+                _forward(spec, m, calibration, device)
+
             for variant in args.variants:
-                handle = kvbound.patch(model, compress=False) if variant == "patch-dense" else None
+                handle = None
+                if variant == "patch-dense":
+                    handle = kvbound.patch(model, compress=False)
+                elif variant == "patch-compressed":
+                    handle = kvbound.patch(model, kvbound.CompressionConfig(), compress=True, calibrate_on=calibrate)
                 try:
                     for _ in range(2):
                         forward()
