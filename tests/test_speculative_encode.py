@@ -390,3 +390,39 @@ def test_other_ports_encode_speculatively_with_the_synchronous_output(port, monk
     assert [r._forecast for r in h.modules] == learnt
     for out in outs:
         torch.testing.assert_close(out, sync, rtol=0, atol=0)
+
+
+def test_deferred_workspace_is_finite_where_unwritten_and_checks_pass_under_a_profiler(monkeypatch):
+    """The deferred encoder's object keeps the whole exact-values workspace as ``raw``. ``kvbound.attention`` checks
+    every stored tensor when it runs as a dispatched op (here: under ``torch.profiler``), so the workspace's unwritten
+    part must hold finite values whatever the allocator's memory held: every fresh allocation of the encoder is
+    poisoned with NaN bit patterns here, and the call under the profiler equals the plain one."""
+    from kvbound.codec import encode_triton as et
+
+    real = torch
+
+    def poisoned_empty(*args, **kwargs):
+        t = real.empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t.fill_(-1)
+
+    class PoisonedTorch:
+        def __getattr__(self, name):
+            return poisoned_empty if name == "empty" else getattr(real, name)
+
+    monkeypatch.setattr(et, "torch", PoisonedTorch())
+    gen = torch.Generator().manual_seed(3)
+    x = _data(100, 32, gen, True)
+    config = kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=32)
+    basis = kvbound.calibrate(x, config)
+    q = torch.randn(x.shape, generator=gen).to(torch.float16)
+    with _checks._block(speculative=True) as scope:
+        ck = encode_triton_deferred(x, config, basis, scope, name="K")
+        cv = encode_triton_deferred(x, config, basis, scope, name="V")
+        assert bool(torch.isfinite(ck.raw).all()) and bool(torch.isfinite(cv.raw).all())
+        plain = kvbound.attention(q, ck, cv)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            profiled = kvbound.attention(q, ck, cv)  # the op dispatched: every stored tensor checked
+    sync = kvbound.compress_kv(x, config, basis, impl="triton")
+    assert sync.raw.numel() > 0  # an exact block: the workspace's used part is not empty either
+    assert bool((ck.raw[sync.raw.numel():] == 0).all())
+    torch.testing.assert_close(profiled, plain, rtol=0, atol=0)

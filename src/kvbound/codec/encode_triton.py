@@ -506,8 +506,9 @@ def encode_triton_deferred(
 
     The returned object keeps the encoder's workspaces whole (every block at the widest code and room for the whole
     tensor stored exactly: about 1.5x ``x``'s bytes for 16-bit inputs, 1.25x for 32-bit ones), since their used
-    lengths are on the device; it is meant to be read by ``kvbound.attention`` inside the block and dropped, not
-    kept or saved. It records ``residual`` and ``lowrank_share`` as the kernel-variant facts that
+    lengths are on the device; the exact values' workspace is zeroed past what the encoder writes, so that a check
+    of the stored tensors finds only what was written. It is meant to be read by ``kvbound.attention`` inside the
+    block and dropped, not kept or saved. It records ``residual`` and ``lowrank_share`` as the kernel-variant facts that
     ``kvbound.attention`` reads without a check (``residual=True`` is always safe: the residual-capable kernel reads
     low-rank blocks too). The stored tensors' NaN/Inf check is the queued condition.
     """
@@ -596,9 +597,13 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     # Workspaces sized from the shapes: every block at the widest code, and an eighth of the tensor exact.
     widest = max(words_per_row(w, d) for w in promotion_widths(config.bits))
     codes = torch.empty(bh * n * widest, dtype=torch.int32, device=device)
-    # Deferred: room for every block exact, so that no count needs reading before the object can be used.
+    # Deferred: room for every block exact, so that no count needs reading before the object can be used; zeroed,
+    # since the object keeps the whole workspace as its `raw` and a check of its stored tensors reads all of it
+    # (kvbound.attention checks them whenever it runs as a dispatched op: under a profiler, torch.compile or a
+    # dispatch mode). Left as allocated, the unused part would hold whatever the allocator's memory held before,
+    # NaN bit patterns included.
     raw_size = bh * n * d if deferred else max(block * d, bh * n * d // _RAW_WORKSPACE_FRACTION)
-    raw = torch.empty(raw_size, dtype=x.dtype, device=device)
+    raw = (torch.zeros if deferred else torch.empty)(raw_size, dtype=x.dtype, device=device)
 
     def write_and_certify(codes, raw, any_bad):
         rows, warps = tiling["write"]
