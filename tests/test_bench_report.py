@@ -537,3 +537,53 @@ def test_model_speedups_plot_divides_by_its_own_runs_unpatched_forward(tmp_path,
     assert seen == {"patched dense": [1.5], "patched dense, CUDA graph / unpatched eager": [2.0],
                     "patched dense / unpatched, both CUDA graphs": [1.6]}
     assert plots.model_speedups(fixture_rows(), tmp_path / "none.png") is None
+
+
+def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_uncounted():
+    day = {**ENV, "date": "2026-12-04T10:00:00Z", "commit": "ccccccc"}
+    later = {**ENV, "date": "2026-12-04T12:00:00Z", "commit": "ddddddd"}
+    older = {**ENV, "date": "2026-12-01T10:00:00Z", "commit": "aaaaaaa"}
+    switched = {**later, "date": "2026-12-04T13:00:00Z", "command": "KVBOUND_RELATIVE_RUNS=0 python -m kvbound.bench"}
+    rows = [
+        # enformer batch 8: forward and modules from `day`; graphs from `day`; the alternatives from `later`
+        _model("enformer", 8, "unpatched", 190.0, 52.0, 15.0, **day),
+        _model("enformer", 8, "patch-dense", 70.0, 9.5, 7.0, **day),
+        _model("enformer", 8, "unpatched-graph", 188.0, 0.0, 15.0, **day),
+        _model("enformer", 8, "patch-dense-graph", 69.0, 0.0, 7.0, **day),
+        _model("enformer", 8, "patch-dense", 71.0, 9.4, 7.0, **later),
+        _model("enformer", 8, "sdpa-built-bias", 170.0, 32.0, 15.0, **later),
+        _model("enformer", 8, "flex-built-table", 162.0, 24.0, 15.5, **later),
+        # a run with a switch never counts, however fast
+        _model("enformer", 8, "unpatched", 190.0, 52.0, 15.0, **switched),
+        _model("enformer", 8, "patch-dense", 10.0, 0.5, 7.0, **switched),
+        # an older day of the same model: listed, not counted
+        _model("enformer", 32, "unpatched", 800.0, 200.0, 60.0, **older),
+        _model("enformer", 32, "patch-dense", 650.0, 34.0, 60.0, **older),
+        # alphagenome: modules met; its only alternative row failed, so there is no comparison
+        _model("alphagenome", 1, "flex-tile-bias", 1.0, 1.0, 1.0, **{**day, "status": "error"}),
+        _model("alphagenome", 1, "unpatched", 580.0, 150.0, 28.0, **day),
+        _model("alphagenome", 1, "patch-dense", 430.0, 12.5, 28.0, **day),
+        # a smoke model has no target
+        _model("enformer-tiny", 1, "unpatched", 5.0, 1.0, 0.1, **day),
+        _model("enformer-tiny", 1, "patch-dense", 4.0, 1.0, 0.1, **day),
+    ]
+    entries = {(e["model"], e["batch"]): e for e in tables.model_targets(rows)}
+    assert list(entries) == [("enformer", 8), ("enformer", 32), ("alphagenome", 1)]
+    e = entries[("enformer", 8)]
+    assert e["forward"] == pytest.approx(190 / 70) and e["modules"] == pytest.approx(52 / 9.5)
+    assert e["graph"] == pytest.approx(188 / 69)
+    assert e["alternative"]["provider"] == "flex-built-table" and e["versus"] == pytest.approx(162 / 71)
+    assert not e["older"] and entries[("enformer", 32)]["older"] and not entries[("alphagenome", 1)]["older"]
+    headers, table = tables.model_targets_table(rows)
+    by = {(r[0], r[1]): dict(zip(headers, r, strict=True)) for r in table}
+    row = by[("enformer", "8")]
+    assert row["verdict"] == "met" and row["verdict (10x)"] == "MISSED (55% of the target)"
+    assert row["in CUDA graphs"] == "2.72x (met)" and row["best alternative (ms)"] == "flex-built-table (162)"
+    assert row["commits"] == "ccccccc, ddddddd" and row["peak GiB: unpatched / patched / alternative"] == (
+        "17.00 / 9.00 / 17.50")  # the forwards' peaks (baseline 2 GiB included)
+    assert by[("enformer", "32")]["day"] == "2026-12-01 (older)"
+    assert by[("alphagenome", "1")]["verdict (10x)"] == "met" and by[("alphagenome", "1")]["patched vs it"] == "-"
+    summary = tables.model_targets_summary(rows)
+    # counted: enformer 8 (forward met, modules missed, vs alternative met), alphagenome 1 (forward met, modules met)
+    assert summary.startswith("**4 of 5 model targets met**")
+    assert "enformer batch 8 modules: 5.47x < 10.0x" in summary and "not counted: enformer batch 32" in summary

@@ -57,6 +57,18 @@ exactly. The basis comes from `kvbound.calibrate` on another draw of the same la
 the second table.
 """
 
+_MODEL_TARGETS_METHOD = """\
+The models' targets at their full sizes, each judged within one run (one process, side by side), from the latest run
+of each model and batch that has what the target compares: the whole forward patched with dense K/V against the
+unpatched port (>= 1.3x Enformer, >= 1.8x Borzoi, >= 1.3x AlphaGenome at 1 Mbp; eager, and in CUDA graphs where a
+run has both graph variants, `kvbound.capture`), the attention modules against the port's own (>= 10x; summed by
+forward hooks, so at batch 1 they include the modules' host path), and the patched forward against the fastest
+stock alternative a user could assemble (`--alternatives`: SDPA with a built bias or FlexAttention with a built
+table for Enformer and Borzoi, FlexAttention with the compact pair bias for AlphaGenome), with each forward's peak
+memory. Batches measured only on days before a model's newest runs are listed (`older`) but not counted: the
+code has changed since.
+"""
+
 _MODELS_METHOD = """\
 `python -m kvbound.bench --suite models`: each port at its full size with random weights (Enformer's
 zero-initialised `to_out` re-randomised), bf16 autocast, `no_grad`, one-hot random DNA. `unpatched`: the port as
@@ -582,6 +594,11 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         tables.to_markdown(*tables.encoder_calibration_table(rows)),
         "## Models end to end\n",
         _MODELS_METHOD,
+        "### Targets\n",
+        _MODEL_TARGETS_METHOD,
+        tables.model_targets_summary(rows),
+        tables.to_markdown(*tables.model_targets_table(rows)),
+        "### Every variant\n",
         tables.to_markdown(*tables.models_table(rows)),
         "### The largest batch that fits\n",
         _LARGEST_BATCH_METHOD,

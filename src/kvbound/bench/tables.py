@@ -440,6 +440,134 @@ MODEL_VARIANTS = ("unpatched", "patch-dense", "patch-compressed", "unpatched-gra
                   "patch-compressed-graph")
 
 
+# Whole-forward speed-up over the unpatched port, per full-size port; attention modules against the port's own.
+MODEL_FORWARD_TARGETS = {"enformer": 1.3, "borzoi": 1.8, "alphagenome": 1.3}
+MODEL_MODULE_TARGET = 10.0
+MODEL_ALTERNATIVES = ("sdpa-built-bias", "flex-built-table", "flex-tile-bias")
+
+
+def _ok_ms(r: dict | None, column: str = "ms_p50") -> float | None:
+    return r.get(column) if r is not None and r["status"] == "ok" and r.get(column) else None
+
+
+def _met(ratio: float | None, target: float) -> str:
+    if ratio is None:
+        return "not measured"
+    return "met" if ratio >= target else f"MISSED ({ratio / target:.0%} of the target)"
+
+
+def _latest_run_with(runs: dict[tuple, dict[str, dict]], key: tuple, needed: tuple[str, ...],
+                     any_of: tuple[str, ...] = ()) -> dict[str, dict] | None:  # fmt: skip
+    """The latest run (by date) of ``key`` = (model, batch) whose ok rows include every variant of ``needed`` and,
+    when ``any_of`` is given, at least one of those."""
+    found = None
+    for (model, batch, _), variants in sorted(runs.items(), key=lambda kv: kv[0][2][1] or ""):
+        if (model, batch) != key:
+            continue
+        ok = {name for name, r in variants.items() if _ok_ms(r) is not None}
+        if set(needed) <= ok and (not any_of or ok & set(any_of)):
+            found = variants
+    return found
+
+
+def model_targets(rows: list[dict]) -> list[dict]:
+    """Per full-size port and batch, the targets of the models suite, each judged within one run (one process,
+    side by side): the whole forward patched with dense K/V against the unpatched port (eager, and in CUDA graphs
+    where the run has both graph variants), the attention modules against the port's own (10x), and the patched
+    forward against the fastest stock alternative of the latest run that has one. Each entry keeps the rows it used."""
+    every = [r for r in rows if r["mode"] == "model" and default_settings(r) and r.get("shape") in
+             MODEL_FORWARD_TARGETS]  # fmt: skip
+    runs: dict[tuple, dict[str, dict]] = {}
+    for r in every:
+        runs.setdefault((r["shape"], r["batch"], _run_key(r)), {})[r["provider"]] = r
+    out = []
+    for key in dict.fromkeys((m, b) for m, b, _ in runs):
+        base = _latest_run_with(runs, key, ("unpatched", "patch-dense"))
+        graphs = _latest_run_with(runs, key, ("unpatched-graph", "patch-dense-graph"))
+        versus = _latest_run_with(runs, key, ("patch-dense",), MODEL_ALTERNATIVES)
+        if base is None and versus is None:
+            continue
+        entry: dict = {"model": key[0], "batch": key[1], "forward_target": MODEL_FORWARD_TARGETS[key[0]]}
+        if base is not None:
+            unpatched, patched = base["unpatched"], base["patch-dense"]
+            entry.update(unpatched=unpatched, patched=patched,
+                         forward=unpatched["ms_p50"] / patched["ms_p50"])  # fmt: skip
+            attention = _ok_ms(unpatched, "attention_ms_p50"), _ok_ms(patched, "attention_ms_p50")
+            entry["modules"] = attention[0] / attention[1] if None not in attention else None
+        if graphs is not None:
+            entry["graph"] = graphs["unpatched-graph"]["ms_p50"] / graphs["patch-dense-graph"]["ms_p50"]
+            entry["graph_rows"] = graphs
+        if versus is not None:
+            alternatives = [versus[a] for a in MODEL_ALTERNATIVES if _ok_ms(versus.get(a)) is not None]
+            best = min(alternatives, key=lambda r: r["ms_p50"])
+            entry.update(alternative=best, alternative_patched=versus["patch-dense"],
+                         versus=best["ms_p50"] / versus["patch-dense"]["ms_p50"])  # fmt: skip
+        entry["date"] = max(r.get("date") or "" for r in (entry.get("unpatched"), entry.get("alternative")) if r)
+        out.append(entry)
+    order = list(MODEL_FORWARD_TARGETS)
+    newest = {m: max(e["date"] for e in out if e["model"] == m) for m in {e["model"] for e in out}}
+    for e in out:  # measured at an older date than the model's newest run: listed, not counted
+        e["older"] = e["date"][:10] < newest[e["model"]][:10]
+    return sorted(out, key=lambda e: (order.index(e["model"]), e["older"], e["batch"]))
+
+
+def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """``model_targets`` as a table: each speed-up with its target, its verdict and the commit of its run."""
+    headers = ["model", "batch", "day", "forward ms: unpatched / patched", "forward speed-up", "verdict",
+               "in CUDA graphs", "attention modules ms", "modules speed-up", "verdict (10x)",
+               "best alternative (ms)", "patched vs it", "verdict", "peak GiB: unpatched / patched / alternative",
+               "commits"]  # fmt: skip
+    table = []
+    for e in model_targets(rows):
+        target = e["forward_target"]
+        u, p, alt = e.get("unpatched"), e.get("patched"), e.get("alternative")
+        peaks = [_gib(r.get("peak_bytes")) if r is not None else "-" for r in (u, p, alt)]
+        graph = e.get("graph")
+        commits = dict.fromkeys(r.get("commit") or "-" for r in (u, alt, *(e.get("graph_rows") or {}).values())
+                                if r is not None)  # fmt: skip
+        table.append([
+            e["model"], str(e["batch"]), e["date"][:10] + (" (older)" if e["older"] else ""),
+            "-" if u is None else f"{u['ms_p50']:.4g} / {p['ms_p50']:.4g}",
+            "-" if u is None else f"{e['forward']:.2f}x (>= {target}x)",
+            "-" if u is None else _met(e["forward"], target),
+            "-" if graph is None else f"{graph:.2f}x ({_met(graph, target)})",
+            "-" if u is None or e["modules"] is None else
+            f"{u['attention_ms_p50']:.4g} / {p['attention_ms_p50']:.4g}",
+            "-" if e.get("modules") is None else f"{e['modules']:.1f}x",
+            "-" if u is None else _met(e.get("modules"), MODEL_MODULE_TARGET),
+            "-" if alt is None else f"{alt['provider']} ({alt['ms_p50']:.4g})",
+            "-" if alt is None else f"{e['versus']:.2f}x",
+            "-" if alt is None else _met(e["versus"], 1.0),
+            " / ".join(peaks), ", ".join(commits),
+        ])  # fmt: skip
+    return headers, table
+
+
+def model_targets_summary(rows: list[dict]) -> str:
+    """One sentence: how many of the models' targets (forward, modules, against the best alternative) are met."""
+    met, missed, older = 0, [], []
+    for e in model_targets(rows):
+        where = f"{e['model']} batch {e['batch']}"
+        if e["older"]:
+            older.append(where)
+            continue
+        checks = []
+        if e.get("unpatched") is not None:
+            checks += [("forward", e["forward"], e["forward_target"]), ("modules", e["modules"], MODEL_MODULE_TARGET)]
+        if e.get("alternative") is not None:
+            checks.append(("vs best alternative", e["versus"], 1.0))
+        for what, ratio, target in checks:
+            if ratio is not None and ratio >= target:
+                met += 1
+            else:
+                missed.append(f"{where} {what}: " + ("not measured" if ratio is None else f"{ratio:.2f}x < {target}x"))
+    total = met + len(missed)
+    text = f"**{met} of {total} model targets met** (each model's batches measured on its newest day of runs)."
+    text += f" Missed: {'; '.join(missed)}." if missed else ""
+    return text + (f" Measured only on earlier days, listed below and not counted: {', '.join(older)}." if older
+                   else "")  # fmt: skip
+
+
 def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
