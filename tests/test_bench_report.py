@@ -550,6 +550,8 @@ def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_unc
         _model("enformer", 8, "patch-dense", 70.0, 9.5, 7.0, **day),
         _model("enformer", 8, "unpatched-graph", 188.0, 0.0, 15.0, **day),
         _model("enformer", 8, "patch-dense-graph", 69.0, 0.0, 7.0, **day),
+        _model("enformer", 8, "patch-compressed", 76.0, 14.0, 7.0, **day),
+        _model("enformer", 8, "patch-compressed-graph", 75.0, 0.0, 7.0, **day),
         _model("enformer", 8, "patch-dense", 71.0, 9.4, 7.0, **later),
         _model("enformer", 8, "sdpa-built-bias", 170.0, 32.0, 15.0, **later),
         _model("enformer", 8, "flex-built-table", 162.0, 24.0, 15.5, **later),
@@ -563,6 +565,9 @@ def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_unc
         _model("alphagenome", 1, "flex-tile-bias", 1.0, 1.0, 1.0, **{**day, "status": "error"}),
         _model("alphagenome", 1, "unpatched", 580.0, 150.0, 28.0, **day),
         _model("alphagenome", 1, "patch-dense", 430.0, 12.5, 28.0, **day),
+        # its compressed forward was measured on an older day only: shown with that day, not counted
+        _model("alphagenome", 1, "unpatched", 575.0, 150.0, 28.0, **older),
+        _model("alphagenome", 1, "patch-compressed", 500.0, 88.0, 28.0, **older),
         # a smoke model has no target
         _model("enformer-tiny", 1, "unpatched", 5.0, 1.0, 0.1, **day),
         _model("enformer-tiny", 1, "patch-dense", 4.0, 1.0, 0.1, **day),
@@ -579,11 +584,14 @@ def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_unc
     row = by[("enformer", "8")]
     assert row["verdict"] == "met" and row["verdict (10x)"] == "MISSED (55% of the target)"
     assert row["in CUDA graphs"] == "2.72x (met)" and row["best alternative (ms)"] == "flex-built-table (162)"
+    assert row["compressed K/V"] == "2.50x (met); in CUDA graphs 2.51x (met)"
+    assert by[("alphagenome", "1")]["compressed K/V"] == "1.15x (MISSED (88% of the target)), 2026-12-01, not counted"
     assert row["commits"] == "ccccccc, ddddddd" and row["peak GiB: unpatched / patched / alternative"] == (
         "17.00 / 9.00 / 17.50")  # the forwards' peaks (baseline 2 GiB included)
     assert by[("enformer", "32")]["day"] == "2026-12-01 (older)"
     assert by[("alphagenome", "1")]["verdict (10x)"] == "met" and by[("alphagenome", "1")]["patched vs it"] == "-"
     summary = tables.model_targets_summary(rows)
-    # counted: enformer 8 (forward met, modules missed, vs alternative met), alphagenome 1 (forward met, modules met)
-    assert summary.startswith("**4 of 5 model targets met**")
+    # counted: enformer 8 (forward met, modules missed, vs alternative met, compressed met), alphagenome 1 (forward
+    # met, modules met; its compressed forward is from an older day)
+    assert summary.startswith("**5 of 6 model targets met**")
     assert "enformer batch 8 modules: 5.47x < 10.0x" in summary and "not counted: enformer batch 32" in summary

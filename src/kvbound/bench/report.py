@@ -61,7 +61,8 @@ _MODEL_TARGETS_METHOD = """\
 The models' targets at their full sizes, each judged within one run (one process, side by side), from the latest run
 of each model and batch that has what the target compares: the whole forward patched with dense K/V against the
 unpatched port (>= 1.3x Enformer, >= 1.8x Borzoi, >= 1.3x AlphaGenome at 1 Mbp; eager, and in CUDA graphs where a
-run has both graph variants, `kvbound.capture`), the attention modules against the port's own (>= 10x; summed by
+run has both graph variants, `kvbound.capture`), the same with compressed K/V (default `CompressionConfig()`,
+calibrated; `compressed K/V`), the attention modules against the port's own (>= 10x; summed by
 forward hooks, so at batch 1 they include the modules' host path), and the patched forward against the fastest
 stock alternative a user could assemble (`--alternatives`: SDPA with a built bias or FlexAttention with a built
 table for Enformer and Borzoi, FlexAttention with the compact pair bias for AlphaGenome), with each forward's peak

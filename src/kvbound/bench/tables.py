@@ -484,6 +484,8 @@ def model_targets(rows: list[dict]) -> list[dict]:
     for key in dict.fromkeys((m, b) for m, b, _ in runs):
         base = _latest_run_with(runs, key, ("unpatched", "patch-dense"))
         graphs = _latest_run_with(runs, key, ("unpatched-graph", "patch-dense-graph"))
+        compressed = _latest_run_with(runs, key, ("unpatched", "patch-compressed"))
+        compressed_graphs = _latest_run_with(runs, key, ("unpatched-graph", "patch-compressed-graph"))
         versus = _latest_run_with(runs, key, ("patch-dense",), MODEL_ALTERNATIVES)
         if base is None and versus is None:
             continue
@@ -497,6 +499,12 @@ def model_targets(rows: list[dict]) -> list[dict]:
         if graphs is not None:
             entry["graph"] = graphs["unpatched-graph"]["ms_p50"] / graphs["patch-dense-graph"]["ms_p50"]
             entry["graph_rows"] = graphs
+        if compressed is not None:
+            entry["compressed"] = compressed["unpatched"]["ms_p50"] / compressed["patch-compressed"]["ms_p50"]
+            entry["compressed_row"] = compressed["patch-compressed"]
+        if compressed_graphs is not None:
+            entry["compressed_graph"] = (compressed_graphs["unpatched-graph"]["ms_p50"]
+                                         / compressed_graphs["patch-compressed-graph"]["ms_p50"])  # fmt: skip
         if versus is not None:
             alternatives = [versus[a] for a in MODEL_ALTERNATIVES if _ok_ms(versus.get(a)) is not None]
             best = min(alternatives, key=lambda r: r["ms_p50"])
@@ -508,13 +516,15 @@ def model_targets(rows: list[dict]) -> list[dict]:
     newest = {m: max(e["date"] for e in out if e["model"] == m) for m in {e["model"] for e in out}}
     for e in out:  # measured at an older date than the model's newest run: listed, not counted
         e["older"] = e["date"][:10] < newest[e["model"]][:10]
+        if "compressed_row" in e:
+            e["compressed_older"] = (e["compressed_row"].get("date") or "")[:10] < newest[e["model"]][:10]
     return sorted(out, key=lambda e: (order.index(e["model"]), e["older"], e["batch"]))
 
 
 def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """``model_targets`` as a table: each speed-up with its target, its verdict and the commit of its run."""
     headers = ["model", "batch", "day", "forward ms: unpatched / patched", "forward speed-up", "verdict",
-               "in CUDA graphs", "attention modules ms", "modules speed-up", "verdict (10x)",
+               "in CUDA graphs", "compressed K/V", "attention modules ms", "modules speed-up", "verdict (10x)",
                "best alternative (ms)", "patched vs it", "verdict", "peak GiB: unpatched / patched / alternative",
                "commits"]  # fmt: skip
     table = []
@@ -523,14 +533,21 @@ def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         u, p, alt = e.get("unpatched"), e.get("patched"), e.get("alternative")
         peaks = [_gib(r.get("peak_bytes")) if r is not None else "-" for r in (u, p, alt)]
         graph = e.get("graph")
-        commits = dict.fromkeys(r.get("commit") or "-" for r in (u, alt, *(e.get("graph_rows") or {}).values())
-                                if r is not None)  # fmt: skip
+        rows_used = (u, alt, e.get("compressed_row"), *(e.get("graph_rows") or {}).values())
+        commits = dict.fromkeys(r.get("commit") or "-" for r in rows_used if r is not None)
+        squeezed = "-"
+        if "compressed" in e:
+            squeezed = f"{e['compressed']:.2f}x ({_met(e['compressed'], target)})"
+            if e["compressed_older"]:
+                squeezed += f", {(e['compressed_row'].get('date') or '')[:10]}, not counted"
+        if "compressed_graph" in e:
+            squeezed += f"; in CUDA graphs {e['compressed_graph']:.2f}x ({_met(e['compressed_graph'], target)})"
         table.append([
             e["model"], str(e["batch"]), e["date"][:10] + (" (older)" if e["older"] else ""),
             "-" if u is None else f"{u['ms_p50']:.4g} / {p['ms_p50']:.4g}",
             "-" if u is None else f"{e['forward']:.2f}x (>= {target}x)",
             "-" if u is None else _met(e["forward"], target),
-            "-" if graph is None else f"{graph:.2f}x ({_met(graph, target)})",
+            "-" if graph is None else f"{graph:.2f}x ({_met(graph, target)})", squeezed,
             "-" if u is None or e["modules"] is None else
             f"{u['attention_ms_p50']:.4g} / {p['attention_ms_p50']:.4g}",
             "-" if e.get("modules") is None else f"{e['modules']:.1f}x",
@@ -556,6 +573,8 @@ def model_targets_summary(rows: list[dict]) -> str:
             checks += [("forward", e["forward"], e["forward_target"]), ("modules", e["modules"], MODEL_MODULE_TARGET)]
         if e.get("alternative") is not None:
             checks.append(("vs best alternative", e["versus"], 1.0))
+        if "compressed" in e and not e["compressed_older"]:
+            checks.append(("compressed forward", e["compressed"], e["forward_target"]))
         for what, ratio, target in checks:
             if ratio is not None and ratio >= target:
                 met += 1
