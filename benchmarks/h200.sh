@@ -83,10 +83,12 @@
 #                         4-warp tiles without spills in benchmarks/static_regs.py's counts (64x32x4x1, 64x16x4x1,
 #                         64x16x4x2): time, error against float64, and Nsight Compute (--clock-control none) sections
 #                         per kernel (registers, spills, occupancy, issue slots, tensor pipe, stall reasons)
-#   alternatives ~8 min   whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
+#   alternatives ~10 min  whole forwards of Enformer (batch 1, 8) and Borzoi (1, 4): unpatched, patched (dense,
 #                         compressed), and the ports with their attention core replaced by what a user could assemble
 #                         (SDPA with a built position bias, compiled FlexAttention over a built table;
-#                         kvbound/bench/alternatives.py): FlexAttention compiles per shape (untimed)
+#                         kvbound/bench/alternatives.py): FlexAttention compiles per shape (untimed); then AlphaGenome
+#                         (1 Mb, batch 1, 2) unpatched, patched dense and on FlexAttention reading its compact pair
+#                         bias (flex-tile-bias; 108 s at 7955972)
 #   timeline    ~8 min    benchmarks/forward_timeline.py: one traced whole forward of Enformer (batch 8, then 1),
 #                         Borzoi (4, then 1) and AlphaGenome (1), unpatched and patch-dense: device busy and idle
 #                         time, the attention modules' device time, the transformer's span, a plot; then
@@ -357,6 +359,9 @@ alternatives)
     step alternatives-enformer 260 "$RES/models_alternatives_enformer.csv" "${CMD[@]}"
     bench "$RES/models_alternatives_borzoi.csv" --suite models --only 'borzoi*' --batches 1 4 --alternatives
     step alternatives-borzoi 260 "$RES/models_alternatives_borzoi.csv" "${CMD[@]}"
+    bench "$RES/models_alternatives_alphagenome.csv" --suite models --only 'alphagenome*' --batches 1 2 \
+        --alternatives --variants unpatched patch-dense flex-tile-bias
+    step alternatives-alphagenome 300 "$RES/models_alternatives_alphagenome.csv" "${CMD[@]}"
     ;;
 timeline)
     install_wheels

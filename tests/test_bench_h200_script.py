@@ -212,12 +212,14 @@ def test_largest_alphagenome_part_searches_alphagenome_only(tmp_path):
 def test_alternatives_part_times_the_stock_cores_beside_the_patch(tmp_path, smoke):
     _, out, _ = _run("alternatives", tmp_path, smoke=smoke)
     calls = [c for c in _calls(tmp_path) if c.startswith("-m kvbound.bench ")]
-    assert len(calls) == 2 and all("--suite models" in c and "--alternatives" in c for c in calls)
+    assert len(calls) == 3 and all("--suite models" in c and "--alternatives" in c for c in calls)
     assert ("--batches" in calls[0]) == (not smoke) and ("--cpu-smoke" in calls[0]) == smoke
+    assert "--only alphagenome*" in calls[2] and "--variants unpatched patch-dense flex-tile-bias" in calls[2]
     if not smoke:
         assert "--only enformer*" in calls[0] and "--only borzoi*" in calls[1]
     status = (out / "status.txt").read_text()
     assert "alternatives-enformer 0" in status and "alternatives-borzoi 0" in status
+    assert "alternatives-alphagenome 0" in status
 
 
 @pytest.mark.parametrize("smoke", [False, True])
