@@ -178,29 +178,32 @@ def _tile_bias_forward(module: nn.Module, x: torch.Tensor, tiles: torch.Tensor, 
 
 
 def _tile_bias_block(tower: nn.Module, block, x, pair_x, compute_dtype):
-    """``TransformerTower._forward_block`` of alphagenome_pytorch 0.3.1, handing the ``MHABlock`` its bias at tile
-    resolution (``AttentionBiasBlock`` without the 16 x 16 repeat)."""
-    from kvbound.models._ports import alphagenome_tile_values
+    """``TransformerTower._forward_block``, handing the ``MHABlock`` its bias at tile resolution
+    (``AttentionBiasBlock`` without the 16 x 16 repeat)."""
+    from kvbound.models._ports import alphagenome_block, alphagenome_tile_values
 
-    if block["pair_update"] is not None:
-        pair_x = block["pair_update"](x, pair_x, compute_dtype=compute_dtype)
-    tiles = alphagenome_tile_values(block["attn_bias"], pair_x)
-    x = x + block["mha"](x, tiles, compute_dtype=compute_dtype)
-    x = x + block["mlp"](x)
-    return x, pair_x
+    return alphagenome_block(block, x, pair_x, compute_dtype,
+                             lambda pair: alphagenome_tile_values(block["attn_bias"], pair))  # fmt: skip
 
 
 def _towers_of(model: nn.Module | None, modules: list[nn.Module]) -> list[nn.Module]:
     """The AlphaGenome towers (modules with ``_forward_block`` and ``blocks``) of ``model`` that hold ``modules``."""
     if model is None:
         raise ValueError("alternative flex-tile-bias: model is needed (the TransformerTower that holds the MHABlocks)")
-    towers = [m for m in model.modules() if hasattr(type(m), "_forward_block") and hasattr(m, "blocks")]
-    held = {id(block["mha"]) for tower in towers for block in tower.blocks if "mha" in block}
-    missing = sum(id(m) not in held for m in modules)
-    if missing or not towers:
+    wanted = {id(m) for m in modules}
+    held: set[int] = set()
+    towers = []
+    for tower in model.modules():
+        if hasattr(type(tower), "_forward_block") and hasattr(tower, "blocks"):
+            mine = {id(block["mha"]) for block in tower.blocks if "mha" in block} & wanted
+            if mine:
+                towers.append(tower)
+                held |= mine
+    missing = len(wanted - held)
+    if missing:
         raise ValueError(f"alternative flex-tile-bias: {missing} of {len(modules)} MHABlocks are in no "
                          f"TransformerTower of the model")  # fmt: skip
-    return [t for t in towers if any(id(block["mha"]) in {id(m) for m in modules} for block in t.blocks)]
+    return towers
 
 
 def _replace_forward(module: nn.Module, attribute: str, fn: Callable, saved: list) -> None:

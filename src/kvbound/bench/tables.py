@@ -443,7 +443,9 @@ MODEL_VARIANTS = ("unpatched", "patch-dense", "patch-compressed", "unpatched-gra
 # Whole-forward speed-up over the unpatched port, per full-size port; attention modules against the port's own.
 MODEL_FORWARD_TARGETS = {"enformer": 1.3, "borzoi": 1.8, "alphagenome": 1.3}
 MODEL_MODULE_TARGET = 10.0
-MODEL_ALTERNATIVES = ("sdpa-built-bias", "flex-built-table", "flex-tile-bias")
+# The stock alternatives of kvbound.bench.alternatives (named here: this module imports no torch).
+RELATIVE_ALTERNATIVES = ("sdpa-built-bias", "flex-built-table")
+MODEL_ALTERNATIVES = (*RELATIVE_ALTERNATIVES, "flex-tile-bias")
 
 
 def _ok_ms(r: dict | None, column: str = "ms_p50") -> float | None:
@@ -456,18 +458,15 @@ def _met(ratio: float | None, target: float) -> str:
     return "met" if ratio >= target else f"MISSED ({ratio / target:.0%} of the target)"
 
 
-def _latest_run_with(runs: dict[tuple, dict[str, dict]], key: tuple, needed: tuple[str, ...],
+def _latest_run_with(runs: list[dict[str, dict]], needed: tuple[str, ...],
                      any_of: tuple[str, ...] = ()) -> dict[str, dict] | None:  # fmt: skip
-    """The latest run (by date) of ``key`` = (model, batch) whose ok rows include every variant of ``needed`` and,
-    when ``any_of`` is given, at least one of those."""
-    found = None
-    for (model, batch, _), variants in sorted(runs.items(), key=lambda kv: kv[0][2][1] or ""):
-        if (model, batch) != key:
-            continue
+    """The latest of ``runs`` (one model and batch, oldest first) whose ok rows include every variant of ``needed``
+    and, when ``any_of`` is given, at least one of those."""
+    for variants in reversed(runs):
         ok = {name for name, r in variants.items() if _ok_ms(r) is not None}
         if set(needed) <= ok and (not any_of or ok & set(any_of)):
-            found = variants
-    return found
+            return variants
+    return None
 
 
 def model_targets(rows: list[dict]) -> list[dict]:
@@ -477,16 +476,19 @@ def model_targets(rows: list[dict]) -> list[dict]:
     forward against the fastest stock alternative of the latest run that has one. Each entry keeps the rows it used."""
     every = [r for r in rows if r["mode"] == "model" and default_settings(r) and r.get("shape") in
              MODEL_FORWARD_TARGETS]  # fmt: skip
-    runs: dict[tuple, dict[str, dict]] = {}
+    by_run: dict[tuple, dict[str, dict]] = {}
     for r in every:
-        runs.setdefault((r["shape"], r["batch"], _run_key(r)), {})[r["provider"]] = r
+        by_run.setdefault((r["shape"], r["batch"], _run_key(r)), {})[r["provider"]] = r
+    runs: dict[tuple, list[dict[str, dict]]] = {}  # (model, batch) -> its runs, oldest first
+    for (model, batch, _), variants in sorted(by_run.items(), key=lambda kv: kv[0][2][1] or ""):
+        runs.setdefault((model, batch), []).append(variants)
     out = []
-    for key in dict.fromkeys((m, b) for m, b, _ in runs):
-        base = _latest_run_with(runs, key, ("unpatched", "patch-dense"))
-        graphs = _latest_run_with(runs, key, ("unpatched-graph", "patch-dense-graph"))
-        compressed = _latest_run_with(runs, key, ("unpatched", "patch-compressed"))
-        compressed_graphs = _latest_run_with(runs, key, ("unpatched-graph", "patch-compressed-graph"))
-        versus = _latest_run_with(runs, key, ("patch-dense",), MODEL_ALTERNATIVES)
+    for key in dict.fromkeys((m, b) for m, b, _ in by_run):
+        base = _latest_run_with(runs[key], ("unpatched", "patch-dense"))
+        graphs = _latest_run_with(runs[key], ("unpatched-graph", "patch-dense-graph"))
+        compressed = _latest_run_with(runs[key], ("unpatched", "patch-compressed"))
+        compressed_graphs = _latest_run_with(runs[key], ("unpatched-graph", "patch-compressed-graph"))
+        versus = _latest_run_with(runs[key], ("patch-dense",), MODEL_ALTERNATIVES)
         if base is None and versus is None:
             continue
         entry: dict = {"model": key[0], "batch": key[1], "forward_target": MODEL_FORWARD_TARGETS[key[0]]}
@@ -706,9 +708,6 @@ LEGACY_ENCODER_COLUMNS = ("encoder", "shape", "ms", "input_GBps", "copy_ms", "ra
 LEGACY_PUBLIC_API_COLUMNS = ("N", "heads", "d", "cudnn_ms", "kvbound_compressed_ms", "kvbound_dense_ms")
 
 
-_RELATIVE_ALTERNATIVES = ("sdpa-built-bias", "flex-built-table")
-
-
 def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """``--suite relative``: each provider's time on one relative-position attention layer, against the ports'
     math and against the faster of the alternatives a user could assemble (SDPA or FlexAttention with the
@@ -729,7 +728,7 @@ def relative_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     for shape, group in by_shape.items():
         ok = {r["provider"]: r["ms_p50"] for r in group if r["status"] == "ok" and r.get("ms_p50")}
         port = ok.get("port-eager")
-        alternatives = [ok[name] for name in _RELATIVE_ALTERNATIVES if name in ok]
+        alternatives = [ok[name] for name in RELATIVE_ALTERNATIVES if name in ok]
         best = min(alternatives) if alternatives else None
         for r in sorted(group, key=lambda r: order.get(r["provider"], 9)):
             ms = r.get("ms_p50") if r["status"] == "ok" else None

@@ -767,19 +767,23 @@ def alphagenome_tile_values(attention_bias_block: nn.Module, pair: torch.Tensor)
     return attention_bias_block.proj(h).permute(0, 3, 1, 2)
 
 
-def _alphagenome_tower_block(module, record, handle, block, x, pair_x, compute_dtype):
-    # TransformerTower._forward_block, except that a patched MHABlock receives the bias at tile resolution.
+def alphagenome_block(block, x, pair_x, compute_dtype, bias: Callable[[torch.Tensor], object]):
+    """``TransformerTower._forward_block`` of alphagenome_pytorch 0.3.1 with the ``MHABlock``'s bias made by
+    ``bias(pair_x)`` instead of the block's ``AttentionBiasBlock``."""
     if block["pair_update"] is not None:
         pair_x = block["pair_update"](x, pair_x, compute_dtype=compute_dtype)
-    mha = block["mha"]
-    if handle._patches_attention(mha):
-        s = x.shape[1]
-        bias = TileBias(alphagenome_tile_values(block["attn_bias"], pair_x), ALPHAGENOME_TILE, s, s)
-    else:
-        bias = block["attn_bias"](pair_x)
-    x = x + mha(x, bias, compute_dtype=compute_dtype)
+    x = x + block["mha"](x, bias(pair_x), compute_dtype=compute_dtype)
     x = x + block["mlp"](x)
     return x, pair_x
+
+
+def _alphagenome_tower_block(module, record, handle, block, x, pair_x, compute_dtype):
+    # TransformerTower._forward_block, except that a patched MHABlock receives the bias at tile resolution.
+    if not handle._patches_attention(block["mha"]):
+        return alphagenome_block(block, x, pair_x, compute_dtype, block["attn_bias"])
+    s = x.shape[1]
+    return alphagenome_block(block, x, pair_x, compute_dtype, lambda pair: TileBias(
+        alphagenome_tile_values(block["attn_bias"], pair), ALPHAGENOME_TILE, s, s))
 
 
 _RELATIVE_REQUIRED = (
