@@ -335,6 +335,9 @@ def test_feed_forward_runs_itself_where_fusing_would_change_behaviour(enformer, 
 def test_gpu_feed_forward_bf16():
     """On the GPU at Borzoi's width (1536, eps 1e-3) on a bfloat16 residual stream: the fused feed-forward against
     the module's own forward under bfloat16 autocast, both against float64: at most about the module's error."""
+    from types import SimpleNamespace
+
+    from kvbound.models._operands import OperandCache
     from kvbound.models._ports import _fusable_feed_forward, feed_forward_forward
 
     ffn = nn.Sequential(nn.LayerNorm(1536, eps=1e-3), nn.Linear(1536, 3072), nn.Dropout(0.4), nn.ReLU(),
@@ -344,8 +347,11 @@ def test_gpu_feed_forward_bf16():
     x = torch.randn(2, 4096, 1536, device="cuda", generator=g).to(torch.bfloat16)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         assert _fusable_feed_forward(ffn, x) is torch.bfloat16
-        got = feed_forward_forward(ffn, None, None, x)
+        handle = SimpleNamespace(_operands=OperandCache())
+        got = feed_forward_forward(ffn, None, handle, x)
+        again = feed_forward_forward(ffn, None, handle, x)  # on the kept casts of both Linears' weights and biases
         own = ffn(x)
+    assert len(handle._operands) == 4 and torch.equal(got, again)
     ref = _feed_forward64(ffn, x)
     assert got.dtype == own.dtype == torch.bfloat16 and got.shape == x.shape
     err, err_own = ((t.double() - ref).abs().max().item() for t in (got, own))

@@ -83,7 +83,7 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     h = module.heads
     # Under autocast each of the three projections would cast x to the autocast dtype; one cast, the same values.
     x_operand = x.to(_matmul_dtype(x))
-    q, k, v = (_split_heads(layer(x_operand), h) for layer in (module.to_q, module.to_k, module.to_v))
+    q, k, v = (_split_heads(_linear(layer, x_operand, handle), h) for layer in (module.to_q, module.to_k, module.to_v))
     features = relative_keys_fn(module, handle, n, x.device)
     k, v = handle._prepare_kv(record, k, v)
     runs = handle._relative_runs(features) if relative_runs_enabled() else None
@@ -91,8 +91,7 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
         # One relative key per run of equal features (Borzoi): the same Linear on the run's first row, and no
         # [2N - 1] keys to compute or check against the runs.
         features = handle._run_features(features, runs)
-    positions = module.pos_dropout(features)
-    relative_keys = module.to_rel_k(positions).reshape(features.shape[0], h, -1).transpose(0, 1)
+    relative_keys = _relative_keys(module, handle, features, x.device)
     out = relative_position_attention(
         q,
         k,
@@ -106,7 +105,59 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
         relative_runs=runs,
     )
     out = out.to(q.dtype).transpose(1, 2).reshape(b, n, -1)
-    return module.to_out(out)
+    return _linear(module.to_out, out, handle)
+
+
+def _plain_module(module: nn.Module, kind: type) -> bool:
+    """``module`` is exactly ``kind``, with no forward of its own and no hooks (its own or global) that would see
+    whether it was called."""
+    if type(module) is not kind or "forward" in vars(module):
+        return False
+    return not (module._forward_hooks or module._forward_pre_hooks) and _no_global_hooks()
+
+
+def _autocast_linear_dtype(layer: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype ``layer(x)`` multiplies in, where the call may run as ``F.linear`` on cached casts of the
+    weight and bias (the same values autocast's casts give): a plain ``nn.Linear`` with float32 parameters on
+    ``x``'s device under float16/bfloat16 autocast; else None."""
+    if not _plain_module(layer, nn.Linear) or not torch.is_autocast_enabled(x.device.type):
+        return None
+    dtype = torch.get_autocast_dtype(x.device.type)
+    if dtype not in (torch.float16, torch.bfloat16) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    if any(p is not None and (p.dtype != torch.float32 or p.device != x.device) for p in (layer.weight, layer.bias)):
+        return None
+    return dtype
+
+
+def _linear(layer: nn.Module, x: torch.Tensor, handle) -> torch.Tensor:
+    """``layer(x)``; under autocast on the handle's cached casts of a plain ``nn.Linear`` 's weight and bias
+    (:class:`~kvbound.models._operands.OperandCache`), which saves the casts' launches in every call."""
+    dtype = _autocast_linear_dtype(layer, x)
+    if dtype is None:
+        return layer(x)
+    cast = handle._operands.cast
+    return F.linear(x, cast(layer.weight, dtype), None if layer.bias is None else cast(layer.bias, dtype))
+
+
+def _relative_keys(module, handle, features: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``to_rel_k(pos_dropout(features))`` as ``[H, rows, Dk]``: the port's relative keys. They depend only on the
+    features (a tensor the handle keeps per length) and ``to_rel_k`` 's parameters, so where the dropout is inactive
+    and neither module is observed they are made once per handle, features and autocast state and kept while
+    ``to_rel_k`` is unchanged (``OperandCache``)."""
+    dropout, layer, heads = module.pos_dropout, module.to_rel_k, module.heads
+
+    def make() -> torch.Tensor:
+        return layer(dropout(features)).reshape(features.shape[0], heads, -1).transpose(0, 1)
+
+    if not _plain_module(dropout, nn.Dropout) or (dropout.training and dropout.p > 0):
+        return make()
+    if not _plain_module(layer, nn.Linear):
+        return make()
+    kind = device.type
+    key = ("relative_keys", id(layer), id(features), torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+    sources = (features, *(p for p in (layer.weight, layer.bias) if p is not None))
+    return handle._operands.get(key, sources, make)
 
 
 def _switch(name: str) -> bool:
@@ -342,8 +393,9 @@ def feed_forward_forward(module, record, handle, x):
         return nn.Sequential.forward(module, x)
     norm, first, _, _, second, _ = module.children()
     h = _layer_norm_to(norm, x, dtype).view(-1, x.shape[-1])
-    h = _linear_relu(h, first.weight.to(dtype), first.bias.to(dtype))
-    return F.linear(h, second.weight, second.bias).view(*x.shape[:-1], -1)
+    cast = handle._operands.cast  # the casts autocast would make in each call, kept while the weights are unchanged
+    h = _linear_relu(h, cast(first.weight, dtype), cast(first.bias, dtype))
+    return F.linear(h, cast(second.weight, dtype), cast(second.bias, dtype)).view(*x.shape[:-1], -1)
 
 
 def _linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

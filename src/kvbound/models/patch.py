@@ -24,6 +24,7 @@ from kvbound.codec.format import CompressedKV
 from kvbound.compress import compress_kv
 from kvbound.config import CompressionConfig
 from kvbound.models._backend import BACKENDS
+from kvbound.models._operands import OperandCache
 from kvbound.models._ports import (
     PORTS,
     UNSUPPORTED,
@@ -207,6 +208,8 @@ class PatchHandle:
         self._features: dict[tuple, torch.Tensor] = {}
         self._features_runs: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
         self._features_run_rows: dict[int, tuple[torch.Tensor, list[int], torch.Tensor]] = {}
+        # Casts of the patched layers' weights and their relative keys, kept while unchanged (_operands.py).
+        self._operands = OperandCache()
         self.active = True
 
     # ------------------------------------------------------------------------------------- used by forwards
@@ -358,6 +361,18 @@ class PatchHandle:
             record._forecast.clear()
             record._synchronous.clear()
 
+    def clear_operands(self) -> None:
+        """Drop the weights' casts and the relative keys this handle keeps between forwards (``operand_bytes`` of
+        device memory). They are made again at the next forward. Needed only after a weight was written in place
+        through ``.data``, which PyTorch's version counter does not see; every other change of a weight
+        (``load_state_dict``, in-place writes, ``model.to``) is seen and its operands are made again."""
+        self._operands.clear()
+
+    @property
+    def operand_bytes(self) -> int:
+        """Bytes of device memory held by the kept operands (``clear_operands``)."""
+        return self._operands.bytes
+
     # ---------------------------------------------------------------------------------------------- public
     @contextlib.contextmanager
     def variants(self, references: Sequence[int] | torch.Tensor) -> Iterator[PatchHandle]:
@@ -435,6 +450,7 @@ class PatchHandle:
         self._features.clear()
         self._features_runs.clear()
         self._features_run_rows.clear()
+        self._operands.clear()
         if problems:
             raise RuntimeError("kvbound.patch undo: " + "; ".join(problems))
 

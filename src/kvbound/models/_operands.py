@@ -1,0 +1,93 @@
+"""Parameters in the form the patched forwards multiply them, made once per handle and reused while unchanged.
+
+Under autocast every ``nn.Linear`` call casts its float32 weight (and bias) to the autocast dtype, and a patched
+Enformer/Borzoi layer projects its positional features to the same relative keys in every forward. On a GPU at
+small batches these launches are what a forward waits for (the host path, ``kvbound/models/README.md``). A
+:class:`OperandCache` keeps each such tensor after its first use and hands it back for as long as its sources are
+unchanged, which it tells from each source's storage, offset, shape, strides and version counter (every in-place
+write through the tensor, ``load_state_dict``, ``nn.init`` and the optimizers included, raises the version). Each
+entry keeps its sources' storages alive, so that a storage that was replaced (``model.to(...)``, ``param.data =
+...``) cannot be followed by a new one at the same address. A write through ``param.data``, which PyTorch's
+version counter does not see, is not seen here either: call ``handle.clear_operands()`` after one.
+
+Not cached (made in each call instead): sources that are inference tensors (no version counter) or that autograd
+would differentiate, since the cached tensor would carry no graph. ``KVBOUND_OPERAND_CACHE=0`` turns the cache off
+(read at each call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["OperandCache", "operand_cache_enabled"]
+
+
+def operand_cache_enabled() -> bool:
+    """``KVBOUND_OPERAND_CACHE``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
+    (``false``, ``off``, ``no``); other values raise. Read at each call."""
+    from kvbound.models._ports import _switch
+
+    return _switch("KVBOUND_OPERAND_CACHE")
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def cacheable(t: torch.Tensor) -> bool:
+    """Whether a tensor derived from ``t`` may be kept: ``t`` has a version counter (not an inference tensor) and
+    autograd does not need the derivation's graph."""
+    if t.is_inference() or t.is_meta:
+        return False
+    return not (torch.is_grad_enabled() and t.requires_grad)
+
+
+@dataclass
+class _Entry:
+    stamps: tuple
+    storages: tuple  # the sources' storages, kept alive (see the module docstring)
+    value: torch.Tensor
+
+
+class OperandCache:
+    """Tensors derived from parameters, by key; ``len`` = entries held, ``bytes`` = their size, ``made`` = entries
+    made so far (a remade entry counts again)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, _Entry] = {}
+        self.made = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.value.numel() * e.value.element_size() for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, or what it returned for ``key`` before if ``sources`` are unchanged since. ``make`` must depend
+        on nothing but ``sources``, ``key`` and the autocast state (put that in ``key``). Made without autograd and
+        outside inference mode, so that the value can be read by later forwards under either."""
+        if not operand_cache_enabled() or not all(cacheable(s) for s in sources):
+            return make()
+        stamps = tuple(_stamp(s) for s in sources)
+        entry = self._entries.get(key)
+        if entry is not None and entry.stamps == stamps:
+            return entry.value
+        with torch.inference_mode(False), torch.no_grad():
+            value = make()
+        self._entries[key] = _Entry(stamps, tuple(s.untyped_storage() for s in sources), value)
+        self.made += 1
+        return value
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t.to(dtype)``, kept while ``t`` is unchanged (``t`` itself when it has that dtype)."""
+        if t.dtype == dtype:
+            return t
+        return self.get(("cast", id(t), dtype), (t,), lambda: t.to(dtype))
