@@ -531,11 +531,20 @@ def test_model_speedups_plot_divides_by_its_own_runs_unpatched_forward(tmp_path,
         seen[kwargs.get("label")] = [round(y, 6) for y in ys]
         return real_bar(self, xs, ys, *args, **kwargs)
 
+    real_labels = plots._pyplot().Axes.set_xticklabels
+    groups = []
+
+    def set_xticklabels(self, labels, *args, **kwargs):
+        groups.extend(labels)
+        return real_labels(self, labels, *args, **kwargs)
+
     monkeypatch.setattr(plots._pyplot().Axes, "bar", bar)
+    monkeypatch.setattr(plots._pyplot().Axes, "set_xticklabels", set_xticklabels)
     path = plots.model_speedups(rows, tmp_path / "s.png")
     assert path is not None and path.read_bytes()[:8] == PNG_MAGIC
     assert seen == {"patched dense": [1.5], "patched dense, CUDA graph / unpatched eager": [2.0],
                     "patched dense / unpatched, both CUDA graphs": [1.6]}
+    assert groups == ["enformer\nB=1\nccccccc"]  # no empty group for borzoi's batch without an unpatched forward
     assert plots.model_speedups(fixture_rows(), tmp_path / "none.png") is None
 
 

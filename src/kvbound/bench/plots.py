@@ -274,8 +274,6 @@ def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
             ("patch-compressed", "unpatched", "patched compressed"),
             ("patch-dense-graph", "unpatched", "patched dense, CUDA graph / unpatched eager"),
             ("patch-dense-graph", "unpatched-graph", "patched dense / unpatched, both CUDA graphs"))  # fmt: skip
-    order = list(MODEL_TARGETS)
-    groups = sorted({(r["shape"], int(r["batch"])) for r in timed}, key=lambda g: (order.index(g[0]), g[1]))
     values: dict[tuple, float] = {}
     for r in timed:
         for variant, base, label in bars:
@@ -284,6 +282,9 @@ def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
                 values[(r["shape"], int(r["batch"]), label)] = ref / r["ms_p50"]
     if not values:
         return None
+    # Batches with a speed-up to show (not those whose unpatched forward failed, e.g. out of memory).
+    order = list(MODEL_TARGETS)
+    groups = sorted({key[:2] for key in values}, key=lambda g: (order.index(g[0]), g[1]))
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(groups) + 3), 4.6))
     width = 0.8 / len(bars)

@@ -175,6 +175,9 @@ class PatchHandle:
         speculative: encode K/V on the GPU without a host read per layer (default True; see :func:`patch`).
             Set it to False to read the encoder's results in every layer instead.
         speculative_retries: forwards that ran a second time because a speculative encoding could not be kept.
+        operand_bytes: device memory held between forwards by the patched layers' kept weight casts and relative
+            keys (``kvbound/models/_operands.py``; ``clear_operands()`` drops them, ``KVBOUND_OPERAND_CACHE=0``
+            stops keeping them).
     """
 
     def __init__(
