@@ -227,6 +227,27 @@ def test_gpu_captured_forward_names_what_differs_from_the_capture():
         captured(_dna(1, 256, 1))
 
 
+@pytest.mark.gpu
+def test_gpu_captured_patched_forward_reads_weights_loaded_in_place_after_the_capture():
+    """The patched layers keep their weights' casts and relative keys between forwards; a graph that reads them gets
+    them made again, in place, before a replay after load_state_dict: the replay gives the eager forward of the new
+    weights, bit for bit, and the port's forward of them within bf16 rounding."""
+    model, other = _tiny_enformer(0), _tiny_enformer(1)
+    handle = kvbound.patch(model, compress=False)
+    x = _dna(1, 256, 2)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        captured = kvbound.capture(model, _dna(1, 256, 1))
+        before = captured(x)["human"]
+        kept = len(captured._operands)
+        model.load_state_dict(other.state_dict())
+        after = captured(x)["human"]
+        eager = model(x)["human"]
+        port = other(x)["human"]
+    assert kept > 0 and handle.operand_bytes > 0
+    assert torch.equal(after, eager) and not torch.equal(after, before)
+    assert float((after.float() - port.float()).abs().max()) <= 2e-2 * float(port.float().abs().max())
+
+
 def _compressed(model, tau: float):
     """``model`` patched with compressed K/V, calibrated on one forward."""
     config = kvbound.CompressionConfig(block_size=64, rank=8, bits=4, tau=tau)

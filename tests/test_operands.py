@@ -94,10 +94,15 @@ def test_a_changed_weight_is_seen(enformer, monkeypatch):
             monkeypatch.delenv("KVBOUND_OPERAND_CACHE")
             return out, fresh
 
+        first_keys = ("relative_keys", id(attention[0].to_rel_k))
+        (keys,) = [e.value for k, e in handle._operands._entries.items() if k[:2] == first_keys]
+        where, previous = keys.data_ptr(), keys.clone()
         with torch.no_grad():
-            rel_k.mul_(2)  # the first block's relative keys are made again
+            rel_k.mul_(2)  # the first block's relative keys are made again, in their own memory
         out, fresh = forward_made(made + 1)
         assert torch.equal(out, fresh) and not torch.equal(out, base)
+        (again,) = [e.value for k, e in handle._operands._entries.items() if k[:2] == first_keys]
+        assert again is keys and keys.data_ptr() == where and torch.equal(keys.float(), 2 * previous.float())
 
         model.load_state_dict(state)  # every weight written in place: every operand again
         out, fresh = forward_made(2 * made + 1)

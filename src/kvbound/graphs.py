@@ -36,7 +36,9 @@ def capture(fn: Callable, *args, kwargs: dict | None = None, warmup: int = 2, cl
     Tensor arguments (top level of ``args`` and ``kwargs``) are the graph's inputs: they are copied into buffers of
     the graph at each call (``args`` themselves are never written). Other arguments are fixed by the capture. Run it
     inside the ``torch.autocast`` context the forward should run in; autocast's weight cache is off while capturing
-    (a cached cast made before the capture would be freed under the graph), so the graph casts the weights itself.
+    (a cached cast made before the capture would be freed under the graph), so the graph casts the weights itself,
+    except those of layers patched by :func:`kvbound.patch`, which keep their casts and relative keys between forwards:
+    the graph reads those, and each call first makes again, in the same memory, any whose weight changed in place.
 
     ``clone_outputs``: return copies of the graph's output tensors (default). With False the call returns the
     graph's own output buffers, which the next call overwrites.
@@ -138,6 +140,10 @@ class CapturedForward:
         # kvbound's per-length caches that the graph reads (relative-position layouts, run starts): kept alive
         # with the graph, whatever the caches evict later.
         self._kept = _cached_device_tensors(self._handles)
+        # The patched layers' kept weight casts and relative keys that the graph reads: made again in place before a
+        # replay when a weight changed in place (load_state_dict), as the graph's own casts would have been.
+        self._operands = [entry for h in self._handles for entry in h._operands.entries()]
+        self._kept.append([entry.value for entry in self._operands])  # the memory the graph reads, whatever happens
         self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
 
     def _call(self):
@@ -147,6 +153,8 @@ class CapturedForward:
         tensors = self._check_call(args, kwargs)
         for buffer, t in zip(self._buffers, tensors, strict=True):
             buffer.copy_(t)
+        for entry in self._operands:
+            entry.refresh()
         self.graph.replay()
         self.replays += 1
         out = _pytree.tree_map_only(torch.Tensor, torch.clone, self._output) if self.clone_outputs else self._output

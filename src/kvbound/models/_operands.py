@@ -8,7 +8,9 @@ unchanged, which it tells from each source's storage, offset, shape, strides and
 write through the tensor, ``load_state_dict``, ``nn.init`` and the optimizers included, raises the version). Each
 entry keeps its sources' storages alive, so that a storage that was replaced (``model.to(...)``, ``param.data =
 ...``) cannot be followed by a new one at the same address. A write through ``param.data``, which PyTorch's
-version counter does not see, is not seen here either: call ``handle.clear_operands()`` after one.
+version counter does not see, is not seen here either: call ``handle.clear_operands()`` after one. A value made
+again keeps its memory where its shape and dtype allow (always, for a weight changed in place), so that a CUDA graph
+that reads it (``kvbound.capture``, which refreshes the entries it reads before each replay) reads the new value.
 
 Not cached (made in each call instead): sources that are inference tensors (no version counter) or that autograd
 would differentiate, since the cached tensor would carry no graph. ``KVBOUND_OPERAND_CACHE=0`` turns the cache off
@@ -45,11 +47,32 @@ def cacheable(t: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and t.requires_grad)
 
 
+def _made(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        return make()
+
+
 @dataclass
 class _Entry:
+    sources: tuple[torch.Tensor, ...]
+    make: Callable[[], torch.Tensor]
     stamps: tuple
     storages: tuple  # the sources' storages, kept alive (see the module docstring)
     value: torch.Tensor
+
+    def refresh(self) -> bool:
+        """Make the value again if a source changed; in place when it keeps its shape and dtype, so that whatever
+        holds the value (a CUDA graph that reads it) reads the new one. Whether it was made again."""
+        stamps = tuple(_stamp(s) for s in self.sources)
+        if stamps == self.stamps:
+            return False
+        value = _made(self.make)
+        if value.shape == self.value.shape and value.dtype == self.value.dtype and value.device == self.value.device:
+            self.value.copy_(value)
+        else:
+            self.value = value
+        self.stamps, self.storages = stamps, tuple(s.untyped_storage() for s in self.sources)
+        return True
 
 
 class OperandCache:
@@ -70,19 +93,26 @@ class OperandCache:
     def clear(self) -> None:
         self._entries.clear()
 
+    def entries(self) -> list[_Entry]:
+        """The entries held now (``kvbound.capture`` keeps those its graph reads and refreshes them per replay)."""
+        return list(self._entries.values())
+
     def get(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``make()``, or what it returned for ``key`` before if ``sources`` are unchanged since. ``make`` must depend
-        on nothing but ``sources``, ``key`` and the autocast state (put that in ``key``). Made without autograd and
-        outside inference mode, so that the value can be read by later forwards under either."""
+        """``make()``, or what it returned for ``key`` before, made again (in place where it keeps its shape and
+        dtype) if a source changed since. ``make`` must depend on nothing but ``sources`` and ``key`` (enter any
+        autocast state it needs inside it). Made without autograd and outside inference mode, so that the value can
+        be read by later forwards under either."""
         if not operand_cache_enabled() or not all(cacheable(s) for s in sources):
             return make()
-        stamps = tuple(_stamp(s) for s in sources)
         entry = self._entries.get(key)
-        if entry is not None and entry.stamps == stamps:
+        if entry is not None and len(entry.sources) == len(sources) and all(
+            a is b for a, b in zip(entry.sources, sources, strict=True)
+        ):
+            self.made += entry.refresh()
             return entry.value
-        with torch.inference_mode(False), torch.no_grad():
-            value = make()
-        self._entries[key] = _Entry(stamps, tuple(s.untyped_storage() for s in sources), value)
+        stamps = tuple(_stamp(s) for s in sources)
+        value = _made(make)
+        self._entries[key] = _Entry(sources, make, stamps, tuple(s.untyped_storage() for s in sources), value)
         self.made += 1
         return value
 

@@ -146,16 +146,19 @@ def _relative_keys(module, handle, features: torch.Tensor, device: torch.device)
     and neither module is observed they are made once per handle, features and autocast state and kept while
     ``to_rel_k`` is unchanged (``OperandCache``)."""
     dropout, layer, heads = module.pos_dropout, module.to_rel_k, module.heads
+    kind = device.type
+    enabled, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    cached = torch.is_autocast_cache_enabled()
 
-    def make() -> torch.Tensor:
-        return layer(dropout(features)).reshape(features.shape[0], heads, -1).transpose(0, 1)
+    def make() -> torch.Tensor:  # in this call's autocast state, also when made again before a graph's replay
+        with torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cached):
+            return layer(dropout(features)).reshape(features.shape[0], heads, -1).transpose(0, 1)
 
     if not _plain_module(dropout, nn.Dropout) or (dropout.training and dropout.p > 0):
         return make()
     if not _plain_module(layer, nn.Linear):
         return make()
-    kind = device.type
-    key = ("relative_keys", id(layer), id(features), torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+    key = ("relative_keys", id(layer), id(features), enabled, dtype)
     sources = (features, *(p for p in (layer.weight, layer.bias) if p is not None))
     return handle._operands.get(key, sources, make)
 
