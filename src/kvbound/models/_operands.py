@@ -108,6 +108,7 @@ class OperandCache:
         if entry is not None and len(entry.sources) == len(sources) and all(
             a is b for a, b in zip(entry.sources, sources, strict=True)
         ):
+            entry.make = make  # this call's (the same function of the same sources, by the key)
             self.made += entry.refresh()
             return entry.value
         stamps = tuple(_stamp(s) for s in sources)
