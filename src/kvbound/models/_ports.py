@@ -160,7 +160,8 @@ def _relative_keys(module, handle, features: torch.Tensor, device: torch.device)
         return make()
     key = ("relative_keys", id(layer), id(features), enabled, dtype)
     sources = (features, *(p for p in (layer.weight, layer.bias) if p is not None))
-    return handle._operands.get(key, sources, make)
+    # Kept contiguous per head: the runs' operand (Borzoi) is then not copied in every call.
+    return handle._operands.get(key, sources, lambda: make().contiguous())
 
 
 def _switch(name: str) -> bool:
