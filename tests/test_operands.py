@@ -74,6 +74,20 @@ def test_kept_operands_give_the_port_s_forward_bit_for_bit(enformer, fused_norm_
     assert not torch.equal(first, half)
 
 
+def test_another_length_replaces_the_relative_keys(enformer, monkeypatch):
+    """The relative keys are kept for the latest input length only (one entry per layer), and each length's forward
+    equals the one that makes them in every call."""
+    model, _, x = enformer
+    longer = torch.randn(1, 8 * 48, 4, generator=torch.Generator().manual_seed(3)).softmax(-1)
+    with patch(model, compress=False, backend="eager", query_chunk=16) as handle:
+        outs = [_forward(model, t) for t in (x, longer, x)]
+        keys = [k for k in handle._operands._entries if k[0] == "relative_keys"]
+        assert len(keys) == 2 and len(handle._operands) == 12
+        monkeypatch.setenv("KVBOUND_OPERAND_CACHE", "0")
+        fresh = [_forward(model, t) for t in (x, longer)]
+    assert torch.equal(outs[0], fresh[0]) and torch.equal(outs[1], fresh[1]) and torch.equal(outs[2], fresh[0])
+
+
 def test_a_changed_weight_is_seen(enformer, monkeypatch):
     """In-place writes, load_state_dict and a replaced storage (``param.data = ...``) each make the operands again;
     a write through ``.data`` is not seen until ``handle.clear_operands()``."""

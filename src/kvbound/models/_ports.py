@@ -143,7 +143,7 @@ def _linear(layer: nn.Module, x: torch.Tensor, handle) -> torch.Tensor:
 def _relative_keys(module, handle, features: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``to_rel_k(pos_dropout(features))`` as ``[H, rows, Dk]``: the port's relative keys. They depend only on the
     features (a tensor the handle keeps per length) and ``to_rel_k`` 's parameters, so where the dropout is inactive
-    and neither module is observed they are made once per handle, features and autocast state and kept while
+    and neither module is observed they are kept per layer and autocast state, for the latest length, while
     ``to_rel_k`` is unchanged (``OperandCache``)."""
     dropout, layer, heads = module.pos_dropout, module.to_rel_k, module.heads
     kind = device.type
@@ -158,9 +158,10 @@ def _relative_keys(module, handle, features: torch.Tensor, device: torch.device)
         return make()
     if not _plain_module(layer, nn.Linear):
         return make()
-    key = ("relative_keys", id(layer), id(features), enabled, dtype)
+    # One entry per layer and autocast state: another length (other features) replaces it, so that inputs of many
+    # lengths do not pile up relative keys. Kept contiguous per head: Borzoi's run keys are then not copied per call.
+    key = ("relative_keys", id(layer), enabled, dtype)
     sources = (features, *(p for p in (layer.weight, layer.bias) if p is not None))
-    # Kept contiguous per head: the runs' operand (Borzoi) is then not copied in every call.
     return handle._operands.get(key, sources, lambda: make().contiguous())
 
 
