@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbound.models._ports import _switch
+
 __all__ = ["OperandCache", "operand_cache_enabled"]
 
 
 def operand_cache_enabled() -> bool:
     """``KVBOUND_OPERAND_CACHE``: on by default (unset, empty, ``1``, ``true``, ``on``, ``yes``), off with ``0``
     (``false``, ``off``, ``no``); other values raise. Read at each call."""
-    from kvbound.models._ports import _switch
-
     return _switch("KVBOUND_OPERAND_CACHE")
 
 

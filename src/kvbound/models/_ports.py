@@ -113,7 +113,7 @@ def _plain_module(module: nn.Module, kind: type) -> bool:
     whether it was called."""
     if type(module) is not kind or "forward" in vars(module):
         return False
-    return not (module._forward_hooks or module._forward_pre_hooks) and _no_global_hooks()
+    return not _hooked(module) and _no_global_hooks()
 
 
 def _autocast_linear_dtype(layer: nn.Module, x: torch.Tensor) -> torch.dtype | None:
@@ -274,6 +274,11 @@ def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
     return _unobserved(norm, x, weight, bias)
 
 
+def _hooked(module: nn.Module) -> bool:
+    """``module`` has forward hooks or pre-hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def _no_global_hooks() -> bool:
     """No global forward hook or pre-hook is registered (``nn.modules.module.register_module_forward_hook``)."""
     hooks = nn.modules.module
@@ -283,7 +288,7 @@ def _no_global_hooks() -> bool:
 def _unobserved(norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
     """Whether replacing ``norm(x)`` by a kernel is invisible: no forward hook on ``norm`` or globally (it would
     see the kernel's output, or be skipped), and no autograd to feed (the kernels have no backward)."""
-    if norm._forward_hooks or norm._forward_pre_hooks or not _no_global_hooks():
+    if _hooked(norm) or not _no_global_hooks():
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
 
@@ -369,9 +374,8 @@ def _fusable_feed_forward(seq: nn.Sequential, x: torch.Tensor) -> torch.dtype | 
     if not is_feed_forward(seq):
         return None
     norm, first, drop1, _, second, drop2 = seq.children()
-    for child in seq.children():
-        if child._forward_hooks or child._forward_pre_hooks:
-            return None
+    if any(_hooked(child) for child in seq.children()):
+        return None
     if any(d.training and d.p > 0 for d in (drop1, drop2)):
         return None
     for linear in (first, second):
@@ -442,9 +446,8 @@ def _fusable_attention_pool(module: nn.Module, x: torch.Tensor) -> bool:
     weight = conv.weight
     if weight.dtype != torch.float32 or weight.device != x.device or tuple(weight.shape) != (d, d, 1, 1):
         return False
-    for child in module.children():
-        if child._forward_hooks or child._forward_pre_hooks:
-            return False
+    if any(_hooked(child) for child in module.children()):
+        return False
     if not _no_global_hooks():
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -560,9 +563,8 @@ def _fusable_conv_block(norm: nn.BatchNorm1d, activation: nn.Module, conv: nn.Co
     tensors = [mean, var] + ([weight, bias] if weight is not None or bias is not None else [])
     if not all(isinstance(t, torch.Tensor) and t.dtype in _FLOAT_DTYPES and t.device == x.device for t in tensors):
         return None
-    for child in (norm, activation):
-        if child._forward_hooks or child._forward_pre_hooks or "forward" in vars(child):
-            return None
+    if any(_hooked(child) or "forward" in vars(child) for child in (norm, activation)):
+        return None
     if not _no_global_hooks():
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
@@ -693,7 +695,7 @@ def conv_residual_block(module: nn.Module) -> nn.Module | None:
 def _bypassable(module: nn.Module, own: Callable) -> bool:
     """No hooks on ``module`` and its forward is its class's or kvbound's helper ``own``: calling its pieces
     directly instead of ``module(x)`` changes nothing observable."""
-    if module._forward_hooks or module._forward_pre_hooks:
+    if _hooked(module):
         return False
     installed = vars(module).get("forward")
     return installed is None or getattr(installed, "_impl", None) is own
