@@ -249,3 +249,191 @@ def test_certificate_flags_tampering_in_the_last_tile_of_a_block(monkeypatch):
         assert fast.dtype == torch.bool and fast.shape == ckv.mode.shape
         assert torch.equal(fast, expected), kind
         assert torch.equal(fast, slow | fast & (ckv.mode == 3)), kind  # as the eager check, exact blocks aside
+
+
+# ------------------------------------------------------------------------------------------- one launch
+# The deferred encoder's one-launch form (``_one_pass_kernel``: one program per block runs the five kernels' steps
+# in turn) must store what the five kernels store: the same coefficients, modes, widths and steps bit for bit, each
+# block's codes and exact values at the place of its rows, the same sizes read at the block's end.
+def _deferred(x, config, basis, one_pass, **kwargs):
+    from kvbound import _checks
+    from kvbound.codec.encode_triton import encode_triton_deferred
+
+    sizes = []
+    with _checks._block(speculative=True) as scope:
+        ckv = encode_triton_deferred(x, config, basis, scope, sizes=lambda *a: sizes.append(a), one_pass=one_pass,
+                                     **kwargs)
+        decoded = ckv.decompress()
+    return ckv, sizes, decoded
+
+
+def counted_one_pass_launches(monkeypatch) -> list:
+    """The grids of ``_one_pass_kernel``'s launches from now on (the kernel still runs)."""
+    from kvbound.codec import encode_triton as et
+
+    launched = []
+    kernel = et._one_pass_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(et, "_one_pass_kernel", Counted())
+    return launched
+
+
+@pytest.mark.parametrize("name", list(_TILING_CASES))
+def test_one_pass_stores_what_the_five_kernels_store(name):
+    (x, clean), config = _TILING_CASES[name]
+    basis = kvbound.calibrate(clean, config)
+    five, five_sizes, five_decoded = _deferred(x, config, basis, False)
+    one, one_sizes, one_decoded = _deferred(x, config, basis, True)
+    for field in ("coeffs", "mode", "bits", "scale"):
+        a, b = getattr(five, field), getattr(one, field)
+        assert a.dtype == b.dtype and a.shape == b.shape, field
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), field
+    modes = torch.bincount(one.mode.flatten().long(), minlength=4).tolist()
+    assert all(modes[m] > 0 for m in (1, 2, 3)), modes  # packed, promoted and exact blocks all occur
+    assert one_sizes == five_sizes and len(one_sizes) == 1
+    assert torch.equal(one_decoded, five_decoded)
+    assert bool(((x.double() - one_decoded.double()).abs() <= config.tau).all())
+    # Fixed places: a packed block at its rows' place among [B, H, N, widest] words, an exact one among x's elements.
+    b, h, n, d = x.shape
+    rows = torch.arange(one.num_blocks) * config.block_size
+    place = torch.arange(b * h).view(b, h, 1) * n + rows
+    widest = one.codes.numel() // (b * h * n)
+    expected = torch.where(one.mode == 3, place * d, torch.where(one.bits > 0, place * widest, -1))
+    assert torch.equal(one.offset, expected)
+    exact = (one.mode == 3).repeat_interleave(config.block_size, dim=-1)[..., :n, None]
+    assert torch.equal(one.raw.view(x.shape), torch.where(exact, x, torch.zeros_like(x)))
+
+
+def test_one_pass_flags_what_the_five_kernels_flag(monkeypatch):
+    """NaN/Inf (raised by name at the block's end), coefficients beyond float16 (a retry, and ``unusable``), a
+    residual where none was forecast (a retry), and a block the float64 certificate rejects: here the certificate
+    gets a tau below what the in-kernel check was given, so that it reads back and rejects what was stored."""
+    from kvbound import _checks
+    from kvbound.codec import encode_triton as et
+
+    (x, clean), config = _TILING_CASES["n100_d64_block32_bits2"]
+    basis = kvbound.calibrate(clean, config)
+    bad = x.clone()
+    bad[0, 1, 70, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"V: expected finite values, found NaN or Inf"):
+        _deferred(bad, config, basis, True, name="V")
+    called = []
+    with pytest.raises(_checks.Retry, match="coefficients beyond float16"):
+        _deferred(x.float() * 1e4, config, basis, True, unusable=lambda: called.append(True))
+    assert called == [True]
+    with pytest.raises(_checks.Retry, match="K: a residual where none was forecast"):
+        _deferred(x, config, basis, True, residual=False, lowrank_share=1.0, name="K")
+
+    one_pass_kernel = et._one_pass_kernel
+    certificate_tau = []
+
+    class StricterCertificate:  # the launch with the certificate's tau (argument 18) divided by 4
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                certificate_tau.append(args[18] / 4)
+                return one_pass_kernel[grid](*args[:18], args[18] / 4, *args[19:], **kwargs)
+
+            return launch
+
+    summaries = []
+    for kernel in (one_pass_kernel, StricterCertificate()):
+        monkeypatch.setattr(et, "_one_pass_kernel", kernel)
+        _, summary = et._encode(x, config, basis, torch.float16, True, deferred=True, one_pass=True)
+        summaries.append(summary.tolist())
+    assert certificate_tau == [config.tau / 4]
+    assert summaries[0][et._UNCERTIFIED] == 0 and summaries[1][et._UNCERTIFIED] == 1
+    assert summaries[0][: et._UNCERTIFIED] == summaries[1][: et._UNCERTIFIED]
+
+
+def test_one_pass_switch(monkeypatch):
+    """``KVBOUND_ONE_PASS_ENCODE`` picks the one-launch encoder for deferred encodes (off unless set); anything but
+    the switch's words is refused by name."""
+    launched = counted_one_pass_launches(monkeypatch)
+    (x, clean), config = _TILING_CASES["n37_d40_block16"]
+    basis = kvbound.calibrate(clean, config)
+    for setting, expected in ((None, 0), ("auto", 0), ("0", 0), ("on", 1), ("1", 1)):
+        if setting is None:
+            monkeypatch.delenv("KVBOUND_ONE_PASS_ENCODE", raising=False)
+        else:
+            monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", setting)
+        launched.clear()
+        _deferred(x, config, basis, None)
+        assert len(launched) == expected, setting
+    assert launched == [(3, 4)]  # one program per block: 3 blocks of 16 rows, B * H = 4
+    monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", "sometimes")
+    with pytest.raises(ValueError, match="KVBOUND_ONE_PASS_ENCODE: expected one of"):
+        _deferred(x, config, basis, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 8, 1536, 64), (1, 8, 1536, 192), (1, 8, 4096, 64), (1, 8, 4096, 192),
+                                   (2, 8, 1536, 192)])
+def test_gpu_one_pass_stores_what_the_five_kernels_store(shape):
+    """The models' K and V shapes at small batches, bfloat16, with blocks of every mode."""
+    b, h, n, d = shape
+    gen = torch.Generator().manual_seed(d + n)
+    x = torch.randn(b, h, n, 8, generator=gen) @ torch.randn(8, d, generator=gen) / 3
+    x = x + 0.002 * torch.randn(b, h, n, d, generator=gen)
+    x[:, :, : n // 4] += 0.03 * torch.randn(b, h, n // 4, d, generator=gen)  # blocks that need codes
+    x[0, 1, n // 2, 5] = 40.0  # an exact block
+    x[0, 2, n // 3, 7] += 0.5  # a wider code
+    x = x.to(torch.bfloat16).cuda()
+    config = kvbound.CompressionConfig()
+    basis = kvbound.calibrate(x[:, :, : n // 2], config)
+    five, five_sizes, five_decoded = _deferred(x, config, basis, False)
+    one, one_sizes, one_decoded = _deferred(x, config, basis, True)
+    for field in ("coeffs", "mode", "bits", "scale"):
+        assert torch.equal(getattr(five, field), getattr(one, field)), field
+    print(shape, "modes", torch.bincount(one.mode.flatten().long(), minlength=4).tolist())
+    assert one_sizes == five_sizes
+    assert torch.equal(one_decoded, five_decoded)
+    assert bool(((x.double() - one_decoded.double()).abs() <= config.tau).all())
+
+
+def test_one_pass_benchmark_script_on_the_cpu(tmp_path):
+    """``benchmarks/one_pass_encode.py --cpu``: both paths per tensor, their launches counted with the kernels
+    stubbed, and both paths' stored values compared in the interpreter."""
+    import csv
+
+    from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
+
+    script = load("one_pass_encode")
+    out = tmp_path / "one_pass.csv"
+    assert script.main([str(out), "--cpu", "--calls", "3", "--rounds", "1", "--commit", "abc"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["tensor"], r["path"]) for r in rows] == [("k", "five"), ("k", "one"), ("v", "five"), ("v", "one")]
+    assert [int(r["kernels"]) for r in rows] == [5, 1, 5, 1]
+    assert all(r["same"] == "True" and float(r["host_us"]) > 0 and r["commit"] == "abc" for r in rows)
+    assert script.main([str(out), "--cpu", "--calls", "0"]) == 2
+
+
+def test_one_pass_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """``benchmarks/one_pass_encode.py --sm90``: both paths' kernels compiled for an H200 on this CPU machine (in a
+    process of its own: TRITON_INTERPRET is decided when the kernels are wrapped); the one-launch kernel holds its
+    tiles in registers (no stack, no local loads or stores) at both of the models' head dims."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "one_pass_encode.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sm90.csv"
+    proc = subprocess.run([sys.executable, str(script), str(out), "--sm90", "--commit", "abc"], capture_output=True,
+                          text=True, env=env, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    five = ["_coefficients_kernel", "_modes_kernel", "_layout_kernel", "_write_kernel", "_certify_kernel"]
+    assert [(r["head_dim"], r["kernel"]) for r in rows] == [
+        (d, kernel) for d in ("64", "192") for kernel in [*five, "_one_pass_kernel"]
+    ]
+    for row in rows:
+        assert 0 < int(row["registers"]) <= 255 and row["commit"] == "abc"
+        if row["path"] == "one":
+            assert int(row["stack_bytes"]) == int(row["ldl"]) == int(row["stl"]) == 0, row

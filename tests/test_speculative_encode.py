@@ -358,11 +358,17 @@ def _small_alphagenome_tower():
     return tower.eval(), torch.randn(1, 32, 64, generator=g), torch.randn(1, 32, 64, generator=g)
 
 
-@pytest.mark.parametrize("port", ["borzoi", "alphagenome"])
-def test_other_ports_encode_speculatively_with_the_synchronous_output(port, monkeypatch):
+@pytest.mark.parametrize("port, one_pass", [("borzoi", "0"), ("alphagenome", "0"), ("borzoi", "1")])
+def test_other_ports_encode_speculatively_with_the_synchronous_output(port, one_pass, monkeypatch):
     """Borzoi (relative positions) and AlphaGenome's tower (one shared K/V head, tile bias, soft-cap): a compressed
-    forward with the Triton encoder (interpreted here) reads the device once and gives the synchronous output."""
+    forward with the Triton encoder (interpreted here) reads the device once and gives the synchronous output, also
+    with the one-launch encoder (``KVBOUND_ONE_PASS_ENCODE``)."""
     import importlib
+
+    from test_encode_triton import counted_one_pass_launches  # tests/ is on sys.path (rootdir conftest)
+
+    launches = counted_one_pass_launches(monkeypatch)
+    monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", one_pass)
 
     patch_module = importlib.import_module("kvbound.models.patch")
     monkeypatch.setattr(patch_module, "_encoder", lambda x, config, basis: "triton" if basis is not None else "eager")
@@ -390,13 +396,18 @@ def test_other_ports_encode_speculatively_with_the_synchronous_output(port, monk
     assert [r._forecast for r in h.modules] == learnt
     for out in outs:
         torch.testing.assert_close(out, sync, rtol=0, atol=0)
+    # one launch for each speculative K and V of each layer and forward, and none without the switch
+    assert len(launches) == (2 * len(h.modules) * len(outs) if one_pass == "1" else 0)
 
 
-def test_deferred_workspace_is_finite_where_unwritten_and_checks_pass_under_a_profiler(monkeypatch):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_deferred_workspace_is_finite_where_unwritten_and_checks_pass_under_a_profiler(one_pass, monkeypatch):
     """The deferred encoder's object keeps the whole exact-values workspace as ``raw``. ``kvbound.attention`` checks
     every stored tensor when it runs as a dispatched op (here: under ``torch.profiler``), so the workspace's unwritten
     part must hold finite values whatever the allocator's memory held: every fresh allocation of the encoder is
-    poisoned with NaN bit patterns here, and the call under the profiler equals the plain one."""
+    poisoned with NaN bit patterns here, and the call under the profiler equals the plain one. The one-launch
+    encoder allocates the workspace without zeroing it and writes all of it: the exact blocks' values at the places
+    of their rows, zeros elsewhere."""
     from kvbound.codec import encode_triton as et
 
     real = torch
@@ -416,13 +427,17 @@ def test_deferred_workspace_is_finite_where_unwritten_and_checks_pass_under_a_pr
     basis = kvbound.calibrate(x, config)
     q = torch.randn(x.shape, generator=gen).to(torch.float16)
     with _checks._block(speculative=True) as scope:
-        ck = encode_triton_deferred(x, config, basis, scope, name="K")
-        cv = encode_triton_deferred(x, config, basis, scope, name="V")
+        ck = encode_triton_deferred(x, config, basis, scope, name="K", one_pass=one_pass)
+        cv = encode_triton_deferred(x, config, basis, scope, name="V", one_pass=one_pass)
         assert bool(torch.isfinite(ck.raw).all()) and bool(torch.isfinite(cv.raw).all())
         plain = kvbound.attention(q, ck, cv)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             profiled = kvbound.attention(q, ck, cv)  # the op dispatched: every stored tensor checked
     sync = kvbound.compress_kv(x, config, basis, impl="triton")
     assert sync.raw.numel() > 0  # an exact block: the workspace's used part is not empty either
-    assert bool((ck.raw[sync.raw.numel():] == 0).all())
+    if one_pass:  # x's layout: the exact block's rows hold x, every other row zeros
+        exact = (ck.mode == 3).repeat_interleave(config.block_size, dim=-1)[..., : x.shape[2], None]
+        assert torch.equal(ck.raw.view(x.shape), torch.where(exact, x, torch.zeros_like(x)))
+    else:
+        assert bool((ck.raw[sync.raw.numel():] == 0).all())
     torch.testing.assert_close(profiled, plain, rtol=0, atol=0)

@@ -24,10 +24,17 @@ exact check rejects; the float64 certificate of ``kvbound.codec.eager.uncertifie
 numbers in a fourth kernel (``_certify_kernel``, one program per tile as well), and if a block fails it, the tensor
 is re-encoded by the eager encoder. So the returned object carries the same guarantee as
 the eager one: ``|x - decompress()| <= tau`` on every element.
+
+Each kernel's work on a tile is a ``*_tile`` function; ``_one_pass_kernel`` calls the same functions for every tile
+of one block in turn (coefficients, failing widths, the choice of ``_choose``, the write, the certificate of what it
+stored), one program per block, so that the deferred encoder (``encode_triton_deferred``) can run in one launch
+instead of five where the host's launches set the pace. It needs no layout pass: the deferred encoder's workspaces
+hold every block at the widest code and every block exact, so each block writes at the place of its rows.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -41,6 +48,7 @@ from kvbound.codec.basis import Basis
 from kvbound.codec.eager import _check_basis, encode, promotion_widths
 from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
 from kvbound.config import CompressionConfig
+from kvbound.kernels._common import cdiv, next_power_of_2, switch_setting
 
 __all__ = ["certify_triton", "encode_triton", "encode_triton_deferred"]
 
@@ -114,26 +122,29 @@ def _lowrank_rows(c_ptr, p_tile, row0, rows_left, R, ROWS: tl.constexpr, R_PAD: 
 
 
 @triton.jit
-def _coefficients_kernel(
-    x_ptr, p_ptr, c_ptr, summary_ptr, res_ptr, lowrank_fail_ptr, N, H, D, R, NB, tau_check, gamma,
-    stride_xb, stride_xh, stride_xn, stride_xd,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
+def _tile_place(H, NB, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """This program's place in a grid ``(cdiv(N, ROWS), B * H)``: head ``bh`` (batch ``b``, head ``h``), first row
+    ``row0``, its block ``k`` and the block's flat index ``blk`` (ROWS divides BLOCK: a tile never straddles two
+    blocks)."""
+    bh = tl.program_id(1).to(tl.int64)
+    row0 = tl.program_id(0) * ROWS
+    k = row0 // BLOCK
+    return bh, bh // H, bh % H, row0, k, bh * NB + k
+
+
+@triton.jit
+def _coefficients_tile(
+    x_head, p_ptr, c_head, h, row0, N, D, R, tau_check, gamma, stride_xn, stride_xd,
+    ROWS: tl.constexpr, COLS: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One tile of ROWS rows of one head: C = x @ P^T, stored in C's dtype; flags non-finite x (summary[2]) and
-    |C| > 2**15 (summary[3]). Then L = C @ P from the stored coefficients: the tile's largest residual |x - L| and
-    whether the low-rank part alone fails the check go to its block's ``res`` and ``lowrank_fail`` (atomic max;
-    both start at zero, and a max is the same in any order). Both passes walk x COLS columns at a time.
+    """ROWS rows (from ``row0``) of one head: C = x @ P^T, stored in C's dtype at ``c_head`` (the head's [N, R]
+    coefficients). Returns the tile's flags and reductions: non-finite x, |C| > 2**15, the largest residual
+    |x - L| of L = C @ P rebuilt from the stored coefficients, and whether the low-rank part alone fails the
+    check. Both passes walk x COLS columns at a time.
 
     The float32 ``tl.dot`` (input_precision="ieee") accumulates each coefficient with one fused multiply-add per
     column, column after column, from the accumulator it is given: chunks of columns in order, each dot starting
     from the last one's result, give the same bits as one dot over all columns."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    row0 = tile * ROWS
-    blk = bh * NB + row0 // BLOCK  # ROWS divides BLOCK: a tile never straddles two blocks
-    x_head = x_ptr + b * stride_xb + h * stride_xh
     rows = tl.arange(0, ROWS)
     ranks = tl.arange(0, R_PAD)
     c = tl.zeros((ROWS, R_PAD), dtype=tl.float32)
@@ -147,30 +158,66 @@ def _coefficients_kernel(
         # NaN fails every comparison, so both flags catch it.
         nonfinite = nonfinite | (x_mask & ~(tl.abs(x) <= _FLOAT32_MAX)).to(tl.int32)
     c_mask = ((row0 + rows) < N)[:, None] & (ranks < R)[None, :]
-    stored = c.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + bh * N * R + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], stored, mask=c_mask)
+    stored = c.to(c_head.dtype.element_ty)
+    tl.store(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], stored, mask=c_mask)
     nonfinite = tl.max(tl.max(nonfinite, 1), 0)
     beyond_fp16 = tl.max(tl.max((c_mask & ~(tl.abs(c) <= _COEFF_FP16_LIMIT_C)).to(tl.int32), 1), 0)
-    tl.atomic_max(summary_ptr + 2, nonfinite.to(tl.int64), mask=nonfinite > 0)
-    tl.atomic_max(summary_ptr + 3, beyond_fp16.to(tl.int64), mask=beyond_fp16 > 0)
 
-    # The low-rank part as the later kernels rebuild it: the stored coefficients (what a masked load of them
+    # The low-rank part as the later passes rebuild it: the stored coefficients (what a masked load of them
     # returns), times P in the coefficients' dtype. Elementwise max and or over the column steps, then one
     # reduction each (max and or give the same result in any order).
-    stored = tl.where(c_mask, stored, tl.zeros((ROWS, R_PAD), dtype=c_ptr.dtype.element_ty))
+    stored = tl.where(c_mask, stored, tl.zeros((ROWS, R_PAD), dtype=c_head.dtype.element_ty))
     residual = tl.zeros((ROWS, COLS), dtype=tl.float32)
     lowrank_fail = tl.zeros((ROWS, COLS), dtype=tl.int32)
     for col0 in range(0, D, COLS):
-        p = _load_basis(p_ptr, h, R, D, c_ptr.dtype.element_ty, R_PAD, COLS, col0)
+        p = _load_basis(p_ptr, h, R, D, c_head.dtype.element_ty, R_PAD, COLS, col0)
         x, x_mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, COLS, col0)
         low, low_abs = _lowrank(stored, p, IEEE)
         residual = tl.maximum(residual, tl.where(x_mask, tl.abs(x - low), 0.0))
         err = tl.abs(x - low) + 2.0 * _ulp(low) + gamma * low_abs
         lowrank_fail = lowrank_fail | (x_mask & ~(err <= tau_check)).to(tl.int32)
-    res_max = tl.max(tl.max(residual, 1), 0)
-    lowrank_fail = tl.max(tl.max(lowrank_fail, 1), 0)
+    return nonfinite, beyond_fp16, tl.max(tl.max(residual, 1), 0), tl.max(tl.max(lowrank_fail, 1), 0)
+
+
+@triton.jit
+def _coefficients_kernel(
+    x_ptr, p_ptr, c_ptr, summary_ptr, res_ptr, lowrank_fail_ptr, N, H, D, R, NB, tau_check, gamma,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One tile of ROWS rows of one head (``_coefficients_tile``): flags non-finite x (summary[2]) and
+    |C| > 2**15 (summary[3]); the tile's largest residual and its low-rank failure go to its block's ``res`` and
+    ``lowrank_fail`` (atomic max; both start at zero, and a max is the same in any order)."""
+    bh, b, h, row0, _, blk = _tile_place(H, NB, BLOCK, ROWS)
+    nonfinite, beyond_fp16, res_max, lowrank_fail = _coefficients_tile(
+        x_ptr + b * stride_xb + h * stride_xh, p_ptr, c_ptr + bh * N * R, h, row0, N, D, R, tau_check, gamma,
+        stride_xn, stride_xd, ROWS, COLS, R_PAD, IEEE)
+    tl.atomic_max(summary_ptr + 2, nonfinite.to(tl.int64), mask=nonfinite > 0)
+    tl.atomic_max(summary_ptr + 3, beyond_fp16.to(tl.int64), mask=beyond_fp16 > 0)
     tl.atomic_max(res_ptr + blk, res_max, mask=res_max > 0.0)  # non-negative float32: exact
     tl.atomic_max(lowrank_fail_ptr + blk, lowrank_fail, mask=lowrank_fail > 0)
+
+
+@triton.jit
+def _modes_tile(
+    x_head, p_ptr, c_head, h, row0, N, D, R, res_max, tau_check, max_step, gamma, stride_xn, stride_xd,
+    BITS: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    """ROWS rows of a block whose low-rank part fails: bit w of the result is set when code width w, with the step
+    that the block's largest residual ``res_max`` gives it, fails the check on some element of the rows."""
+    p = _load_basis(p_ptr, h, R, D, c_head.dtype.element_ty, R_PAD, D_PAD)
+    x, mask = _load_rows(x_head, row0, N - row0, D, stride_xn, stride_xd, ROWS, D_PAD)
+    low, low_abs = _lowrank_rows(c_head, p, row0, N - row0, R, ROWS, R_PAD, IEEE)
+    fail = tl.zeros((ROWS, D_PAD), dtype=tl.int32)
+    for w in tl.static_range(2, 9):
+        if (w == BITS) or (w > BITS and w >= 4 and w != 7):
+            qmax = (1 << (w - 1)) - 1
+            step = tl.maximum(tl.minimum(res_max / qmax, max_step), 1.1754943508222875e-38)
+            q = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), -qmax - 1.0), qmax * 1.0)
+            y = low + q * step
+            err = tl.abs(x - y) + 2.0 * _ulp(y) + gamma * (low_abs + tl.abs(q) * step)
+            fail = fail | ((mask & ~(err <= tau_check)).to(tl.int32) << w)
+    return _any_bits(fail)
 
 
 @triton.jit
@@ -180,32 +227,31 @@ def _modes_kernel(
     BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One tile of a block whose low-rank part fails: bit w of its block's ``fail`` is set (atomic or) when code
-    width w, with the step that the block's largest residual gives it, fails the check on some element of the
-    tile. Tiles of low-rank blocks do nothing."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    row0 = tile * ROWS
-    blk = bh * NB + row0 // BLOCK
+    """One tile of a block whose low-rank part fails (``_modes_tile``): its failing widths raise its block's
+    ``fail`` (atomic or). Tiles of low-rank blocks do nothing."""
+    bh, b, h, row0, _, blk = _tile_place(H, NB, BLOCK, ROWS)
     if tl.load(lowrank_fail_ptr + blk) != 0:
-        b = bh // H
-        h = bh % H
-        res_max = tl.load(res_ptr + blk)
-        p = _load_basis(p_ptr, h, R, D, c_ptr.dtype.element_ty, R_PAD, D_PAD)
-        x, mask = _load_rows(x_ptr + b * stride_xb + h * stride_xh, row0, N - row0, D, stride_xn, stride_xd,
-                             ROWS, D_PAD)
-        low, low_abs = _lowrank_rows(c_ptr + bh * N * R, p, row0, N - row0, R, ROWS, R_PAD, IEEE)
-        fail = tl.zeros((ROWS, D_PAD), dtype=tl.int32)
-        for w in tl.static_range(2, 9):
-            if (w == BITS) or (w > BITS and w >= 4 and w != 7):
-                qmax = (1 << (w - 1)) - 1
-                step = tl.maximum(tl.minimum(res_max / qmax, max_step), 1.1754943508222875e-38)
-                q = tl.minimum(tl.maximum(tl.floor((x - low) / step + 0.5), -qmax - 1.0), qmax * 1.0)
-                y = low + q * step
-                err = tl.abs(x - y) + 2.0 * _ulp(y) + gamma * (low_abs + tl.abs(q) * step)
-                fail = fail | ((mask & ~(err <= tau_check)).to(tl.int32) << w)
-        fail = _any_bits(fail)
+        fail = _modes_tile(x_ptr + b * stride_xb + h * stride_xh, p_ptr, c_ptr + bh * N * R, h, row0, N, D, R,
+                           tl.load(res_ptr + blk), tau_check, max_step, gamma, stride_xn, stride_xd,
+                           BITS, ROWS, D_PAD, R_PAD, IEEE)
         tl.atomic_or(fail_ptr + blk, fail, mask=fail != 0)
+
+
+@triton.jit
+def _choose(res_max, lowrank_fail, fail, max_step, BITS: tl.constexpr):
+    """Mode, code width and step of blocks (any shape) from their reductions: low-rank only when the low-rank part
+    passes, else the first width whose bit in ``fail`` is clear (``bits``, then wider codes), else exact."""
+    chosen = tl.zeros_like(fail)
+    for w in tl.static_range(2, 9):
+        if (w == BITS) or (w > BITS and w >= 4 and w != 7):
+            passes = ((fail >> w) & 1) == 0
+            chosen = tl.where((chosen == 0) & passes, w, chosen)
+    mode = tl.where(lowrank_fail == 0, 0, tl.where(chosen == BITS, 1, tl.where(chosen > 0, 2, 3)))
+    width = tl.where(lowrank_fail == 0, 0, chosen)
+    qmax_chosen = tl.maximum((1 << (tl.maximum(width, 1) - 1)) - 1, 1)
+    step = tl.maximum(tl.minimum(res_max / qmax_chosen, max_step), 1.1754943508222875e-38)
+    step = tl.where(width > 0, step, 0.0)
+    return mode, width, step
 
 
 @triton.jit
@@ -214,9 +260,9 @@ def _layout_kernel(
     TOTAL, NB, N, D, max_step,
     BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Per block (order b, h, k): mode, code width and step from the reductions of the two kernels above (the first
-    width that passes; exact when none does), then the offsets in ``codes``/``raw``, both totals (summary[0],
-    summary[1]) and the number of low-rank blocks (summary[5]).
+    """Per block (order b, h, k): mode, code width and step from the reductions of the two kernels above
+    (``_choose``), then the offsets in ``codes``/``raw``, both totals (summary[0], summary[1]) and the number of
+    low-rank blocks (summary[5]).
 
     One program scans all blocks CHUNK at a time: the running totals carry from chunk to chunk."""
     code_total = tl.full((), 0, tl.int64)
@@ -228,16 +274,7 @@ def _layout_kernel(
         res_max = tl.load(res_ptr + index, mask=ok, other=0.0)
         lowrank_fail = tl.load(lowrank_fail_ptr + index, mask=ok, other=0)
         fail = tl.load(fail_ptr + index, mask=ok, other=0)
-        chosen = tl.zeros((CHUNK,), dtype=tl.int32)
-        for w in tl.static_range(2, 9):
-            if (w == BITS) or (w > BITS and w >= 4 and w != 7):
-                passes = ((fail >> w) & 1) == 0
-                chosen = tl.where((chosen == 0) & passes, w, chosen)
-        mode = tl.where(lowrank_fail == 0, 0, tl.where(chosen == BITS, 1, tl.where(chosen > 0, 2, 3)))
-        width = tl.where(lowrank_fail == 0, 0, chosen)
-        qmax_chosen = tl.maximum((1 << (tl.maximum(width, 1) - 1)) - 1, 1)
-        step = tl.maximum(tl.minimum(res_max / qmax_chosen, max_step), 1.1754943508222875e-38)
-        step = tl.where(width > 0, step, 0.0)
+        mode, width, step = _choose(res_max, lowrank_fail, fail, max_step, BITS)
         tl.store(mode_ptr + index, mode.to(tl.int8), mask=ok)
         tl.store(width_ptr + index, width.to(tl.int8), mask=ok)
         tl.store(step_ptr + index, step, mask=ok)
@@ -259,28 +296,13 @@ def _layout_kernel(
 
 
 @triton.jit
-def _write_kernel(
-    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, N, H, D, R, NB,
-    codes_capacity, raw_capacity,
-    stride_xb, stride_xh, stride_xn, stride_xd,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, WPR_PAD: tl.constexpr,
-    IEEE: tl.constexpr,
+def _write_tile(
+    x_head, p_ptr, c_head, h, row0, t, N, D, R, mode, width, step, offset, codes_ptr, raw_ptr, codes_capacity,
+    raw_capacity, stride_xn, stride_xd,
+    ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, WPR_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One tile of ROWS rows of one head: its rows of the block's packed words, or (exact block) its rows of x
-    copied to ``raw`` and its coefficients zeroed."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    row0 = tile * ROWS
-    k = row0 // BLOCK
-    t = row0 - k * BLOCK  # the tile's first row inside its block
-    x_head = x_ptr + b * stride_xb + h * stride_xh
-    c_head = c_ptr + bh * N * R
-    mode = tl.load(mode_ptr + bh * NB + k).to(tl.int32)
-    width = tl.load(width_ptr + bh * NB + k).to(tl.int32)
-    step = tl.load(step_ptr + bh * NB + k)
-    offset = tl.load(offset_ptr + bh * NB + k)
+    """ROWS rows (from ``row0``, the block's row ``t``) of one block: their packed words, or (exact block) their
+    rows of x copied to ``raw`` and their coefficients zeroed."""
     rows = tl.arange(0, ROWS)
     ranks = tl.arange(0, R_PAD)
     row_ok = (row0 + rows) < N
@@ -298,7 +320,7 @@ def _write_kernel(
             x = tl.load(x_head + (row0 + rows)[:, None].to(tl.int64) * stride_xn + col[None, :] * stride_xd,
                         mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             p = tl.load(p_ptr + h * R * D + ranks[:, None] * D + col[None, :],
-                        mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0).to(c_ptr.dtype.element_ty)
+                        mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0).to(c_head.dtype.element_ty)
             if IEEE:
                 low = tl.dot(c.to(tl.float32), p.to(tl.float32), input_precision="ieee")
             else:
@@ -315,34 +337,36 @@ def _write_kernel(
                     mask=mask, other=0.0)
         dest = offset + (t + rows)[:, None].to(tl.int64) * D + cols[None, :]
         tl.store(raw_ptr + dest, x, mask=mask & (dest < raw_capacity))
-        zero = tl.zeros((ROWS, R_PAD), dtype=c_ptr.dtype.element_ty)
+        zero = tl.zeros((ROWS, R_PAD), dtype=c_head.dtype.element_ty)
         tl.store(c_head + (row0 + rows)[:, None].to(tl.int64) * R + ranks[None, :], zero,
                  mask=row_ok[:, None] & (ranks < R)[None, :])
 
 
 @triton.jit
-def _certify_kernel(
-    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, bad_ptr, any_bad_ptr,
-    N, H, D, NB, tau, gamma, codes_capacity, raw_capacity,
+def _write_kernel(
+    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, N, H, D, R, NB,
+    codes_capacity, raw_capacity,
     stride_xb, stride_xh, stride_xn, stride_xd,
-    R: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, STORE_BAD: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, WPR_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """The float64 certificate of ``uncertified_blocks`` for one tile of ROWS rows of one block, evaluated in-kernel:
-    a failure raises ``any_bad`` to 1 and, with STORE_BAD, the block's entry of ``bad`` (zeroed by the caller) to 1.
+    """One tile of ROWS rows of one head (``_write_tile``), with its block's mode, width, step and offset."""
+    bh, b, h, row0, k, blk = _tile_place(H, NB, BLOCK, ROWS)
+    _write_tile(x_ptr + b * stride_xb + h * stride_xh, p_ptr, c_ptr + bh * N * R, h, row0, row0 - k * BLOCK, N, D, R,
+                tl.load(mode_ptr + blk).to(tl.int32), tl.load(width_ptr + blk).to(tl.int32), tl.load(step_ptr + blk),
+                tl.load(offset_ptr + blk), codes_ptr, raw_ptr, codes_capacity, raw_capacity, stride_xn, stride_xd,
+                ROWS, D_PAD, R_PAD, WPR_PAD, IEEE)
+
+
+@triton.jit
+def _certify_tile(
+    x_head, p_ptr, c_head, h, row0, t, N, D, mode, width, step, offset, codes_ptr, raw_ptr, tau, gamma,
+    codes_capacity, raw_capacity, stride_xn, stride_xd,
+    R: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """The float64 certificate of ``uncertified_blocks`` for ROWS rows (from ``row0``, the block's row ``t``) of one
+    block with the stored ``mode``, ``width``, ``step`` (float64) and ``offset``: 1 when some element fails, else 0.
     Reads stay below the capacities (a block beyond them fails)."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    row0 = tile * ROWS
-    k = row0 // BLOCK
-    t = row0 - k * BLOCK
-    x_head = x_ptr + b * stride_xb + h * stride_xh
-    c_head = c_ptr + bh * N * R
-    mode = tl.load(mode_ptr + bh * NB + k).to(tl.int32)
-    width = tl.load(width_ptr + bh * NB + k).to(tl.int32)
-    step = tl.load(step_ptr + bh * NB + k).to(tl.float64)
-    offset = tl.load(offset_ptr + bh * NB + k)
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, D_PAD)
     row_ok = (row0 + rows) < N
@@ -380,10 +404,106 @@ def _certify_kernel(
         y32 = y.to(tl.float32)
         err = tl.abs(x64 - y32.to(tl.float64)) + _ulp(y32).to(tl.float64) + gamma * low_abs
         bad = bad | (mask & ~(err <= tau))
-    bad = tl.max(tl.max(bad.to(tl.int32), 1), 0)
+    return tl.max(tl.max(bad.to(tl.int32), 1), 0)
+
+
+@triton.jit
+def _certify_kernel(
+    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, bad_ptr, any_bad_ptr,
+    N, H, D, NB, tau, gamma, codes_capacity, raw_capacity,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    R: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr, STORE_BAD: tl.constexpr,
+):
+    """The certificate (``_certify_tile``) of one tile of ROWS rows of one block: a failure raises ``any_bad`` to 1
+    and, with STORE_BAD, the block's entry of ``bad`` (zeroed by the caller) to 1."""
+    bh, b, h, row0, k, blk = _tile_place(H, NB, BLOCK, ROWS)
+    bad = _certify_tile(x_ptr + b * stride_xb + h * stride_xh, p_ptr, c_ptr + bh * N * R, h, row0, row0 - k * BLOCK,
+                        N, D, tl.load(mode_ptr + blk).to(tl.int32), tl.load(width_ptr + blk).to(tl.int32),
+                        tl.load(step_ptr + blk).to(tl.float64), tl.load(offset_ptr + blk), codes_ptr, raw_ptr, tau,
+                        gamma, codes_capacity, raw_capacity, stride_xn, stride_xd, R, ROWS, D_PAD)
     if STORE_BAD:
-        tl.atomic_max(bad_ptr + bh * NB + k, bad, mask=bad > 0)
+        tl.atomic_max(bad_ptr + blk, bad, mask=bad > 0)
     tl.atomic_max(any_bad_ptr, bad.to(tl.int64), mask=bad > 0)
+
+
+@triton.jit
+def _one_pass_kernel(
+    x_ptr, p_ptr, c_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, codes_ptr, raw_ptr, summary_ptr,
+    N, H, D, R, NB, tau_check, max_step, gamma, tau, gamma64, codes_capacity, raw_capacity,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    BITS: tl.constexpr, BLOCK: tl.constexpr, R_CONST: tl.constexpr, C_ROWS: tl.constexpr, COLS: tl.constexpr,
+    M_ROWS: tl.constexpr, W_ROWS: tl.constexpr, V_ROWS: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    WIDEST: tl.constexpr, WPR_PAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The whole encoder for one block of one head in one program, the tiles of each step above taken in turn:
+    coefficients, failing widths, the block's choice (``_choose``), the write, and the certificate of what was
+    stored. A block's words and exact values go to fixed places, the ones its rows have in ``[B, H, N, WIDEST]``
+    words and in ``[B, H, N, D]`` (the workspaces hold every block at the widest code and every block exact), so no
+    block waits for another's size; the exact values' place of a block that is not exact is zeroed. The summary
+    gets the totals of a packed layout (atomic adds), the flags (atomic max) and the verdict."""
+    k = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    start = k * BLOCK
+    blk = bh * NB + k
+    x_head = x_ptr + b * stride_xb + h * stride_xh
+    c_head = c_ptr + bh * N * R
+    nonfinite = tl.full((), 0, tl.int32)
+    beyond_fp16 = tl.full((), 0, tl.int32)
+    res_max = tl.full((), 0.0, tl.float32)
+    lowrank_fail = tl.full((), 0, tl.int32)
+    for t in range(0, BLOCK, C_ROWS):
+        tile_nonfinite, tile_beyond, tile_res, tile_fail = _coefficients_tile(
+            x_head, p_ptr, c_head, h, start + t, N, D, R, tau_check, gamma, stride_xn, stride_xd,
+            C_ROWS, COLS, R_PAD, IEEE)
+        nonfinite = tl.maximum(nonfinite, tile_nonfinite)
+        beyond_fp16 = tl.maximum(beyond_fp16, tile_beyond)
+        res_max = tl.maximum(res_max, tile_res)
+        lowrank_fail = tl.maximum(lowrank_fail, tile_fail)
+    tl.debug_barrier()  # the next steps read the coefficients stored above, by other threads of the program
+    fail = tl.full((), 0, tl.int32)
+    if lowrank_fail != 0:
+        for t in range(0, BLOCK, M_ROWS):
+            fail = fail | _modes_tile(x_head, p_ptr, c_head, h, start + t, N, D, R, res_max, tau_check, max_step,
+                                      gamma, stride_xn, stride_xd, BITS, M_ROWS, D_PAD, R_PAD, IEEE)
+    mode, width, step = _choose(res_max, lowrank_fail, fail, max_step, BITS)
+    rows = tl.minimum(N - start, BLOCK).to(tl.int64)  # the last block may be short
+    per_word = 32 // tl.maximum(width, 1)
+    code_words = tl.where(width > 0, rows * ((D + per_word - 1) // per_word), 0)
+    raw_elems = tl.where(mode == 3, rows * D, 0)
+    raw_place = (bh * N + start) * D
+    offset = tl.where(mode == 3, raw_place, tl.where(width > 0, (bh * N + start) * WIDEST, -1))
+    tl.store(mode_ptr + blk, mode.to(tl.int8))
+    tl.store(width_ptr + blk, width.to(tl.int8))
+    tl.store(step_ptr + blk, step)
+    tl.store(offset_ptr + blk, offset)
+    tl.atomic_add(summary_ptr, code_words, mask=code_words > 0)
+    tl.atomic_add(summary_ptr + 1, raw_elems, mask=raw_elems > 0)
+    tl.atomic_max(summary_ptr + 2, nonfinite.to(tl.int64), mask=nonfinite > 0)
+    tl.atomic_max(summary_ptr + 3, beyond_fp16.to(tl.int64), mask=beyond_fp16 > 0)
+    tl.atomic_add(summary_ptr + 5, (mode == 0).to(tl.int64), mask=mode == 0)
+    tl.debug_barrier()  # an exact block's coefficients are zeroed over the ones stored above
+    rows_w = tl.arange(0, W_ROWS)
+    cols = tl.arange(0, D_PAD)
+    for t in range(0, BLOCK, W_ROWS):
+        _write_tile(x_head, p_ptr, c_head, h, start + t, t, N, D, R, mode, width, step, offset, codes_ptr, raw_ptr,
+                    codes_capacity, raw_capacity, stride_xn, stride_xd, W_ROWS, D_PAD, R_PAD, WPR_PAD, IEEE)
+        if mode != 3:
+            zero = tl.zeros((W_ROWS, D_PAD), dtype=raw_ptr.dtype.element_ty)
+            tl.store(raw_ptr + raw_place + (t + rows_w)[:, None].to(tl.int64) * D + cols[None, :], zero,
+                     mask=((start + t + rows_w) < N)[:, None] & (cols < D)[None, :])
+    tl.debug_barrier()  # the certificate reads what was stored, as the other threads of the program stored it
+    mode = tl.load(mode_ptr + blk).to(tl.int32)
+    width = tl.load(width_ptr + blk).to(tl.int32)
+    step = tl.load(step_ptr + blk).to(tl.float64)
+    offset = tl.load(offset_ptr + blk)
+    bad = tl.full((), 0, tl.int32)
+    for t in range(0, BLOCK, V_ROWS):
+        bad = tl.maximum(bad, _certify_tile(x_head, p_ptr, c_head, h, start + t, t, N, D, mode, width, step, offset,
+                                            codes_ptr, raw_ptr, tau, gamma64, codes_capacity, raw_capacity,
+                                            stride_xn, stride_xd, R_CONST, V_ROWS, D_PAD))
+    tl.atomic_max(summary_ptr + 4, bad.to(tl.int64), mask=bad > 0)
 
 
 def certify_triton(ckv: CompressedKV, x: torch.Tensor) -> torch.Tensor:
@@ -410,14 +530,31 @@ def _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw
     """The certificate over every tile; ``bad`` (zeroed int32 [B, H, NB]) gets the verdict per block, or None."""
     batch, heads, n, d = x.shape
     nb, r, block = mode.shape[-1], projection.shape[1], config.block_size
-    d_pad = max(16, triton.next_power_of_2(d))
+    d_pad = _padded(d)
     rows, warps = _tiling(block, d_pad)["certify"]
-    _certify_kernel[(triton.cdiv(n, rows), batch * heads)](
+    _certify_kernel[(cdiv(n, rows), batch * heads)](
         x, projection, coeffs, mode, width, step, offset, codes, raw, any_bad if bad is None else bad, any_bad,
         n, heads, d, nb, config.tau, (r + 2) * 2.0**-52, codes.numel(), raw.numel(), *x.stride(),
         R=r, BLOCK=block, ROWS=rows, D_PAD=d_pad, STORE_BAD=bad is not None,
         num_warps=warps,
     )
+
+
+def _padded(n: int) -> int:
+    """The smallest power of two >= ``n`` and >= 16: the padded width of a tile dimension (``tl.dot`` needs 16)."""
+    return max(16, next_power_of_2(n))
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(d: int, config: CompressionConfig) -> tuple[int, int, int, int, float, float, float]:
+    """``(d_pad, r_pad, widest, wpr_pad, gamma, tau_check, max_step)`` of an encode: the same for every call with
+    head dim ``d`` and ``config`` (frozen), so computed once. ``widest``: words per row at the widest code;
+    ``gamma``: the in-kernel check's float32 allowance (a dot of r + 1 terms and two roundings, with a factor 4 to
+    spare); ``tau_check`` and ``max_step``: the tau it tests against and the largest step."""
+    r, tau = config.rank, config.tau
+    widest = max(words_per_row(w, d) for w in promotion_widths(config.bits))
+    gamma = 4.0 * (r + 3) * 2.0**-24
+    return _padded(d), _padded(r), widest, _padded(widest), gamma, tau * (1.0 - 2.0**-16), 2.0 * tau * _STEP_MARGIN
 
 
 def _tiling(block: int, d_pad: int) -> dict[str, tuple[int, ...]]:
@@ -432,13 +569,18 @@ def _tiling(block: int, d_pad: int) -> dict[str, tuple[int, ...]]:
     Any tiling gives the same bits: every element's arithmetic is the same (tl.dot's products and sums per element do
     not depend on the tile's shape: mma.sync and wgmma tiles gave the same float32 values on the H200, and the float32
     coefficients are summed column after column either way), and what a block gathers from its tiles is a max or an
-    or. The tests compare tilings bit for bit."""
+    or. The tests compare tilings bit for bit.
+
+    ``one_pass``: (num_warps,) of ``_one_pass_kernel``, which runs each step with that step's rows. 8 warps, as the
+    modes kernel: compiled for sm_90 with 4, its modes step at head dim 192 spilled (1,336 bytes of stack a thread,
+    Triton 3.9; ``benchmarks/one_pass_encode.py --sm90``), with 8 nothing spills."""
     small = d_pad <= 64
     return {
         "coefficients": (min(block, 64), 4, min(32, d_pad)),
         "modes": (min(block, 64 if small else 32), 8),
         "write": (16, 4),
         "certify": (min(block, 8 if small else max(1, 1024 // d_pad)), 4),
+        "one_pass": (8,),
     }
 
 
@@ -490,6 +632,7 @@ def encode_triton_deferred(
     name: str = "x",
     sizes: Callable[[int, int, int], None] | None = None,
     unusable: Callable[[], None] | None = None,
+    one_pass: bool | None = None,
 ) -> CompressedKV:
     """``encode_triton`` with no host read, inside a speculative ``kvbound._checks`` block ``scope``.
 
@@ -511,12 +654,20 @@ def encode_triton_deferred(
     block and dropped, not kept or saved. It records ``residual`` and ``lowrank_share`` as the kernel-variant facts that
     ``kvbound.attention`` reads without a check (``residual=True`` is always safe: the residual-capable kernel reads
     low-rank blocks too). The stored tensors' NaN/Inf check is the queued condition.
+
+    ``one_pass``: the whole encoder in one launch, one program per block (``_one_pass_kernel``) instead of five
+    launches over tiles of rows, where the host's launches rather than the device's work set the pace (a small
+    batch); the same coefficients, modes, widths, steps, codes and exact values, each block's codes and exact
+    values at the place of its rows in the workspaces. None: ``KVBOUND_ONE_PASS_ENCODE`` (on: ``1``, ``true``,
+    ``on``, ``yes``; off, the default: unset, ``auto``, ``0``, ``false``, ``off``, ``no``).
     """
     if not scope.speculative:
         raise RuntimeError("encode_triton_deferred: scope is not a speculative deferred-check block")
     _check_inputs(x, config, basis)
     start = time.perf_counter()
-    ckv, summary = _encode(x, config, basis, torch.float16, True, deferred=True)
+    if one_pass is None:
+        one_pass = switch_setting("KVBOUND_ONE_PASS_ENCODE") == "on"
+    ckv, summary = _encode(x, config, basis, torch.float16, True, deferred=True, one_pass=one_pass)
     # Views of the summary only (slices of adjacent entries): queueing launches nothing.
     scope.queue(
         f"{name} [{', '.join(map(str, x.shape))}] (Triton encoder)", {},
@@ -549,25 +700,25 @@ def _check_inputs(x: torch.Tensor, config: CompressionConfig, basis: Basis) -> N
 
 
 def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtype: torch.dtype,
-            verify: bool, deferred: bool = False):
+            verify: bool, deferred: bool = False, one_pass: bool = False):
     """One pass of the four kernels with ``coeff_dtype`` coefficients; None when the result cannot be returned
     (float16 coefficients out of range, or a block failed the certificate). ``deferred``: no host read; returns
-    ``(ckv, summary)`` with whole workspaces and the device-side summary (``encode_triton_deferred``).
+    ``(ckv, summary)`` with whole workspaces and the device-side summary (``encode_triton_deferred``);
+    ``one_pass`` (deferred only): all of it in one launch of ``_one_pass_kernel``.
     """
     batch, heads, n, d = x.shape
     device = x.device
-    r, block, tau = config.rank, config.block_size, config.tau
+    r, block = config.rank, config.block_size
     nb = -(-n // block)
     bh = batch * heads
-    d_pad = max(16, triton.next_power_of_2(d))
-    r_pad = max(16, triton.next_power_of_2(r))
+    constants = _constants(d, config)
+    d_pad, r_pad, widest, wpr_pad, gamma, tau_check, max_step = constants
     tiling = _tiling(block, d_pad)
     projection = basis.projection.to(device).contiguous()
     strides = x.stride()
     ieee = coeff_dtype != torch.float16
-    # float32 evaluation: a dot of r + 1 terms and two roundings, with a factor 4 to spare.
-    gamma = 4.0 * (r + 3) * 2.0**-24
-    tau_check, max_step = tau * (1.0 - 2.0**-16), 2.0 * tau * _STEP_MARGIN
+    if one_pass:
+        return _encode_one_pass(x, config, projection, coeff_dtype, tiling, constants)
 
     # One zeroed workspace: the summary (int64) and three per-block reductions the tiles raise with atomics (the
     # block's largest residual, float32; whether its low-rank part fails; which code widths fail, bit w for w).
@@ -579,11 +730,11 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
 
     coeffs = torch.empty(batch, heads, n, r, dtype=coeff_dtype, device=device)
     rows, warps, cols = tiling["coefficients"]
-    _coefficients_kernel[(triton.cdiv(n, rows), bh)](  # one program per tile of `rows` rows of one head
+    _coefficients_kernel[(cdiv(n, rows), bh)](  # one program per tile of `rows` rows of one head
         x, projection, coeffs, summary, res_max, lowrank_fail, n, heads, d, r, nb, tau_check, gamma, *strides,
         BLOCK=block, ROWS=rows, COLS=cols, R_PAD=r_pad, IEEE=ieee, num_warps=warps)
     rows, warps = tiling["modes"]
-    _modes_kernel[(triton.cdiv(n, rows), bh)](
+    _modes_kernel[(cdiv(n, rows), bh)](
         x, projection, coeffs, res_max, lowrank_fail, fail, n, heads, d, r, nb, tau_check, max_step, gamma, *strides,
         BITS=config.bits, BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad, IEEE=ieee, num_warps=warps)
 
@@ -595,7 +746,6 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
                          BITS=config.bits, BLOCK=block, CHUNK=_LAYOUT_CHUNK)
 
     # Workspaces sized from the shapes: every block at the widest code, and an eighth of the tensor exact.
-    widest = max(words_per_row(w, d) for w in promotion_widths(config.bits))
     codes = torch.empty(bh * n * widest, dtype=torch.int32, device=device)
     # Deferred: room for every block exact, so that no count needs reading before the object can be used; zeroed,
     # since the object keeps the whole workspace as its `raw` and a check of its stored tensors reads all of it
@@ -607,10 +757,10 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
 
     def write_and_certify(codes, raw, any_bad):
         rows, warps = tiling["write"]
-        _write_kernel[(triton.cdiv(n, rows), bh)](
+        _write_kernel[(cdiv(n, rows), bh)](
             x, projection, coeffs, mode, width, step, offset, codes, raw, n, heads, d, r, nb, codes.numel(),
             raw.numel(), *strides, BLOCK=block, ROWS=rows, D_PAD=d_pad, R_PAD=r_pad,
-            WPR_PAD=max(16, triton.next_power_of_2(widest)), IEEE=ieee, num_warps=warps)
+            WPR_PAD=wpr_pad, IEEE=ieee, num_warps=warps)
         if verify:
             _launch_certify(x, projection, coeffs, mode, width, step, offset, codes, raw, None, any_bad, config)
 
@@ -649,6 +799,40 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
         # block holds a residual exactly when there are codes or raw values. kvbound.attention reuses this record.
         ckv._record_checked(code_words > 0 or raw_elements > 0, lowrank / max(1, mode.numel()))
     return ckv
+
+
+def _encode_one_pass(x, config, projection, coeff_dtype, tiling, constants):
+    """``_encode(..., deferred=True)`` in one launch (``_one_pass_kernel``, one program per block): the same
+    stored values, each block's codes and exact values at the fixed place of its rows instead of packed one after
+    the other. Returns ``(ckv, summary)``."""
+    batch, heads, n, d = x.shape
+    device = x.device
+    r, block = config.rank, config.block_size
+    nb, bh = -(-n // block), batch * heads
+    d_pad, r_pad, widest, wpr_pad, gamma, tau_check, max_step = constants
+    summary = torch.zeros(_SUMMARY_SIZE, dtype=torch.int64, device=device)
+    coeffs = torch.empty(batch, heads, n, r, dtype=coeff_dtype, device=device)
+    mode = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
+    width = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
+    step = torch.empty(batch, heads, nb, dtype=torch.float32, device=device)
+    offset = torch.empty(batch, heads, nb, dtype=torch.int64, device=device)
+    codes = torch.empty(bh * n * widest, dtype=torch.int32, device=device)
+    raw = torch.empty(bh * n * d, dtype=x.dtype, device=device)  # every element written (x or zero)
+    c_rows, _, cols = tiling["coefficients"]
+    (warps,) = tiling["one_pass"]
+    _one_pass_kernel[(nb, bh)](
+        x, projection, coeffs, mode, width, step, offset, codes, raw, summary, n, heads, d, r, nb, tau_check, max_step,
+        gamma, config.tau, (r + 2) * 2.0**-52, codes.numel(), raw.numel(), *x.stride(),
+        BITS=config.bits, BLOCK=block, R_CONST=r, C_ROWS=c_rows, COLS=cols, M_ROWS=tiling["modes"][0],
+        W_ROWS=tiling["write"][0], V_ROWS=tiling["certify"][0], D_PAD=d_pad, R_PAD=r_pad, WIDEST=widest,
+        WPR_PAD=wpr_pad, IEEE=coeff_dtype != torch.float16,
+        num_warps=warps,
+    )  # fmt: skip
+    ckv = CompressedKV(
+        shape=(batch, heads, n, d), dtype=x.dtype, config=config, coeffs=coeffs, basis=projection, mode=mode,
+        scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
+    )
+    return ckv, summary
 
 
 # Mode numbers the kernels above write, spelled out for readers of the format.

@@ -499,7 +499,14 @@ def key_loop_bounds(
 
 
 def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code: in recent Triton versions that one is a constexpr function, whose
+    wrapper costs a few microseconds per call on the host (launchers call these on every launch)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code (``ceil(a / b)`` for b > 0), without the constexpr function's wrapper."""
+    return -(-a // b)
 
 
 def interpreting() -> bool:

@@ -62,6 +62,7 @@ from kvbound.kernels._common import (
     RUN_CHUNK,
     bounded_by_default,
     broadcast_strides,
+    cdiv,
     empty_output,
     fixed_softmax_max,
     float32_dot_precision,
@@ -2604,7 +2605,7 @@ def attention_compressed_fwd(
     super_block = max(k.block_size, v.block_size)
 
     def grid(meta):
-        return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
+        return (cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
 
     args = (
         q,
@@ -2880,7 +2881,7 @@ def merge_partials(
         block_d = next_power_of_2(dv)
         block_rows = max(1, min(64, 4096 // block_d))
         options = {} if interpreting() else {"enable_fp_fusion": False}  # the products and sum as PyTorch rounds them
-        _merge_two_kernel[(triton.cdiv(rows, block_rows),)](
+        _merge_two_kernel[(cdiv(rows, block_rows),)](
             out0, lse0, out1, lse1, out, lse, rows, h, n, dv,
             *out0.stride(), *out.stride(), *lse.stride(),
             BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4, **options,

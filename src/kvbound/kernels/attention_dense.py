@@ -27,6 +27,7 @@ from kvbound.kernels._common import (
     RUN_CHUNK,
     bounded_by_default,
     broadcast_strides,
+    cdiv,
     fixed_softmax_max,
     float32_dot_precision,
     fold_scale_sign,
@@ -1035,7 +1036,7 @@ def _plan(
         relative_strides = (n_q * n_runs, n_q, n_runs)
 
     def grid(meta):
-        return (triton.cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
+        return (cdiv(n_q * group, meta["BLOCK_M"]), batch * kv_heads)
 
     scalar_args = (
         *q.stride(),

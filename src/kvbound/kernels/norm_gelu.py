@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbound.kernels._common import cdiv
+
 __all__ = ["ACTIVATIONS", "add_channel_bias_", "batch_norm_gelu"]
 
 # The GELU forms: Enformer's sigmoid approximation and torch's tanh approximation.
@@ -140,7 +142,7 @@ def batch_norm_gelu(
     if out.numel() == 0:
         return out
     affine = weight is not None
-    grid = (b * c, triton.cdiv(n, _BLOCK))
+    grid = (b * c, cdiv(n, _BLOCK))
     _batch_norm_gelu_kernel[grid](
         x,
         running_mean,
@@ -220,7 +222,7 @@ def add_channel_bias_(out: torch.Tensor, bias: torch.Tensor, residual: torch.Ten
         if residual.device != out.device:
             raise ValueError(f"residual: expected out's device {out.device}, got {residual.device}")
     if out.numel():
-        grid = (b * c, triton.cdiv(n, _BLOCK))
+        grid = (b * c, cdiv(n, _BLOCK))
         r = out if residual is None else residual
         _add_channel_bias_kernel[grid](
             out, bias, r, c, n, *out.stride(), *r.stride(), RESIDUAL=residual is not None, BLOCK=_BLOCK

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbound.kernels._common import interpreting
+from kvbound.kernels._common import cdiv, interpreting, next_power_of_2
 
 __all__ = ["norm_rope"]
 
@@ -161,11 +161,11 @@ def norm_rope(
                 raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    block_c = triton.next_power_of_2(c)
+    block_c = next_power_of_2(c)
     rows = max(1, _TILE_ELEMENTS // block_c)
     n_rows = b * s * h
     options = {} if interpreting() else {"enable_fp_fusion": False}
-    _norm_rope_kernel[(triton.cdiv(n_rows, rows),)](
+    _norm_rope_kernel[(cdiv(n_rows, rows),)](
         x, weight, bias, cos, sin, out, n_rows, h, s, float(eps),
         C=c, BLOCK_C=block_c, ROWS=rows, ROPE=rope is not None,
         IN_DT=_TORCH_TO_TL[x.dtype] if round_to_input else tl.float32, NORM_DT=_TORCH_TO_TL[norm_dtype],

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbound.kernels._common import cdiv
+
 __all__ = ["softmax_pair_pool", "max_pair_pool"]
 
 # Pairs per program.
@@ -69,7 +71,7 @@ def softmax_pair_pool(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     x, logits = x.contiguous(), logits.contiguous()
     out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.float32, device=x.device)
     pairs = out.numel()
-    _softmax_pair_pool_kernel[(triton.cdiv(pairs, _PAIRS),)](x, logits, out, pairs, PAIRS=_PAIRS)
+    _softmax_pair_pool_kernel[(cdiv(pairs, _PAIRS),)](x, logits, out, pairs, PAIRS=_PAIRS)
     return out
 
 
@@ -80,5 +82,5 @@ def max_pair_pool(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
     pairs = out.numel()
-    _max_pair_pool_kernel[(triton.cdiv(pairs, _PAIRS),)](x, out, pairs, PAIRS=_PAIRS)
+    _max_pair_pool_kernel[(cdiv(pairs, _PAIRS),)](x, out, pairs, PAIRS=_PAIRS)
     return out
