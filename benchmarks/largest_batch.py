@@ -12,8 +12,11 @@ variant, ``largest_batch``, ``first_out_of_memory`` (empty when the limit was re
 (``torch.cuda.max_memory_allocated`` of the forward at the largest batch), ``probes``, ``seconds``; a forward that
 fails for another reason than memory stops that variant's search (``status=error``, ``failed_batch``, ``reason``,
 and the largest batch that ran before it). The models suite can then time each model at that batch (``--batches 1
-N``), if its timing loop fits there too: it holds more than one forward does (on the H200, Enformer's forward fits at
-batch 69, but the models suite ran out of memory at batch 64 in all three variants).
+N``), if its timing loop fits there too (on the H200, the search ran Enformer's unpatched forward at batch 69, but
+the models suite's unpatched forward ran out of memory at batch 64, asking for 36 GiB with 29.9 GiB free, while
+the patched forwards ran there: ``benchmarks/results/h200_2026-12-04_04451e4/``; the suite holds only its reference
+output beyond one forward, so memory stranded by the process's history is the likely difference, and the suite now
+runs one batch-1 forward first, as this search's climb does).
 
 Each model and variant searches in worker processes. A probe that gives no answer (neither an output nor
 out-of-memory) within ``--probe-timeout-s`` seconds of its start counts as not fitting: its process group is killed

@@ -454,3 +454,18 @@ def test_largest_batch_script_resumes_below_a_probe_without_answer(monkeypatch, 
     row = script._search(args, "borzoi", "unpatched", 256)  # 24 fits, 25 gives no answer: nothing left between
     assert len(commands) == 3 and (row["status"], row["largest_batch"], row["first_timeout"]) == ("ok", 24, 25)
     assert row["peak_gib"] == "52.50"
+
+
+def test_out_of_memory_reason_keeps_the_allocators_figures():
+    """The reason of a row that ran out of memory keeps what is needed to tell fragmentation from a forward that
+    does not fit (the reserved-but-unallocated memory), and drops the allocator's advice."""
+    message = ("CUDA out of memory. Tried to allocate 36.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+               "29.94 GiB is free. Including non-PyTorch memory, this process has 109.85 GiB memory in use. Of the "
+               "allocated memory 73.20 GiB is allocated by PyTorch, and 36.10 GiB is reserved by PyTorch but "
+               "unallocated. If reserved but unallocated memory is large try setting "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+               "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    reason = ports._error_reason(torch.cuda.OutOfMemoryError(message))
+    assert reason.startswith("out of memory: CUDA out of memory. Tried to allocate 36.00 GiB.")
+    assert reason.endswith("36.10 GiB is reserved by PyTorch but unallocated.")
+    assert ports._error_reason(ValueError("bad\nsecond line")) == "ValueError: bad"

@@ -706,6 +706,8 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     ``(ckv, summary)`` with whole workspaces and the device-side summary (``encode_triton_deferred``);
     ``one_pass`` (deferred only): all of it in one launch of ``_one_pass_kernel``.
     """
+    if one_pass and not deferred:
+        raise ValueError("one_pass: only for a deferred encode (its codes and exact values are not packed)")
     batch, heads, n, d = x.shape
     device = x.device
     r, block = config.rank, config.block_size
