@@ -171,3 +171,28 @@ def test_cli_models_refuses_variants_not_offered(tmp_path):
     assert cli.main([*argv, "unpatched-graph"]) == 2  # a graph variant without --graphs
     assert cli.main([*argv, "patch-sparse"]) == 2
     assert not out.exists()
+
+
+def test_flex_built_table_runs_a_batch_whose_table_is_too_large_in_chunks(monkeypatch):
+    """A batch whose ``[B, H, N, 2N - 1]`` table would reach ``FLEX_TABLE_ELEMENTS`` runs in chunks of batches whose
+    tables stay below it (compiled FlexAttention faulted on a table of 8.3e9 elements), with the same output."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(5)
+    b, h, n, dk, dv = 5, 2, 24, 8, 12
+    x = {"q": torch.randn(b, h, n, dk, generator=g), "k": torch.randn(b, h, n, dk, generator=g),
+         "v": torch.randn(b, h, n, dv, generator=g), "relative_keys": torch.randn(h, 2 * n - 1, dk, generator=g),
+         "u": torch.randn(h, dk, generator=g), "w": torch.randn(h, dk, generator=g), "scale": dk**-0.5}
+    batches = []
+
+    def flex(q, *args, **kwargs):
+        batches.append(q.shape[0])
+        return flex_attention(q, *args, **kwargs)
+
+    whole = relative._flex_built_table(flex)(x)
+    assert batches == [5]
+    batches.clear()
+    monkeypatch.setattr(relative, "FLEX_TABLE_ELEMENTS", 2 * h * n * (2 * n - 1) + 1)  # two batches' tables
+    chunked = relative._flex_built_table(flex)(x)
+    assert batches == [2, 2, 1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)

@@ -7,7 +7,9 @@ Enformer and Borzoi (relative positions):
                       keys and the ports' relative shift as a strided view, made contiguous) and runs
                       ``torch.nn.functional.scaled_dot_product_attention`` with it as the mask;
 ``flex-built-table``  each layer builds the ``[B, H, N, 2N - 1]`` table of position logits and runs FlexAttention
-                      (compiled on CUDA) with a ``score_mod`` that reads it at ``N - 1 + j - i``.
+                      (compiled on CUDA) with a ``score_mod`` that reads it at ``N - 1 + j - i``; a batch whose
+                      table would reach 2**31 elements runs in chunks of batches
+                      (``kvbound.bench.relative.FLEX_TABLE_ELEMENTS``).
 
 Both are the attention cores of ``kvbound bench --suite relative`` (``kvbound/bench/relative.py``) inside the ports'
 own layer: the same projections (``to_q``, ``to_k``, ``to_v``, ``to_rel_k``, ``to_out``), the positional features

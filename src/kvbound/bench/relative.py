@@ -165,10 +165,21 @@ def _sdpa_built_bias(x: dict) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(query, x["k"], x["v"], attn_mask=bias, scale=1.0)
 
 
+# The most elements of the position table one FlexAttention call reads: compiled FlexAttention faulted with an illegal
+# memory access on a [31, 8, 4096, 8191] table (8.3e9 elements, Borzoi's batch 31), where tables below 2**31 elements
+# ran (Enformer's batch 48: 1.8e9); the batch then runs in chunks whose tables stay below 2**31 elements.
+FLEX_TABLE_ELEMENTS = 2**31 - 1
+
+
 def _flex_built_table(flex: Callable, kernel_options: dict | None = None) -> Callable[[dict], torch.Tensor]:
     def run(x: dict) -> torch.Tensor:
         q = x["q"]
-        n = q.shape[2]
+        b, h, n = q.shape[:3]
+        per_batch = h * n * x["relative_keys"].shape[1]
+        chunk = max(1, FLEX_TABLE_ELEMENTS // per_batch)
+        if b > chunk:
+            return torch.cat([run({**x, "q": x["q"][i : i + chunk], "k": x["k"][i : i + chunk],
+                                   "v": x["v"][i : i + chunk]}) for i in range(0, b, chunk)])  # fmt: skip
         table = torch.einsum("bhid,hmd->bhim", q * x["scale"] + x["w"][None, :, None], x["relative_keys"])
 
         def score_mod(score, b, h, q_idx, kv_idx):
