@@ -5,13 +5,13 @@ Separate ``kvbound bench --suite models`` runs of the compressed variant have di
 path. Here one model is patched once (default config, calibrated), and forwards with ``handle.speculative`` True
 and False alternate in rounds, so both settings run the same compiled kernels on the same host within seconds of
 each other. Beside them: the unpatched port, the dense patch, and the speculative encoder in one launch per tensor
-(``patch-compressed-speculative-one-pass``: ``KVBOUND_ONE_PASS_ENCODE=1`` during its forwards), in the same
-rounds. Each row: model, batch, variant, the median and spread of the per-round medians (CUDA events around each
-forward, synchronised after it),
-host time per forward (``host_ms``: forwards queued back to back, wall clock; each forward ends with one host read,
-so this includes one wait for the device), the patched modules' encoder time per timed forward (device time
-between the events around the encoder calls; with synchronous encoding that window also holds the host's work after
-each read, while the device waits), and the number of forwards run again (``speculative_retries``).
+(``patch-compressed-speculative-one-pass``: ``handle.one_pass_encode = True``), in the same rounds. Each row:
+model, batch, variant, the median and spread of the per-round medians (CUDA events around each forward,
+synchronised after it), host time per forward (``host_ms``: forwards queued back to back, wall clock; each forward
+ends with one host read, so this includes one wait for the device), the patched modules' encoder time per timed
+forward (device time between the events around the encoder calls; with synchronous encoding that window also holds
+the host's work after each read, while the device waits), and the number of forwards run again
+(``speculative_retries``).
 
     python benchmarks/speculative_ab.py OUT.csv [--models enformer borzoi] [--batches 1 8] [--rounds 5]
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import statistics
 import sys
 import time
@@ -100,18 +99,16 @@ def _batch_rows(spec, model, batch: int, device, args) -> list[dict]:
         "unpatched": lambda: None,
         "patch-dense": lambda: kvbound.patch(model, compress=False),
         "patch-compressed-speculative": lambda: _repatch(kvbound, model, calibrated, True),
-        "patch-compressed-speculative-one-pass": lambda: _repatch(kvbound, model, calibrated, True),
+        "patch-compressed-speculative-one-pass": lambda: _repatch(kvbound, model, calibrated, True, one_pass=True),
         "patch-compressed-synchronous": lambda: _repatch(kvbound, model, calibrated, False),
     }
     times = {name: [] for name in settings}
     hosts = {name: [] for name in settings}
     encode = {name: [0.0, 0] for name in settings}
     retries = dict.fromkeys(settings, 0)
-    previous = os.environ.get("KVBOUND_ONE_PASS_ENCODE")
     for _ in range(args.rounds):
         for name, make in settings.items():
             handle = make()
-            os.environ["KVBOUND_ONE_PASS_ENCODE"] = "1" if name.endswith("-one-pass") else "0"
             try:
                 # One untimed forward first: a setting's first forward in the process compiles its kernels, and
                 # on CUDA that host time falls between the encoder's events (the device waits for the launches).
@@ -133,10 +130,6 @@ def _batch_rows(spec, model, batch: int, device, args) -> list[dict]:
             finally:
                 if handle is not None:
                     handle.undo()
-                if previous is None:
-                    os.environ.pop("KVBOUND_ONE_PASS_ENCODE", None)
-                else:
-                    os.environ["KVBOUND_ONE_PASS_ENCODE"] = previous
     rows = []
     for name in settings:
         rows.append({
@@ -163,12 +156,14 @@ def _encode_ms(handle) -> float:
     return sum(r.encode_seconds for r in handle.modules) * 1e3
 
 
-def _repatch(kvbound, model, calibrated, speculative: bool):
-    """The model patched compressed with the bases of ``calibrated`` (no second calibration), speculation set."""
+def _repatch(kvbound, model, calibrated, speculative: bool, one_pass: bool = False):
+    """The model patched compressed with the bases of ``calibrated`` (no second calibration), speculation and the
+    one-launch encoder set."""
     handle = kvbound.patch(model, calibrated.config)
     for record, source in zip(handle.modules, calibrated.modules, strict=True):
         record.basis_k, record.basis_v = source.basis_k, source.basis_v
     handle.speculative = speculative
+    handle.one_pass_encode = one_pass
     return handle
 
 

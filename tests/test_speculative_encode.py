@@ -358,17 +358,19 @@ def _small_alphagenome_tower():
     return tower.eval(), torch.randn(1, 32, 64, generator=g), torch.randn(1, 32, 64, generator=g)
 
 
-@pytest.mark.parametrize("port, one_pass", [("borzoi", "0"), ("alphagenome", "0"), ("borzoi", "1")])
+@pytest.mark.parametrize("port, one_pass", [("borzoi", "0"), ("alphagenome", "0"), ("borzoi", "1"),
+                                            ("borzoi", "handle")])
 def test_other_ports_encode_speculatively_with_the_synchronous_output(port, one_pass, monkeypatch):
     """Borzoi (relative positions) and AlphaGenome's tower (one shared K/V head, tile bias, soft-cap): a compressed
     forward with the Triton encoder (interpreted here) reads the device once and gives the synchronous output, also
-    with the one-launch encoder (``KVBOUND_ONE_PASS_ENCODE``)."""
+    with the one-launch encoder (``KVBOUND_ONE_PASS_ENCODE=1``, or ``handle.one_pass_encode = True`` with the
+    variable off)."""
     import importlib
 
     from test_encode_triton import counted_one_pass_launches  # tests/ is on sys.path (rootdir conftest)
 
     launches = counted_one_pass_launches(monkeypatch)
-    monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", one_pass)
+    monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", "0" if one_pass == "handle" else one_pass)
 
     patch_module = importlib.import_module("kvbound.models.patch")
     monkeypatch.setattr(patch_module, "_encoder", lambda x, config, basis: "triton" if basis is not None else "eager")
@@ -390,6 +392,7 @@ def test_other_ports_encode_speculatively_with_the_synchronous_output(port, one_
         sync = first(model(x))
         learnt = [dict(r._forecast) for r in h.modules]
         h.speculative = True
+        h.one_pass_encode = True if one_pass == "handle" else None
         monkeypatch.setattr(_checks.DeferredChecks, "read", counting_read)
         outs = [first(model(x)) for _ in range(2 if port == "borzoi" else 1)]
     assert reads == [True] * len(outs) and h.speculative_retries == 0
@@ -397,7 +400,7 @@ def test_other_ports_encode_speculatively_with_the_synchronous_output(port, one_
     for out in outs:
         torch.testing.assert_close(out, sync, rtol=0, atol=0)
     # one launch for each speculative K and V of each layer and forward, and none without the switch
-    assert len(launches) == (2 * len(h.modules) * len(outs) if one_pass == "1" else 0)
+    assert len(launches) == (2 * len(h.modules) * len(outs) if one_pass in ("1", "handle") else 0)
 
 
 @pytest.mark.parametrize("one_pass", [False, True])

@@ -175,6 +175,9 @@ class PatchHandle:
         speculative: encode K/V on the GPU without a host read per layer (default True; see :func:`patch`).
             Set it to False to read the encoder's results in every layer instead.
         speculative_retries: forwards that ran a second time because a speculative encoding could not be kept.
+        one_pass_encode: run each speculative encode in one launch instead of five (``encode_triton_deferred``'s
+            ``one_pass``: the same values, fewer launches, more device time); None (default): the process's
+            ``KVBOUND_ONE_PASS_ENCODE`` (off unless set).
         operand_bytes: device memory held between forwards by the patched layers' kept weight casts and relative
             keys (``kvbound/models/_operands.py``; ``clear_operands()`` drops them, ``KVBOUND_OPERAND_CACHE=0``
             stops keeping them).
@@ -201,6 +204,7 @@ class PatchHandle:
         # Speculative encoding (see patch's docstring): on by default; forwards run again after a retry.
         self.speculative = True
         self.speculative_retries = 0
+        self.one_pass_encode: bool | None = None
         self._attention_ids: set[int] = set()
         # The model's forward wrapped in kvbound.deferred_checks (set by patch when it patched anything).
         self._root: nn.Module | None = None
@@ -331,7 +335,7 @@ class PatchHandle:
 
         ckv = encode_triton_deferred(
             x, self.config, basis, scope, residual=residual, lowrank_share=share,
-            name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable,
+            name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable, one_pass=self.one_pass_encode,
         )  # fmt: skip
         word_bytes, raw_bytes = ckv.codes.element_size(), ckv.raw.element_size()
         # Bytes of everything but the two workspaces, whose used lengths arrive with the block's read.
