@@ -192,16 +192,12 @@ def _measure_gpu(x, config, basis, calls, rounds):
 
     from kvbound import _checks
 
-    def run(one_pass):
-        with _checks._block(speculative=True) as scope:
-            for _ in range(calls):
-                _encode(x, config, basis, one_pass, scope)
-            return scope
-
     hosts = {False: [], True: []}
     device = {False: [], True: []}
-    for path in (False, True):  # compile, tune and warm both
-        run(path)
+    with _checks._block(speculative=True) as scope:  # compile and warm both paths
+        for one_pass in (False, True):
+            for _ in range(5):
+                _encode(x, config, basis, one_pass, scope)
     torch.cuda.synchronize()
     for _ in range(rounds):
         for one_pass in (False, True):
