@@ -504,6 +504,48 @@ def test_invalid_options_raise(kwargs, error, words):
         attention(*_tensors(), **kwargs)
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_compressed_values_beyond_float32_sums_raise(inference):
+    """Compressed V whose exact blocks hold values too large for the kernel's float32 sums over the keys: the call
+    raises naming v, whether the stored tensors are checked with the call (inference tensors, which keep no record)
+    or at the operand's first call (the bound is recorded with the check and used by later calls). Values below the
+    limit give the reference's output on the decompressed K/V."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(3))
+    config = CompressionConfig(block_size=16, rank=2, bits=4, tau=0.05)
+    limit = torch.finfo(torch.float32).max / 32
+    for big, raises in ((limit * 2, True), (limit / 8, False)):
+        v_big = v.clone()
+        v_big[0, 0, :16] = big  # one block: stored exactly
+        with torch.inference_mode(inference):
+            ck, cv = compress_kv(k, config), compress_kv(v_big, config)
+            for _ in range(2):  # the second call reads the bound recorded by the first (outside inference mode)
+                if raises:
+                    with pytest.raises(ValueError, match=r"^v: expected a largest magnitude of at most .*compressed"):
+                        attention(q, ck, cv)
+                else:
+                    out = attention(q, ck, cv)
+                    expected = reference_attention(q, ck.decompress(), cv.decompress())
+                    assert torch.isfinite(out).all()
+                    assert ((out.double() - expected).abs() <= 1e-5 * expected.abs().amax()).all()
+
+
+def test_logits_beyond_float32_raise_naming_q_and_k():
+    """q and k large enough that a float32 logit can overflow (1e20 each at head dim 16) raise before the kernel
+    runs, naming both; so do relative keys with a large query."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
+    q_big, k_big = q.clone(), k.clone()
+    q_big[0, 1, 3, 2], k_big[0, 0, 7, 5] = 1e20, 1e20
+    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay within float32's range"):
+        attention(q_big, k_big, v)
+    keys = torch.full((2, 47, 16), 1e20)
+    u, w = torch.zeros(2, 16), torch.zeros(2, 16)
+    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes"):
+        attention(q_big, k, v, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    check_against_reference(attention(q, k, v), q, k, v)  # ordinary magnitudes pass
+
+
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

@@ -43,12 +43,26 @@ def test_non_finite_input_raises_at_the_end_naming_call_and_tensor(bad):
         kvbound.attention(q, k, v_bad)
 
 
-def test_huge_finite_values_do_not_raise():
+def test_values_whose_float32_sums_overflow_raise_deferred_and_at_once():
+    """Finite values so large that the kernel's float32 sum of weighted values overflows (24 keys of 3e38) would
+    give an Inf output where the float64 reference is finite: the call raises instead, in a deferred block at its
+    end and outside one at once, naming v and the limit. Values below the limit give the reference's output."""
     q, k, v = _qkv()
     v = v.clone()
-    v[0, 0, :, :] = 3e38  # a float32 sum of these overflows; the largest magnitude does not
-    with kvbound.deferred_checks():
+    v[0, 0, :, :] = 3e38
+    limit = torch.finfo(torch.float32).max / 24
+    expected_error = r"^v: expected a largest magnitude of at most 1\.42e\+37 \(dense\).*got 3e\+38"
+    with pytest.raises(ValueError, match=expected_error):
+        with kvbound.deferred_checks():
+            kvbound.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"^v: expected a largest magnitude of at most .* over 24 keys"):
         kvbound.attention(q, k, v)
+    v[0, 0, :, :] = limit / 4  # every weight at most 1: the sums stay below the limit
+    with kvbound.deferred_checks():
+        out = kvbound.attention(q, k, v)
+    expected = kvbound.reference_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - expected).abs() <= 1e-5 * expected.abs().amax(dim=(-2, -1), keepdim=True)).all()
 
 
 class _RecordOps(TorchDispatchMode):

@@ -84,6 +84,10 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(largest_magnitude_parts(tensors)).to(torch.float64)
 
 
+# A check of largest magnitudes (name -> float, all finite): an error message, or None when they are acceptable.
+Limit = Callable[[dict[str, float]], "str | None"]
+
+
 class Retry(Exception):
     """A speculative block ended with a retry flag set: what ran inside it must run again (``reasons``: what
     was flagged, one label per flag)."""
@@ -106,8 +110,8 @@ class DeferredChecks:
     def __init__(self, *, speculative: bool = False) -> None:
         self.speculative = speculative
         self._parts: list[torch.Tensor] = []
-        # (label, names, indices of the names' peak parts, messages, indices of the count parts)
-        self._pending: list[tuple[object, list[str], list[int], list[str], list[int]]] = []
+        # (label, names, indices of the names' peak parts, messages, indices of the count parts, magnitude limit)
+        self._pending: list[tuple[object, list[str], list[int], list[str], list[int], Limit | None]] = []
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -140,11 +144,13 @@ class DeferredChecks:
         label: object,
         tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         conditions: Iterable[tuple[str, torch.Tensor]] = (),
+        limit: Limit | None = None,
     ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
         described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
         count)`` pairs, a tensor (any shape, any real dtype) whose sum must be zero, else
-        ``ValueError(message.format(count=...))``."""
+        ``ValueError(message.format(count=...))``. ``limit``: called with the tensors' largest magnitudes (name ->
+        float) once they are known to be finite; a message it returns is raised as ``ValueError``."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
@@ -154,7 +160,7 @@ class DeferredChecks:
             messages.append(message)
             counts.append(self._keep(count))
         if names or messages:
-            self._pending.append((label, names, peaks, messages, counts))
+            self._pending.append((label, names, peaks, messages, counts, limit))
 
     def queue_retry(
         self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
@@ -200,7 +206,7 @@ class DeferredChecks:
 
         def finish() -> None:
             values = _read_gathered(gathered, sizes)
-            for index, (label, names, peaks, messages, counts) in enumerate(pending):
+            for index, (label, names, peaks, messages, counts, limit) in enumerate(pending):
                 where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
                 for name, part in zip(names, peaks, strict=True):
                     (value,) = values[part]
@@ -208,6 +214,10 @@ class DeferredChecks:
                         raise ValueError(
                             f"{name}: expected finite values, found {'NaN' if math.isnan(value) else 'Inf'} ({where})"
                         )
+                if limit is not None:
+                    message = limit({name: values[part][0] for name, part in zip(names, peaks, strict=True)})
+                    if message is not None:
+                        raise ValueError(f"{message} ({where})")
                 for message, part in zip(messages, counts, strict=True):
                     count = sum(values[part])
                     if count != 0:

@@ -163,12 +163,13 @@ def attention(
             q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs, run_span
         )
     elif compressed:
-        known, shares = (-1, -1), (-1.0, -1.0)
+        known, shares, largest = (-1, -1), (-1.0, -1.0), (-1.0, -1.0)
         plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
         if plain:
             known_k, share_k = _recorded_residual(k, "k")
             known_v, share_v = _recorded_residual(v, "v")
             known, shares = (known_k, known_v), (share_k, share_v)
+            largest = tuple(-1.0 if m is None else m for m in (k._checked_magnitude(), v._checked_magnitude()))
         # In plain eager mode the op's implementation is called directly, as for dense K/V (see _plain_eager).
         run = _attention_compressed if plain else torch.ops.kvbound.attention_compressed
         out, lse = run(
@@ -207,6 +208,8 @@ def attention(
             v_lowrank_share=shares[1],
             relative_runs=runs,
             relative_run_span=run_span,
+            k_largest=largest[0],
+            v_largest=largest[1],
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -259,11 +262,29 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
         if ckv._stamps() is None:  # nothing could be recorded: the op checks these with the call's other checks
             return -1, -1.0
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
-        (share,) = _queue_checks(tensors, flags=(ckv.mode,))()  # with flags: never deferred
+        peaks: dict[str, float] = {}
+        (share,) = _queue_checks(tensors, flags=(ckv.mode,), limit=_keep_peaks(peaks))()  # with flags: never deferred
         ckv._record_checked(share < 1, share)
+        ckv._record_magnitude(_decoded_magnitude(ckv.rank, *(peaks.get(f"{name}.{f}", 0.0) for f in _CHECKED_FIELDS)))
         return int(share < 1), share
     share = ckv._checked_lowrank_share()
     return int(residual), -1.0 if share is None else share
+
+
+def _keep_peaks(into: dict[str, float]) -> _checks.Limit:
+    """A magnitude check that accepts everything and keeps the largest magnitudes it is given in ``into``."""
+
+    def keep(peaks: dict[str, float]) -> None:
+        into.update(peaks)
+
+    return keep
+
+
+def _decoded_magnitude(rank: int, coeffs: float, basis: float, step: float, raw: float) -> float:
+    """A bound on the largest magnitude of compressed values from those of their stored tensors: a decoded element
+    is a sum of ``rank`` products of a coefficient and a basis element, plus a residual code (below 2**8 steps at
+    the widest width) times its block's step, or a value stored exactly."""
+    return rank * coeffs * basis + _WIDEST_CODE * step + raw
 
 
 def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
@@ -465,6 +486,7 @@ def _queue_checks(
     flags: tuple[torch.Tensor, ...] = (),
     full_bias_shape: tuple[int, ...] | None = None,
     conditions: tuple[tuple[str, torch.Tensor], ...] = (),
+    limit: _checks.Limit | None = None,
 ) -> Callable[[], list[float]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
@@ -478,7 +500,8 @@ def _queue_checks(
     so that the preparation overlaps the device work queued before it.
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias. ``conditions``: ``(message, count)`` pairs, a scalar that must be zero, else
-    ``ValueError(message.format(count=...))`` after the finite checks (deferred with them)."""
+    ``ValueError(message.format(count=...))`` after the finite checks (deferred with them). ``limit``: a check of
+    the largest magnitudes once they are finite (``_Overflow``), raised as ``ValueError`` (deferred with them)."""
     pairs = tensors.items() if isinstance(tensors, dict) else tensors
     present = [(name, t) for name, t in pairs if t is not None and t.is_floating_point() and t.numel()]
     deferred = _checks.active()
@@ -486,7 +509,7 @@ def _queue_checks(
         # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end. The call's label
         # is only formatted for an error.
         q = next((t for name, t in present if name == "q"), None)
-        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions)
+        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions, limit)
         return _no_flags
     checks = [_checks.largest_magnitudes([t for _, t in present])] if present else []
     checks += [torch.count_nonzero(f).to(torch.float64).reshape(1) for f in flags]
@@ -502,6 +525,10 @@ def _queue_checks(
                 if name == "bias" and full_bias_shape is not None:
                     t = t.expand(full_bias_shape)
                 check_finite_values(t, name)
+        if limit is not None:
+            message = limit({name: value for (name, _), value in zip(present, values, strict=False)})
+            if message is not None:
+                raise ValueError(message)
         nonzero = values[len(present) : len(present) + len(flags)]
         for (message, _), count in zip(conditions, values[len(present) + len(flags) :], strict=True):
             if count != 0:
@@ -513,6 +540,74 @@ def _queue_checks(
 
 def _no_flags() -> list[float]:
     return []
+
+
+# The kernels sum logits and the unnormalised P @ V in float32. A softmax weight is at most 1 with a running or
+# bounded maximum, and at most 2**14 with the fixed maximum of a soft-cap (``kernels._common.fixed_softmax_max``).
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FIXED_MAX_WEIGHT = 2.0**14
+# A stored residual code times its step is at most this many steps (the widest code, 8 bits, is below 2**8).
+_WIDEST_CODE = 2.0**8
+
+
+class _Overflow:
+    """Whether a call's inputs keep the kernels' float32 sums finite, from the largest magnitudes its finite checks
+    read (no device work): every logit is at most ``dk (|scale| max|q| + max|u|) max|k| + dk (|scale| max|q| +
+    max|w|) max|R| + max|bias|`` (``u``, ``w``, ``R``: the relative content and position biases and keys, where
+    given), and every running sum of weighted values at most ``Nk W max|v|`` (``W``: the largest softmax weight).
+    Finite inputs beyond these would give Inf or NaN outputs where the float64 reference is finite: they raise
+    instead, naming the tensors. Both are sufficient conditions, met by anything but values near float32's range
+    (``max|v|`` up to 3.4e32 for 10**6 keys). Compressed K/V (``ranks``: their ranks) are bounded from their stored
+    tensors where the call checks them (``_decoded_magnitude``), else by ``known`` (the bound recorded with the
+    operand's check; -1.0: none, as for the Triton encoder's output, whose magnitude is not read back)."""
+
+    __slots__ = ("head_dim_k", "n_k", "scale", "weight", "ranks", "known")
+
+    def __init__(
+        self,
+        head_dim_k: int,
+        n_k: int,
+        scale: float,
+        softcap: float | None,
+        ranks: tuple[int, int] | None = None,
+        known: tuple[float, float] = (-1.0, -1.0),
+    ) -> None:
+        from kvbound.kernels._common import fixed_softmax_max
+
+        self.head_dim_k, self.n_k, self.scale, self.ranks, self.known = head_dim_k, n_k, abs(scale), ranks, known
+        self.weight = 1.0 if fixed_softmax_max(softcap) is None else _FIXED_MAX_WEIGHT
+
+    def _largest(self, peaks: dict[str, float], name: str, index: int) -> float | None:
+        if self.ranks is None:
+            return peaks.get(name)
+        stored = [peaks.get(f"{name}.{field}") for field in _CHECKED_FIELDS]
+        if all(value is not None for value in stored):
+            return _decoded_magnitude(self.ranks[index], *stored)
+        return self.known[index] if self.known[index] >= 0 else None
+
+    def __call__(self, peaks: dict[str, float]) -> str | None:
+        q, k, v = peaks.get("q"), self._largest(peaks, "k", 0), self._largest(peaks, "v", 1)
+        kind = "compressed, bounded from its stored tensors" if self.ranks else "dense"
+        if q is not None and k is not None:
+            query = self.scale * q
+            logit = self.head_dim_k * (query + peaks.get("relative_content_bias", 0.0)) * k
+            if "relative_keys" in peaks:
+                logit += self.head_dim_k * (query + peaks.get("relative_position_bias", 0.0)) * peaks["relative_keys"]
+            logit += peaks.get("bias", 0.0)
+            if not logit <= _FLOAT32_MAX:
+                return (
+                    f"q, k: expected magnitudes whose logits stay within float32's range ({_FLOAT32_MAX:.3g}), got "
+                    f"largest magnitudes {q:.3g} (q) and {k:.3g} (k, {kind}) at head dim {self.head_dim_k} and "
+                    f"scale {self.scale:.3g}, whose logits may reach {logit:.3g}"
+                )
+        if v is not None:
+            limit = _FLOAT32_MAX / (self.n_k * self.weight)
+            if not v <= limit:
+                return (
+                    f"v: expected a largest magnitude of at most {limit:.3g} ({kind}), so that float32 sums over "
+                    f"{self.n_k} keys stay finite, got {v:.3g}"
+                )
+        return None
 
 
 class _ShapeLabel:
@@ -648,6 +743,7 @@ def _attention_dense(
         ),
         full_bias_shape=None if bias is None or bias_tile > 1 else (*q.shape[:3], k.shape[2]),
         conditions=conditions,
+        limit=_Overflow(q.shape[3], k.shape[2], scale, softcap),
     )
     relative = None
     if relative_keys is not None and runs is None:
@@ -717,6 +813,8 @@ def _attention_compressed(
     v_lowrank_share: float = -1.0,
     relative_runs: torch.Tensor | None = None,
     relative_run_span: int = 0,
+    k_largest: float = -1.0,
+    v_largest: float = -1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``k_residual`` / ``v_residual``: -1, check that operand's stored tensors for NaN/Inf and read whether any
     block holds a residual (which kernel variant runs) and the share of low-rank-only blocks (whether the work is
@@ -724,7 +822,9 @@ def _attention_compressed(
     ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split).
     ``relative_runs`` / ``relative_run_span``: as for ``_attention_dense``; the kernel reads the runs where no tile
     spans more than ``attention_compressed.COMPRESSED_RUN_SPAN`` of them (``relative_run_span`` from 1 to that), and
-    the relative keys (expanded when given one per run) for a span of 0 (more); the runs are checked either way."""
+    the relative keys (expanded when given one per run) for a span of 0 (more); the runs are checked either way.
+    ``k_largest`` / ``v_largest``: a bound on the operand's largest decoded magnitude recorded with its check
+    (``CompressedKV._checked_magnitude``; -1.0: none), for the float32 range check (``_Overflow``)."""
     from kvbound.kernels.attention_compressed import COMPRESSED_RUN_SPAN, CompressedOperand, attention_compressed_fwd
 
     n_k = k_coeffs.shape[2]
@@ -758,8 +858,10 @@ def _attention_compressed(
     # Finite checks and "does K / V have a block with a residual" in one sync (none when both are known and the
     # call is inside kvbound.deferred_checks()).
     read = _queue_checks(
-        tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k), conditions=conditions
-    )
+        tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k), conditions=conditions,
+        limit=_Overflow(q.shape[3], n_k, scale, softcap, ranks=(k_coeffs.shape[3], v_coeffs.shape[3]),
+                        known=(k_largest, v_largest)),
+    )  # fmt: skip
 
     read_once: list[list[tuple[bool, float]]] = []
 

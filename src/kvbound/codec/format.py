@@ -172,10 +172,22 @@ class CompressedKV:
         stamps = self._stamps()
         self._checked = None if stamps is None else (stamps, bool(residual), share)
 
+    def _record_magnitude(self, largest: float) -> None:
+        """Record a bound on the largest magnitude of the decoded values, as the stored tensors are now
+        (``kvbound.attention`` checks it against float32's range; see ``attention._Overflow``)."""
+        stamps = self._stamps()
+        self._magnitude = None if stamps is None else (stamps, float(largest))
+
+    def _checked_magnitude(self) -> float | None:
+        """What ``_record_magnitude`` recorded, if every stored tensor is unchanged since; else None."""
+        record = getattr(self, "_magnitude", None)
+        return record[1] if record is not None and self._stamps() == record[0] else None
+
     def __getstate__(self) -> dict:
         # A check record names this process's storages (data pointers): a copy or another process must check again.
         state = dict(self.__dict__)
         state["_checked"] = None
+        state.pop("_magnitude", None)
         return state
 
     def _checked_residual(self) -> bool | None:
