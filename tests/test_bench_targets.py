@@ -120,7 +120,7 @@ def test_traffic_table_and_seed_claims():
     assert first["DRAM / formula"] == f"{(3 * 8 * n * d * 2.0 + 1e3) / (4 * 8 * n * d * 2):.2f}"
     headers, body = tables.data_movement_table(ncu)
     row = dict(zip(headers, body[0], strict=True))
-    assert row["seed claim"] == "4.1x" and row["K+V ratio"] == "3.98x"
+    assert row["design figure"] == "4.1x" and row["K+V ratio"] == "3.98x"
     assert row["measured ratio"] == f"{(3 * 8 * n * d * 2.0 + 1e3) / (1.2e8 + 2e3):.2f}x"
 
 

@@ -139,10 +139,10 @@ Which bytes each ratio counts: **K/V ratio**: dense K and V bytes over `Compress
 config r8b4: factors, packed codes, scales, offsets, modes, exact blocks, metadata). **Formula ratio**: Q + K + V + O
 bytes of cuDNN SDPA over Q + K.nbytes + V.nbytes + O of kvbound (each tensor read or written once). **Measured
 ratio**: Nsight Compute DRAM bytes read + written by every kernel of one cuDNN SDPA call over the same for one
-`kvbound.attention` call on compressed K/V, L2 flushed before each kernel. **Seed claim**: the seed's "attention
-data movement" reduction (2.6x at N = 4096 rising to 4.1x at N = 65536), which does not say which bytes it counts;
-Q and O are the same for both kernels, so a whole-attention ratio (formula or measured) stays well below the K/V
-ratio, and only the K/V ratio is comparable in size with the seed's figures.
+`kvbound.attention` call on compressed K/V, L2 flushed before each kernel. **Design figure**: the format's quoted
+"attention data movement" reduction (2.6x at N = 4096 rising to 4.1x at N = 65536), which does not say which bytes
+it counts; Q and O are the same for both kernels, so a whole-attention ratio (formula or measured) stays well below
+the K/V ratio, and only the K/V ratio is comparable in size with those figures.
 """
 
 _TRAFFIC_METHOD = """\
@@ -492,7 +492,7 @@ def _speed_tables(rows: list[dict]) -> str:
     out = []
     shapes = list(dict.fromkeys(r["shape"] for r in timed))
     headers = ["provider", "config", "status", "p50 ms", "p20-p80 ms", "TFLOP/s", "vs cuDNN", "rel err",
-               "err vs dense ref", "K/V ratio", "zero tiles", "computes / reason"]
+               "err vs dense ref", "K/V ratio", "zero tiles", "computes / reason", "commit, day"]
     for shape in shapes:
         mine = [r for r in timed if r["shape"] == shape]
         first = mine[0]
@@ -514,7 +514,7 @@ def _speed_tables(rows: list[dict]) -> str:
                          "-" if ratio is None else f"{ratio:.2f}x" + ("" if found[2] else " (cuDNN of another run)"),
                          _fmt(r.get("err_rel"), ".2e"), _fmt(r.get("err_vs_dense_rel"), ".2e"),
                          _fmt(r.get("compression_ratio"), ".2f"), _fmt(r.get("zero_residual_share"), ".0%"),
-                         what.replace("\n", " ")])
+                         what.replace("\n", " "), f"{r.get('commit') or '-'}, {str(r.get('date') or '-')[:10]}"])
         out.append(f"#### {shape} ({first.get('family')}): {desc}\n\n" + tables.to_markdown(headers, body))
     return "\n".join(out) if out else "_(no timed rows)_\n"
 
@@ -567,6 +567,11 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         _TRAINED_KV_METHOD,
         _trained_kv_section([f for f in other_files if f.kind == "trained-kv"]),
         "## Speed\n",
+        "The newest row of each provider, config and shape, with the commit and day that measured it. Rows of the "
+        "model shapes (`enformer`, `borzoi`, `alphagenome (model)`) measured before the kernels computed the relative "
+        "term in the tile and read AlphaGenome's pair bias in its compact form say so (`bias read as a dense [B, Hq, "
+        "Nq, Nk] tensor`); the models' attention as it runs now is timed under \"Models end to end\" and "
+        "\"Relative-position attention against what a user could build\".\n",
         _speed_tables(rows),
         "## Ablation: low-rank only, quantisation only, fused\n",
         tables.to_markdown(*tables.ablation_table(rows)),
@@ -583,9 +588,9 @@ def render(rows_by_file: dict[Path, list[dict]], root: Path, plots: dict[str, Pa
         "`codes * scale + add` on coded tiles) over dense attention FLOP; shared: the rebuild reused by the query "
         "heads of one K/V head. Rank space: FLOP of attention computed as `(Q P^T) C^T` with values accumulated "
         "in rank space (residual-free tiles) over dense FLOP. See `kvbound/bench/formulas.py`.\n",
-        f"The seed states a reconstruction overhead of {tables.SEED_OVERHEAD:.1%} of attention FLOPs; the columns "
-        "above count it for each shape from the measured mode shares (the fused kernel's real cost is in the "
-        "speed tables, not here).\n",
+        f"The design estimate of the reconstruction overhead is {tables.DESIGN_OVERHEAD:.1%} of attention FLOPs; "
+        "the columns above count it for each shape from the measured mode shares (the fused kernel's real cost is "
+        "in the speed tables, not here).\n",
         "## Calibration time per model load\n",
         tables.to_markdown(*tables.calibration_table(rows)),
         "## Encoder\n",

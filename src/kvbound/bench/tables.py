@@ -47,10 +47,10 @@ __all__ = [
     "DEFAULT_CONFIG",
     "ABLATION_CONFIGS",
     "SWEEP_ORDER",
-    "SEED_TRAFFIC_CLAIMS",
-    "SEED_CONFIG_CLAIMS",
-    "SEED_OVERHEAD",
-    "SEED_CALIBRATION_S",
+    "DESIGN_TRAFFIC_FIGURES",
+    "DESIGN_CONFIG_FIGURES",
+    "DESIGN_OVERHEAD",
+    "DESIGN_CALIBRATION_S",
 ]
 
 DEFAULT_CONFIG = "r8b4"
@@ -67,12 +67,12 @@ def index_rows(rows: list[dict], mode: str) -> dict[tuple[str, str, str], dict]:
     return out
 
 
-# The seed's claims (attention data movement reduction; overhead; calibration), shown beside the measurements.
-SEED_TRAFFIC_CLAIMS = {4096: 2.6, 65536: 4.1}
-SEED_CONFIG_CLAIMS = {"lowrank-r8": 3.6, "quant-r0b4": 2.4, "r8b4": 4.1, "r16b8": 2.1, "r16b4": 3.0, "r8b2": 5.2,
+# The design's figures (attention data movement reduction; overhead; calibration), shown beside the measurements.
+DESIGN_TRAFFIC_FIGURES = {4096: 2.6, 65536: 4.1}
+DESIGN_CONFIG_FIGURES = {"lowrank-r8": 3.6, "quant-r0b4": 2.4, "r8b4": 4.1, "r16b8": 2.1, "r16b4": 3.0, "r8b2": 5.2,
                       "r4b2": 6.0}
-SEED_OVERHEAD = 0.062
-SEED_CALIBRATION_S = 0.8
+DESIGN_OVERHEAD = 0.062
+DESIGN_CALIBRATION_S = 0.8
 
 
 def _run_key(r: dict) -> tuple:
@@ -254,7 +254,7 @@ def data_movement_table(rows: list[dict], config: str = DEFAULT_CONFIG) -> tuple
     """Attention data movement, dense vs compressed, per seed shape (N = 4096, 16384, 65536 and both d)."""
     timed, profiled = index_rows(rows, "time"), index_rows(rows, "ncu")
     headers = ["N", "d", "K+V dense", "K+V kvbound", "K+V ratio", "Q+K+V+O cuDNN", "Q+K+V+O kvbound",
-               "formula ratio", "DRAM cuDNN (ncu)", "DRAM kvbound (ncu)", "measured ratio", "seed claim"]
+               "formula ratio", "DRAM cuDNN (ncu)", "DRAM kvbound (ncu)", "measured ratio", "design figure"]
     table = []
     for shape in _shapes(rows, "seed"):
         name = shape["shape"]
@@ -271,7 +271,7 @@ def data_movement_table(rows: list[dict], config: str = DEFAULT_CONFIG) -> tuple
             format_bytes(comp["bytes_moved"] if comp else None),
             _ratio(cudnn["bytes_moved"] if cudnn else None, comp["bytes_moved"] if comp else None),
             format_bytes(_dram(cudnn_ncu)), format_bytes(_dram(comp_ncu)), _ratio(_dram(cudnn_ncu), _dram(comp_ncu)),
-            f"{SEED_TRAFFIC_CLAIMS[shape['q_len']]:.1f}x" if shape["q_len"] in SEED_TRAFFIC_CLAIMS else "-",
+            f"{DESIGN_TRAFFIC_FIGURES[shape['q_len']]:.1f}x" if shape["q_len"] in DESIGN_TRAFFIC_FIGURES else "-",
         ])
     return headers, table
 
@@ -280,7 +280,7 @@ def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[
     timed, profiled = index_rows(rows, "time"), index_rows(rows, "ncu")
     headers = ["shape", "config", "rank", "bits", "tau", "K/V ratio", "zero tiles", "err vs dense ref",
                "p50 ms", "vs kvbound-dense", "vs cuDNN", "DRAM (ncu)", "traffic ratio (formula)",
-               "seed claim"]
+               "design figure"]
     table = []
     same_run = cudnn_ratios(rows)
     for shape in _shapes(rows, family):
@@ -311,7 +311,7 @@ def _config_rows(rows: list[dict], configs, family: str = "seed") -> tuple[list[
 
 
 def _claim(label: str) -> str:
-    return f"{SEED_CONFIG_CLAIMS[label]:.1f}x" if label in SEED_CONFIG_CLAIMS else "-"
+    return f"{DESIGN_CONFIG_FIGURES[label]:.1f}x" if label in DESIGN_CONFIG_FIGURES else "-"
 
 
 def ablation_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -356,13 +356,13 @@ def calibration_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """``kvbound.calibrate`` over all layers of one model (the attention suite's ``calibrate`` rows): the latest
     run per model, with the range over every run recorded."""
     headers = ["model", "seconds per model load", "range over runs (runs)", "what was calibrated", "device",
-               "commit", "seed claim"]
+               "commit", "design figure"]
     ok = [r for r in rows if r["mode"] == "calibrate" and r["status"] == "ok" and r.get("suite") != "encoder"]
     table = []
     for r in latest_rows(ok, "calibrate", ("shape",)):
         seconds = [x["ms_p50"] / 1e3 for x in ok if x["shape"] == r["shape"]]
         table.append([r["shape"], f"{r['ms_p50'] / 1e3:.3f}", f"{min(seconds):.3f}-{max(seconds):.3f} ({len(seconds)})",
-                      r.get("note") or "", r.get("gpu") or "", r.get("commit") or "", f"{SEED_CALIBRATION_S:g} s"])
+                      r.get("note") or "", r.get("gpu") or "", r.get("commit") or "", f"{DESIGN_CALIBRATION_S:g} s"])
     return headers, table
 
 
