@@ -467,13 +467,19 @@ def test_large_finite_inputs_pass_the_finite_check():
     check_against_reference(out, q, k, v, bias=bias)
 
 
-def test_non_finite_compressed_factors_raise():
-    q, k, v = _tensors()
-    ck = compress_kv(k, CompressionConfig(block_size=16))
-    cv = compress_kv(v, CompressionConfig(block_size=16))
-    ck.coeffs = ck.coeffs.clone()
-    ck.coeffs.view(-1)[3] = math.nan
-    with pytest.raises(ValueError, match="k.coeffs: expected finite values"):
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("field", ["coeffs", "basis", "scale", "raw"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_compressed_tensors_raise(name, field, value):
+    """NaN or Inf written into any floating tensor that compressed K or V store (coefficients, basis, steps, exact
+    values) raises at the call, naming the operand and the field, whether or not an earlier call's check was
+    recorded on the object (the write moves the tensor's version counter)."""
+    q, ck, cv = every_mode_case()
+    attention(q, ck, cv)  # records the check of both operands
+    target = getattr({"k": ck, "v": cv}[name], field)
+    assert target.numel() > 0
+    target.view(-1)[target.numel() // 2] = value
+    with pytest.raises(ValueError, match=rf"^{name}\.{field}: expected finite values"):
         attention(q, ck, cv)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvbound
-from kvbound.models import TileBias, attention_output_bound, relative_position_attention, tile_bias_attention
+from kvbound.models import TileBias, _backend, attention_output_bound, relative_position_attention, tile_bias_attention
 from kvbound.models.reference import (
     relative_position_attention_reference,
     tile_bias_attention_reference,
@@ -288,18 +288,18 @@ def test_tile_bias_attention_on_compressed_kv_within_bound(backend):
     assert (err <= bound + 1e-5).all()
 
 
-def test_explicit_kvbound_backend_never_falls_back():
+def test_explicit_kvbound_backend_never_falls_back(monkeypatch):
     q, k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
     bias = TileBias(torch.randn(1, 2, 2, 2), 16, 32, 32)
     with pytest.raises(ValueError, match="backend: expected one of"):
         tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="flash")
-    if getattr(kvbound, "attention", None) is None:
-        with pytest.raises(RuntimeError, match="kvbound.attention is not available"):
-            tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="kvbound")
-    else:
-        out = tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="kvbound")
-        expected = tile_bias_attention_reference(q, k, v, bias.values, scale=0.25, softcap=5.0)
-        assert (out.double() - expected).abs().max().item() < 1e-4
+    out = tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="kvbound")
+    expected = tile_bias_attention_reference(q, k, v, bias.values, scale=0.25, softcap=5.0)
+    assert (out.double() - expected).abs().max().item() < 1e-4
+    # an installation without the fused op: the explicit backend raises instead of running another implementation
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: None)
+    with pytest.raises(RuntimeError, match="kvbound.attention is not available"):
+        tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="kvbound")
 
 
 def test_patched_module_folds_finished_encode_events():

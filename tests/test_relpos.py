@@ -288,3 +288,44 @@ def test_relative_halves_gets_its_own_plan_and_kernel_path(monkeypatch):
     finally:
         for cache in caches:
             cache.clear()
+
+
+@pytest.mark.parametrize("skew", ["gather", "shared"])
+def test_other_skews_match_float64_in_a_fresh_process(skew):
+    """``KVBOUND_RELATIVE_SKEW=gather`` (warp shuffles) and ``=shared`` (shared memory, row-major) move the window
+    product into place by other means than the default; the setting is read when the kernels are imported, so each
+    runs in a fresh interpreted process: whole windows and carried halves, float16 and float32, the ports' own
+    formulation in the same dtype as the baseline (the fused error at most twice its error against float64)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = f"""
+import sys
+sys.path.insert(0, {str(here)!r})
+import torch
+from kvbound.kernels import _common
+from kvbound.kernels.attention_dense import attention_dense_fwd
+from kvbound.models.reference import relative_position_attention_reference
+from test_relpos import _inputs, _port_style
+assert _common.RELATIVE_SKEW_NAME == {skew!r}, _common.RELATIVE_SKEW_NAME
+for n, dtype in ((37, torch.float16), (45, torch.float32)):
+    q, k, v, rk, u, w = _inputs(1, 2, n, 40, 24, dtype, seed=n)
+    scale = 40**-0.5
+    expected = relative_position_attention_reference(q, k, v, rk, u, w, scale=scale)
+    plain = (_port_style(q, k, v, rk, u, w, scale).double() - expected).abs().max().item()
+    relative = (rk, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
+    for halves in (False, True):
+        config = {{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}}
+        out, _ = attention_dense_fwd(q, k, v, None, scale, False, None, config=config, relative=relative,
+                                     relative_halves=halves)
+        err = (out.double() - expected).abs().max().item()
+        print(n, dtype, halves, err, plain)
+        assert torch.isfinite(out).all() and err <= 2 * plain + 1e-6, (n, dtype, halves, err, plain)
+"""
+    env = {**os.environ, "KVBOUND_RELATIVE_SKEW": skew, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.count("\n") == 4  # every case ran
