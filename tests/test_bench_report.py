@@ -323,8 +323,10 @@ def test_models_table_and_plot_take_the_latest_run_without_switches(tmp_path):
         ("unpatched", "1.00x"), ("patch-dense", "2.00x"), ("unpatched", "1.00x"), ("patch-dense", "1.30x")]
     assert got[3]["note / reason"].startswith("KVBOUND_FUSED_CONV=0") and "KVBOUND" not in got[1]["note / reason"]
     assert records.row_settings(rows[2]) == ["KVBOUND_FUSED_CONV=0"] and records.default_settings(rows[0])
-    assert plots.model_speedups(rows, tmp_path / "speedups.png") is not None
+    assert plots.model_speedups(rows, tmp_path / "speedups.png") == tmp_path / "speedups.png"
+    assert (tmp_path / "speedups.png").stat().st_size > 0
     assert plots.model_speedups(rows[2:], tmp_path / "none.png") is None  # only switched runs: nothing to draw
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_ring_table():

@@ -155,6 +155,107 @@ def test_bounded_off_where_it_does_not_apply(monkeypatch):
     assert [bounded for _, bounded in seen] == [False, False, False]
 
 
+def _relative_case():
+    """Compressed K/V whose every block is low rank only (and the same values dense), queries, and Transformer-XL
+    relative inputs: keys constant over runs of distances starting at ``starts``, content and position biases."""
+    from test_kernels_residual import L, build
+    from test_relative_runs import _run_keys
+
+    n, h, dk, dv = 37, 2, 40, 48
+    ck = build([[L, L, L]] * h, n=n, d=dk, bits=4, block=16, dtype=torch.float32, seed=1)
+    cv = build([[L, L, L]] * h, n=n, d=dv, bits=4, block=16, dtype=torch.float32, seed=2)
+    g = torch.Generator().manual_seed(40)
+    q = torch.randn(1, h, n, dk, generator=g)
+    u, w = (torch.randn(1, h, 1, dk, generator=g) * 0.5 for _ in range(2))
+    starts = [0, 10, 30, 36, 37, 38, 44, 60]
+    return q, ck, cv, _run_keys(h, 2 * n - 1, dk, starts, g), u, w, starts
+
+
+@pytest.mark.parametrize("case", ["dense-relative-keys", "dense-relative-runs", "compressed-relative-keys",
+                                  "compressed-relative-runs", "per-block-basis", "rank-0-v",
+                                  "dense-q-float32-v-float16"])  # fmt: skip
+def test_bounded_off_where_its_bound_does_not_hold(monkeypatch, case):
+    """With ``KVBOUND_BOUNDED_MAX=on``, launches whose logits or P the bound does not describe keep the running
+    maximum: relative positions (relative keys or runs, dense or compressed K/V: the logits gain a term the bound
+    leaves out), per-block bases of K or of V (no shared rank space for the box of the key coefficients), rank-0 V
+    (no coefficients for the value pair), a float32 query with float16 V in the dense kernel (P would enter the value
+    product in float16, whose range cannot hold the bound's gap). The same operands without what rules the bound out
+    take it, so that each case reaches its guard; the output passes the float64 check."""
+    from kvbound.kernels.attention_dense import attention_dense_fwd
+    from kvbound.models.reference import relative_position_attention_reference
+    from kvbound.reference import reference_attention
+    from test_attention import FLOOR
+    from test_relpos import _port_style
+
+    compressed = _constexprs(monkeypatch)  # (PASS, BOUNDED) of each compressed launch; the setting on
+    dense = _dense_plans(monkeypatch)  # BOUNDED of each dense launch
+    if "relative" in case:
+        q, ck, cv, keys, u, w, starts = _relative_case()
+        k_ref, v_ref = ck.decompress(), cv.decompress()
+        operands = (ck, cv) if case.startswith("compressed") else (k_ref, v_ref)
+        scale = q.shape[-1] ** -0.5
+        out = attention(q, *operands, scale=scale, relative_keys=keys, relative_content_bias=u,
+                        relative_position_bias=w, relative_runs=starts if case.endswith("runs") else None)
+        attention(q, *operands, scale=scale)  # plain logits: bounded
+        expected = relative_position_attention_reference(q, k_ref, v_ref, keys, u, w, scale=scale)
+        plain = _port_style(q, k_ref, v_ref, keys, u, w, scale)
+        err, plain_err = ((x.double() - expected).abs().max().item() for x in (out, plain))
+        assert torch.isfinite(out).all() and err <= 2 * plain_err + FLOOR[torch.float32], (err, plain_err)
+        if case.startswith("compressed"):
+            assert compressed == [(0, False), (0, True)] and dense == []
+        else:
+            assert dense == [False, True] and compressed == []
+    elif case == "per-block-basis":
+        cfg = CompressionConfig(block_size=16, rank=8, tau=0.25)
+        k = structured(1, 2, 64, 32, torch.float32, 3, spikes=False)
+        v = structured(1, 2, 64, 24, torch.float32, 4, spikes=False)
+        q = torch.randn(1, 4, 20, 32, generator=torch.Generator().manual_seed(41))
+        per_block = compress_kv(k, cfg), compress_kv(v, cfg)  # no basis: an exact truncated SVD per block
+        shared = compress_kv(k, cfg, calibrate(k, cfg)), compress_kv(v, cfg, calibrate(v, cfg))
+        assert not any(c.shared_basis for c in per_block) and all(c.shared_basis for c in shared)
+        assert all(int((c.mode != 0).sum()) == 0 for c in (*per_block, *shared))  # no residual: one launch
+        for ck, cv in ((per_block[0], shared[1]), (shared[0], per_block[1])):
+            check_against_reference(attention(q, ck, cv), q, ck.decompress(), cv.decompress())
+        attention(q, *shared)
+        assert compressed == [(0, False), (0, False), (0, True)]
+    elif case == "rank-0-v":
+        # V of rank 0: its first two blocks within tau of zero (low rank only, nothing stored), the last two coded;
+        # the split's low-rank pass (pass 1) takes the super-blocks where K and V are both low rank only.
+        cfg = CompressionConfig(block_size=16, rank=8, tau=0.25)
+        g = torch.Generator().manual_seed(42)
+        k = structured(1, 2, 64, 32, torch.float32, 3, spikes=False)
+        v = torch.randn(1, 2, 64, 24, generator=g) * 0.05
+        v[:, :, 32:] *= 20.0
+        ck = compress_kv(k, cfg, calibrate(k, cfg))
+        cfg0 = CompressionConfig(block_size=16, rank=0, tau=0.25)
+        cv = compress_kv(v, cfg0, calibrate(v, cfg0))  # a shared basis of rank 0: only the rank rules it out
+        cv_rank8 = compress_kv(v, cfg, calibrate(v, cfg))
+        assert cv.rank == 0 and cv.shared_basis and int((ck.mode != 0).sum()) == 0
+        for c in (cv, cv_rank8):
+            assert bool((c.mode[..., :2] == 0).all()) and bool((c.mode[..., 2:] != 0).all()), c.mode
+        q = torch.randn(1, 4, 20, 32, generator=g)
+        monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+        out = attention(q, ck, cv)
+        attention(q, ck, cv_rank8)
+        assert compressed == [(1, False), (2, False), (1, True), (2, False)]
+        check_against_reference(out, q, ck.decompress(), cv.decompress())
+    else:
+        # Not reachable through kvbound.attention (which wants V in q's dtype): the dense launcher itself.
+        g = torch.Generator().manual_seed(43)
+        q, k = torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g)
+        v = torch.randn(1, 2, 40, 24, generator=g)
+        scale = 32**-0.5
+        out, _ = attention_dense_fwd(q, k, v.half(), None, scale, False, None)
+        attention_dense_fwd(q, k, v, None, scale, False, None)
+        assert dense == [False, True]
+        # the 2x criterion against plain attention with the value product in V's dtype, as the kernel forms it
+        expected = reference_attention(q, k, v.half().float(), scale=scale)
+        plain = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1).half() @ v.half()
+        err, plain_err = ((x.double() - expected).abs().max().item() for x in (out, plain))
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        assert err <= 2 * plain_err + FLOOR[torch.float16], (err, plain_err)
+
+
 def test_bounded_setting_reads_the_environment(monkeypatch):
     for value, expected in (("", "auto"), ("auto", "auto"), ("on", "on"), ("1", "on"), ("off", "off"), ("no", "off")):
         monkeypatch.setenv("KVBOUND_BOUNDED_MAX", value)

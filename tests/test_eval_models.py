@@ -158,6 +158,39 @@ def test_compressed_hook_respects_the_bound_and_counts_bytes():
     assert 0 < (exact - compressed).abs().max() < 1.0
 
 
+def test_compressed_hook_counts_and_raises_on_a_bound_violation(monkeypatch):
+    """A codec output that misses tau (here each block's step stored 1.5x too wide, so that its codes decode up to
+    half a code's magnitude away) is counted once per tensor in ``stats.bound_violations`` with strict=False, the
+    forward going on; with strict=True (the default) the first such tensor raises, by layer and tensor."""
+    import kvbound
+
+    config = ModelConfig.toy("alphagenome", 4)
+    model = build_model(config, seed=0).eval()
+    x = _one_hot(1, config.window_bp, seed=3)
+    codec = kvbound.CompressionConfig(block_size=16, rank=4, bits=4)
+    original = kvbound.compress_kv
+    missed = []  # per encoded tensor: whether its decode misses tau, measured here in float64
+
+    def widened(stored, *args, **kwargs):
+        ckv = original(stored, *args, **kwargs)
+        ckv.scale.mul_(1.5)
+        missed.append(bool(((ckv.decompress().double() - stored.double()).abs() > codec.tau).any()))
+        return ckv
+
+    monkeypatch.setattr(kvbound, "compress_kv", widened)
+    hook = kv_hooks.CompressedKVHook(codec, strict=False)
+    with torch.no_grad(), kv_hooks.install(model, hook):
+        model(x)
+    assert hook.stats.calls == config.depth and len(missed) == 2 * config.depth
+    assert any(missed) and hook.stats.bound_violations == sum(missed)
+    assert max(hook.stats.max_abs_error.values()) > codec.tau
+    strict = kv_hooks.CompressedKVHook(codec)
+    with torch.no_grad(), kv_hooks.install(model, strict):
+        with pytest.raises(ValueError, match=r"^layer \d [kv]: max \|x - x_hat\| = \S+ exceeds tau = 0.03125$"):
+            model(x)
+    assert strict.stats.bound_violations == 1
+
+
 def test_low_rank_only_hook_is_exact_at_full_rank_and_lossy_below():
     k = torch.randn(1, 2, 40, 8)
     v = torch.randn(1, 2, 40, 8)

@@ -167,6 +167,7 @@ def test_enformer_patched_dense_matches_unpatched(enformer):
 def test_enformer_compressed_within_bound(enformer):
     model, attention = enformer
     modules = _attention_modules(model, attention)
+    assert len(modules) == 2  # depth 2: the bound is checked on every layer
     x = _enformer_input(43)
     with torch.no_grad():
         expected = model(x)["human"]
@@ -466,6 +467,7 @@ def test_borzoi_patched_dense_matches_unpatched_and_runs_other_lengths(borzoi):
 def test_borzoi_compressed_within_bound_and_undo(borzoi):
     model, attention, x, expected = borzoi
     modules = _attention_modules(model, attention)
+    assert len(modules) == 2  # depth 2: the bound is checked on every layer
     with torch.no_grad():
         before = _snapshot(model)
         seen, hooks = _capture_inputs(modules)
@@ -492,6 +494,45 @@ def test_borzoi_compressed_within_bound_and_undo(borzoi):
         after_out = model(x)
     _assert_same_snapshot(before, _snapshot(model))
     assert torch.equal(after_out, expected)
+
+
+def test_borzoi_patched_with_fused_backend(borzoi, monkeypatch):
+    """Borzoi's layers on compressed K/V through kvbound.attention (relative runs, one relative key per run, the
+    content and position biases folded into the queries) give the eager compressed path's output on the same
+    compressed K/V to float32 rounding, with calibrated (shared) bases and with per-block bases. Both backends run
+    under one handle, so that they read the same bases: a calibration forward of its own on the eager backend rounds
+    layer 0's output differently, and so calibrates a slightly different basis for layer 1."""
+    from kvbound.attention import attention as fused_attention
+    from kvbound.models import _backend
+
+    model, attention, x_model, _ = borzoi
+    modules = _attention_modules(model, attention)
+    assert len(modules) == 2
+    seen = []
+
+    def spy(q, k, v, **kwargs):
+        if isinstance(k, kvbound.CompressedKV):  # (the calibration forward reads dense K/V)
+            seen.append((k.shared_basis, kwargs.get("relative_runs") is not None))
+        return fused_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(_backend, "_kvbound_attention", lambda: spy)
+    monkeypatch.delenv("KVBOUND_RELATIVE_RUNS", raising=False)
+    # 40 tokens: a short last block (the unpatched port runs only at the 32 tokens it cached its features for)
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        for calibrate_on in (x_model, None):
+            with patch(model, CONFIG, backend="kvbound", calibrate_on=calibrate_on) as handle:
+                assert handle.calibrated is (calibrate_on is not None)
+                for module in modules:
+                    handle.backend = "kvbound"
+                    fused = module(x)
+                    handle.backend = "eager"
+                    eager = module(x)
+                    diff = (fused - eager).abs().max().item()
+                    print(f"borzoi via kvbound.attention, calibrated {handle.calibrated}: compressed vs the eager "
+                          f"compressed path {diff:.2e} (|out| {eager.abs().max():.2f})")
+                    assert diff <= 1e-5 * eager.abs().max().item(), diff
+    assert seen == [(True, True)] * 2 + [(False, True)] * 2
 
 
 # --------------------------------------------------------------------------------------------- AlphaGenome

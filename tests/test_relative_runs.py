@@ -455,7 +455,7 @@ def test_kernel_writes_the_run_table_in_float32_under_autocast(dtype, heads_spli
                             run_table=table[:, :, :, :40])  # fmt: skip
 
 
-@pytest.mark.parametrize(("q_scratch", "runs_add"), [("1", "0"), ("0", "1"), ("1", "1")])
+@pytest.mark.parametrize(("q_scratch", "runs_add"), [("1", "0"), ("0", "1"), ("1", "1"), ("auto", "0"), ("0", "0")])
 def test_kernel_switches_give_the_same_function(q_scratch, runs_add):
     """KVBOUND_Q_SCRATCH (query forms through the output rows) and KVBOUND_RUNS_ADD (runs added after a zero
     product) select kernel code once per process: each setting, in a fresh interpreter process, gives the runs and

@@ -22,6 +22,7 @@ from test_attention import (  # tests/ is on sys.path (rootdir conftest)
     all_modes,
     check_against_reference,
     every_mode_case,
+    expand_tile_bias,
     structured,
 )
 
@@ -39,17 +40,29 @@ def _launches(monkeypatch) -> list[int]:
     return passes
 
 
-@pytest.mark.parametrize("causal, softcap, with_bias", [(False, None, False), (True, 5.0, True), (False, 30.0, True)])
-def test_split_matches_one_launch_and_float64_every_mode_gqa(monkeypatch, causal, softcap, with_bias):
+@pytest.mark.parametrize(
+    "causal, softcap, bias_tile", [(False, None, 0), (True, 5.0, 1), (False, 30.0, 1), (False, 5.0, 16)]
+)
+def test_split_matches_one_launch_and_float64_every_mode_gqa(monkeypatch, causal, softcap, bias_tile):
+    """Without a bias, with a bias broadcast over the queries (``bias_tile=1``) and with a compact bias constant over
+    16 x 16 tiles (``bias_tile=16``, AlphaGenome's pair bias), checked against float64 given the expanded bias."""
     q, ck, cv = every_mode_case()
-    bias = torch.randn(1, 4, 1, 200, generator=torch.Generator().manual_seed(5)) if with_bias else None
+    g = torch.Generator().manual_seed(5)
+    bias = None
+    if bias_tile == 1:
+        bias = torch.randn(1, 4, 1, 200, generator=g)
+    elif bias_tile:
+        bias = torch.randn(1, 4, 3, 13, generator=g) * 3  # ceil(37 / 16) x ceil(200 / 16) tiles
     kwargs = dict(causal=causal, bias=bias, softcap=softcap)
+    tile = dict(bias_tile=bias_tile) if bias_tile else {}
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "0")  # one launch
-    one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs)
+    one, one_lse = attention(q, ck, cv, return_lse=True, **kwargs, **tile)
     passes = _launches(monkeypatch)
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
-    split, split_lse = attention(q, ck, cv, return_lse=True, **kwargs)
+    split, split_lse = attention(q, ck, cv, return_lse=True, **kwargs, **tile)
     assert passes == [1, 2]  # the low-rank runs, then the rest
+    if bias_tile > 1:
+        kwargs["bias"] = expand_tile_bias(bias, bias_tile, q.shape[2], ck.seq_len)
     check_against_reference(split, q, ck.decompress(), cv.decompress(), **kwargs)
     # the same function as one launch: outputs within a few float16 roundings, log-sum-exp to float32 precision
     assert float((split.float() - one.float()).abs().max()) <= 4 * 2.0**-11 * float(one.float().abs().max())

@@ -927,6 +927,8 @@ def attention_dense_fwd(
         v.stride(),
         None if bias is None else (bias.shape, bias.stride(), bias.dtype),
         q.dtype,
+        k.dtype,  # kvbound.attention gives all three one dtype; the launcher alone may be given others
+        v.dtype,
         relative_layout,
         scale,
         causal,
