@@ -181,6 +181,7 @@ def test_compressed_ports_take_one_fused_call_per_layer_within_bound(port_name, 
     x = ports._enformer_input(43) if port_name == "enformer" else fixture[2]
     reference = enformer_attention_module_reference if port_name == "enformer" else borzoi_attention_module_reference
     modules = ports._attention_modules(model, attention_cls)
+    assert len(modules) == 2  # both layers of the fixture's model are checked
     with torch.no_grad():
         seen, hooks = ports._capture_inputs(modules)
         try:
