@@ -572,10 +572,12 @@ class _Overflow:
         ranks: tuple[int, int] | None = None,
         known: tuple[float, float] = (-1.0, -1.0),
     ) -> None:
-        from kvbound.kernels._common import fixed_softmax_max
-
         self.head_dim_k, self.n_k, self.scale, self.ranks, self.known = head_dim_k, n_k, abs(scale), ranks, known
-        self.weight = 1.0 if fixed_softmax_max(softcap) is None else _FIXED_MAX_WEIGHT
+        self.weight = 1.0
+        if softcap is not None:
+            from kvbound.kernels._common import fixed_softmax_max
+
+            self.weight = 1.0 if fixed_softmax_max(softcap) is None else _FIXED_MAX_WEIGHT
 
     def _largest(self, peaks: dict[str, float], name: str, index: int) -> float | None:
         if self.ranks is None:
