@@ -492,8 +492,8 @@ def test_non_finite_compressed_tensors_raise(name, field, value):
         (dict(causal=1), TypeError, "causal"),
         (dict(bias=torch.zeros(3, 8)), ValueError, "bias: expected a shape broadcastable to"),
         (dict(bias=torch.zeros(8, dtype=torch.int32)), TypeError, "bias: expected dtype"),
-        (dict(bias=torch.zeros(1), bias_tile=3), ValueError, "bias_tile: expected a power of two >= 1, got 3"),
-        (dict(bias=torch.zeros(1), bias_tile=0), ValueError, "bias_tile: expected a power of two >= 1, got 0"),
+        (dict(bias=torch.zeros(1), bias_tile=3), ValueError, r"bias_tile: expected a power of two from 1 to .*, got 3"),
+        (dict(bias=torch.zeros(1), bias_tile=0), ValueError, r"bias_tile: expected a power of two from 1 to .*, got 0"),
         (dict(bias=torch.zeros(1), bias_tile=True), TypeError, "bias_tile: expected int, got bool"),
         (dict(bias=torch.zeros(1), bias_tile=4.0), TypeError, "bias_tile: expected int, got float"),
         (
@@ -538,17 +538,22 @@ def test_compressed_values_beyond_float32_sums_raise(inference):
 
 def test_logits_beyond_float32_raise_naming_q_and_k():
     """q and k large enough that a float32 logit can overflow (1e20 each at head dim 16) raise before the kernel
-    runs, naming both; so do relative keys with a large query."""
+    runs, naming both; relative keys with a large query and a bias near float32's largest value raise naming
+    them."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
     q_big, k_big = q.clone(), k.clone()
     q_big[0, 1, 3, 2], k_big[0, 0, 7, 5] = 1e20, 1e20
-    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay within float32's range"):
+    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay below 2\.36e\+38"):
         attention(q_big, k_big, v)
     keys = torch.full((2, 47, 16), 1e20)
     u, w = torch.zeros(2, 16), torch.zeros(2, 16)
-    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes"):
+    with pytest.raises(ValueError, match=r"^relative_keys: expected magnitudes"):
         attention(q_big, k, v, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
+    # the kernels scale logits by log2(e): a bias between 3.4e38 / log2(e) and 3.4e38 would overflow there
+    for value in (2.4e38, -2.4e38):
+        with pytest.raises(ValueError, match=r"^bias: expected magnitudes whose logits stay below"):
+            attention(q, k, v, bias=torch.full((24, 24), value))
     check_against_reference(attention(q, k, v), q, k, v)  # ordinary magnitudes pass
 
 
@@ -620,3 +625,44 @@ def test_gpu_compressed_bf16(shared):
     q = torch.randn(1, 8, n, d, device="cuda", dtype=torch.bfloat16)
     out = attention(q, ck, cv)
     check_against_reference(out[:, :, :128].contiguous(), q[:, :, :128].contiguous(), ck.decompress(), cv.decompress())
+
+
+def test_flags_and_scalars_of_the_wrong_type_are_refused():
+    """Flags take bools and scalars take Python numbers: a truthy int or string for ``return_lse``, a NumPy or
+    tensor scale, booleans as run starts and a bias tile beyond the kernels' 32-bit indices raise, naming the
+    argument; bfloat16 is refused on the CPU, where Triton's interpreter multiplies bfloat16 tiles wrongly."""
+    import numpy as np
+
+    q, k, v = _tensors()
+    for value in (1, "no"):
+        with pytest.raises(TypeError, match=r"^return_lse: expected bool, got"):
+            attention(q, k, v, return_lse=value)
+    for value in (np.float32(0.5), torch.tensor(0.5)):
+        with pytest.raises(TypeError, match=r"^scale: expected a float or None, got"):
+            attention(q, k, v, scale=value)
+    with pytest.raises(TypeError, match=r"^softcap: expected a float or None, got"):
+        attention(q, k, v, softcap=np.float32(5.0))
+    with pytest.raises(ValueError, match=r"^bias_tile: expected a power of two from 1 to 2\*\*30, got"):
+        attention(q, k, v, bias=torch.zeros(1, 1, 1, 1), bias_tile=2**40)
+    n = q.shape[2] + k.shape[2] - 1
+    keys = torch.zeros(q.shape[1], n, q.shape[3])
+    with pytest.raises(TypeError, match=r"^relative_runs: expected a sequence of ints"):
+        attention(q, k, v, relative_keys=keys, relative_runs=[False, True])
+    with pytest.raises(TypeError, match=r"^q: expected float16 or float32 on the CPU, got torch.bfloat16"):
+        attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_backward_raises_a_clear_error(compressed):
+    """kvbound.attention computes the forward only: with an input that requires grad the forward runs, and a
+    backward through it raises saying so and where gradients come from, instead of returning none."""
+    q, k, v = _tensors()
+    q = q.clone().requires_grad_()
+    if compressed:
+        config = CompressionConfig(block_size=16)
+        k, v = compress_kv(k, config), compress_kv(v, config)
+    out = attention(q, k, v)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=r"^kvbound.attention: expected no backward pass"):
+        out.sum().backward()
+    assert q.grad is None

@@ -496,6 +496,45 @@ def test_borzoi_compressed_within_bound_and_undo(borzoi):
     assert torch.equal(after_out, expected)
 
 
+def test_gradients_flow_with_exact_kv_and_are_refused_with_compressed_kv(enformer):
+    """Under grad mode the dense patch on the eager backend gives the unpatched model's input gradient; the
+    compressed patch runs the forward but refuses the backward, naming the layer, instead of returning a gradient
+    that skips the compressed K/V (and so leaves the K projection without one)."""
+    model, attention = enformer
+    x = _enformer_input(40)
+
+    def input_gradient():
+        xx = x.clone().requires_grad_()
+        model(xx)["human"].sum().backward()
+        return xx.grad
+
+    model.zero_grad(set_to_none=True)
+    expected = input_gradient()
+    with patch(model, compress=False, backend="eager"):
+        got = input_gradient()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    with patch(model, CONFIG, calibrate_on=x, backend="eager"):
+        out = model(x.clone().requires_grad_())["human"]
+        with pytest.raises(RuntimeError, match=r"^transformer\.\d\..*: expected no backward pass through a layer whose "
+                           r"K/V are compressed"):
+            out.sum().backward()
+        with torch.no_grad():
+            assert torch.isfinite(model(x)["human"]).all()
+    model.zero_grad(set_to_none=True)
+
+
+def test_eager_backend_raises_for_nan_like_the_fused_one(enformer):
+    """A NaN in the input reaches every layer's q, k and v: the eager backend (PyTorch operations, which would pass
+    it through) raises when the forward ends, naming the first layer and tensor, as the kvbound backend does."""
+    model, _ = enformer
+    x = _enformer_input(40)
+    x[0, 17, 2] = float("nan")
+    for backend in ("eager", "kvbound"):
+        with torch.no_grad(), patch(model, compress=False, backend=backend):
+            with pytest.raises(ValueError, match=r"^(transformer\.0\.0\.fn\.1 )?q: expected finite values"):
+                model(x)
+
+
 def test_borzoi_patched_with_fused_backend(borzoi, monkeypatch):
     """Borzoi's layers on compressed K/V through kvbound.attention (relative runs, one relative key per run, the
     content and position biases folded into the queries) give the eager compressed path's output on the same

@@ -67,3 +67,26 @@ def test_reference_accepts_float64_bias():
     got = kvbound.reference_attention(q, k, v, bias=bias)
     want = plain_softmax_attention(q, k, v, 0.25, bias=bias)
     assert (got - want).abs().max().item() < 1e-12
+
+
+def test_reference_refuses_nan_bias_and_scale_and_keeps_masks():
+    """The oracle never turns NaN into a valid-looking output: a NaN or +Inf bias and a NaN or non-number scale
+    raise naming them. A bias of -inf is a mask: a row masked over every key gives zeros, the others the softmax
+    over the keys left."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    for value in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"^bias: expected finite values or -inf \(a mask\)"):
+            kvbound.reference_attention(q, k, v, bias=torch.full((6, 6), value))
+    with pytest.raises(ValueError, match=r"^scale: expected a finite float or None, got nan"):
+        kvbound.reference_attention(q, k, v, scale=math.nan)
+    with pytest.raises(TypeError, match=r"^scale: expected a float or None, got Tensor"):
+        kvbound.reference_attention(q, k, v, scale=torch.tensor(0.5))
+    mask = torch.zeros(6, 6)
+    mask[2] = -math.inf  # query 2 sees no key
+    mask[3, :4] = -math.inf  # query 3 sees keys 4 and 5
+    out = kvbound.reference_attention(q, k, v, bias=mask)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    expected = kvbound.reference_attention(q[:, :, 3:4], k[:, :, 4:], v[:, :, 4:], scale=8**-0.5)
+    torch.testing.assert_close(out[:, :, 3:4], expected, rtol=1e-12, atol=1e-12)

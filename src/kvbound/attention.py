@@ -22,6 +22,8 @@ from kvbound.codec.format import CompressedKV
 __all__ = ["attention"]
 
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernels index tiles of the compact bias with 32-bit integers.
+_LARGEST_BIAS_TILE = 2**30
 _BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -133,20 +135,29 @@ def attention(
                 "q: kvbound.attention runs Triton kernels; CPU tensors need Triton's interpreter "
                 "(set TRITON_INTERPRET=1 before importing kvbound) or move the tensors to a CUDA device"
             )
+        if q.dtype == torch.bfloat16:
+            raise TypeError(
+                "q: expected float16 or float32 on the CPU, got torch.bfloat16: Triton's interpreter computes "
+                "products of bfloat16 tiles wrongly; bfloat16 runs on a CUDA device"
+            )
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim_k)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
-    ):
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+    if softcap is not None and (not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"softcap: expected a finite value > 0 or None, got {softcap!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected bool, got {type(return_lse).__name__}")
     if isinstance(bias_tile, bool) or not isinstance(bias_tile, int):
         raise TypeError(f"bias_tile: expected int, got {type(bias_tile).__name__}")
-    if bias_tile < 1 or bias_tile & (bias_tile - 1):
-        raise ValueError(f"bias_tile: expected a power of two >= 1, got {bias_tile}")
+    if bias_tile < 1 or bias_tile & (bias_tile - 1) or bias_tile > _LARGEST_BIAS_TILE:
+        raise ValueError(f"bias_tile: expected a power of two from 1 to 2**30, got {bias_tile}")
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
@@ -409,6 +420,8 @@ def _run_values(runs: object, rows: int) -> list[int]:
         values = runs.tolist()  # a device tensor is read here: pass a list to avoid that read
     else:
         try:
+            if any(isinstance(x, bool) for x in runs):
+                raise TypeError
             values = [operator.index(x) for x in runs]  # ints, NumPy ints, range
         except TypeError:
             raise TypeError(
@@ -546,6 +559,7 @@ def _no_flags() -> list[float]:
 # bounded maximum, and at most 2**14 with the fixed maximum of a soft-cap (``kernels._common.fixed_softmax_max``).
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _FIXED_MAX_WEIGHT = 2.0**14
+_LOG2E = math.log2(math.e)
 # A stored residual code times its step is at most this many steps (the widest code, 8 bits, is below 2**8).
 _WIDEST_CODE = 2.0**8
 
@@ -592,15 +606,22 @@ class _Overflow:
         kind = "compressed, bounded from its stored tensors" if self.ranks else "dense"
         if q is not None and k is not None:
             query = self.scale * q
-            logit = self.head_dim_k * (query + peaks.get("relative_content_bias", 0.0)) * k
-            if "relative_keys" in peaks:
-                logit += self.head_dim_k * (query + peaks.get("relative_position_bias", 0.0)) * peaks["relative_keys"]
-            logit += peaks.get("bias", 0.0)
-            if not logit <= _FLOAT32_MAX:
+            terms = {
+                "q, k": self.head_dim_k * (query + peaks.get("relative_content_bias", 0.0)) * k,
+                "relative_keys": self.head_dim_k * (query + peaks.get("relative_position_bias", 0.0))
+                * peaks.get("relative_keys", 0.0),
+                "bias": peaks.get("bias", 0.0),
+            }
+            logit = sum(terms.values())
+            # The kernels work in log2 units: each logit is multiplied by log2(e) before the softmax.
+            limit = _FLOAT32_MAX / _LOG2E
+            if not logit <= limit:
+                cause = max(terms, key=terms.get)
                 return (
-                    f"q, k: expected magnitudes whose logits stay within float32's range ({_FLOAT32_MAX:.3g}), got "
-                    f"largest magnitudes {q:.3g} (q) and {k:.3g} (k, {kind}) at head dim {self.head_dim_k} and "
-                    f"scale {self.scale:.3g}, whose logits may reach {logit:.3g}"
+                    f"{cause}: expected magnitudes whose logits stay below {limit:.3g} (float32's range over "
+                    f"log2(e)), got logits of up to {logit:.3g}: largest magnitudes {q:.3g} (q) and {k:.3g} (k, "
+                    f"{kind}) at head dim {self.head_dim_k} and scale {self.scale:.3g}"
+                    + "".join(f", {peaks[name]:.3g} ({name})" for name in ("relative_keys", "bias") if name in peaks)
                 )
         if v is not None:
             limit = _FLOAT32_MAX / (self.n_k * self.weight)
@@ -769,6 +790,21 @@ def _attention_dense(
 _attention_dense_op = torch.library.custom_op("kvbound::attention_dense", mutates_args=())(_attention_dense)
 
 
+def _no_backward(ctx, *grads):
+    raise RuntimeError(
+        "kvbound.attention: expected no backward pass (its kernels compute the forward only); for gradients, run "
+        "attention with PyTorch operations (kvbound.patch(model, compress=False, backend='eager'), or "
+        "kvbound.reference_attention), or call it under torch.no_grad() for inference"
+    )
+
+
+def _keep_nothing(ctx, inputs, output) -> None:
+    return None
+
+
+_attention_dense_op.register_autograd(_no_backward, setup_context=_keep_nothing)
+
+
 @_attention_dense_op.register_fake
 def _attention_dense_fake(q, k, v, bias, bias_tile, scale, causal, softcap, *relative):
     from kvbound.kernels._common import empty_output  # the kernel's output layout: q's
@@ -931,6 +967,9 @@ def _attention_compressed(
 _attention_compressed_op = torch.library.custom_op("kvbound::attention_compressed", mutates_args=())(
     _attention_compressed
 )
+
+
+_attention_compressed_op.register_autograd(_no_backward, setup_context=_keep_nothing)
 
 
 @_attention_compressed_op.register_fake

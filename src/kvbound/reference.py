@@ -49,6 +49,10 @@ def reference_attention(
         raise ValueError(f"q: expected a head count that is a multiple of k's {hkv}, got {hq}")
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap: expected a finite value > 0, got {softcap}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
     scale = 1.0 / math.sqrt(dk) if scale is None else float(scale)
     group = hq // hkv
     q64 = q.detach().to(torch.float64)
@@ -58,6 +62,8 @@ def reference_attention(
     if bias is not None:
         check_tensor(bias, "bias", dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
                      check_finite=False)
+        if torch.isnan(bias).any() or torch.isposinf(bias).any():  # -inf is a mask
+            raise ValueError("bias: expected finite values or -inf (a mask), found NaN or +Inf")
         try:
             logits = logits + bias.detach().to(torch.float64)
         except RuntimeError as err:
@@ -70,6 +76,8 @@ def reference_attention(
         keep = torch.ones(nq, nk, dtype=torch.bool, device=logits.device).tril()
         logits = logits.masked_fill(~keep, -math.inf)
     weights = torch.softmax(logits, dim=-1)
-    # A fully masked row (causal with Nq > Nk cannot produce one; kept for safety) yields zeros, not NaN.
-    weights = torch.nan_to_num(weights, nan=0.0)
+    # A fully masked row (a bias of -inf over all keys; the top-left causal mask leaves none) gives zeros, not
+    # NaN; NaN from anything else stays visible.
+    masked = torch.isneginf(logits).all(dim=-1, keepdim=True)
+    weights = torch.where(masked, torch.zeros((), dtype=weights.dtype, device=weights.device), weights)
     return weights @ v64

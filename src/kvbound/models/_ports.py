@@ -85,6 +85,8 @@ def _relative_forward(module, record, handle, x, relative_keys_fn) -> torch.Tens
     x_operand = x.to(_matmul_dtype(x))
     q, k, v = (_split_heads(_linear(layer, x_operand, handle), h) for layer in (module.to_q, module.to_k, module.to_v))
     features = relative_keys_fn(module, handle, n, x.device)
+    handle._check_eager(record, q, k, v)
+    q = handle._guard_gradients(record, q, k, v)
     k, v = handle._prepare_kv(record, k, v)
     runs = handle._relative_runs(features) if relative_runs_enabled() else None
     if runs is not None:
@@ -797,6 +799,8 @@ def _alphagenome_mha_forward(module, record, handle, x, attention_bias, compute_
     dk = module.norm_q.normalized_shape[0]
     dv = module.norm_v.normalized_shape[0]
     q, k, v = (t.permute(0, 2, 1, 3) for t in _alphagenome_qkv(module, handle, port, h, b, s, dk, dv))
+    handle._check_eager(record, q, k, v)
+    q = handle._guard_gradients(record, q, k, v)
     k, v = handle._prepare_kv(record, k, v)
     y = tile_bias_attention(
         q,

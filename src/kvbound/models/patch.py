@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from kvbound import _checks
+from kvbound._validate import check_finite_values
 from kvbound.codec.basis import Basis, calibrate
 from kvbound.codec.format import CompressedKV
 from kvbound.compress import compress_kv
 from kvbound.config import CompressionConfig
-from kvbound.models._backend import BACKENDS
+from kvbound.models._backend import BACKENDS, resolve_backend
 from kvbound.models._operands import OperandCache
 from kvbound.models._ports import (
     PORTS,
@@ -258,6 +259,32 @@ class PatchHandle:
         self._features_run_rows[id(features)] = (features, list(runs), rows)
         return rows
 
+    def _check_eager(self, record: PatchedModule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """On the eager backend (PyTorch operations, which pass NaN and Inf through), queue the finite checks of
+        the layer's q, k and v in the forward's deferred-check block (checked at once outside one), as
+        ``kvbound.attention`` does on its own backend; compressed K/V are checked by the encoder besides."""
+        if self._capturing or resolve_backend(self.backend, q.device) != "eager":
+            return
+        tensors = [(f"{record.name} {name}", t) for name, t in (("q", q), ("k", k), ("v", v))]
+        scope = _checks.active()
+        if scope is not None:
+            scope.queue(record.name, tensors)
+            return
+        for name, t in tensors:
+            check_finite_values(t, name)
+
+    def _guard_gradients(
+        self, record: PatchedModule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """``q`` as it is, except where this forward compresses K/V while autograd records it: then ``q`` through an
+        identity whose backward raises, so that a gradient through the layer (to its input, weights or K/V) is
+        refused instead of being computed without the compressed K/V's part of it."""
+        if not (self.compress and not self._capturing and torch.is_grad_enabled()):
+            return q
+        if not (q.requires_grad or k.requires_grad or v.requires_grad):
+            return q
+        return _NoGradientThroughCompression.apply(q, record.name, k, v)
+
     def _prepare_kv(
         self, record: PatchedModule, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor | CompressedKV, torch.Tensor | CompressedKV]:
@@ -281,7 +308,13 @@ class PatchHandle:
             if speculative and impl == "triton" and role not in record._synchronous:
                 encoded.append(self._encode_speculative(record, role, x, basis, scope))
                 continue
-            ckv = compress_kv(x, self.config, basis, impl=impl)
+            try:
+                ckv = compress_kv(x, self.config, basis, impl=impl)
+            except ValueError as error:
+                if not str(error).startswith("x: expected finite values"):
+                    raise
+                # the encoder's argument is this layer's K or V: name it as such
+                raise ValueError(f"{record.name} {role}{str(error)[1:]}") from None
             residual = ckv._checked_residual()
             if residual is None:  # no record (inference tensors): both encoders store codes and raw at exact sizes
                 residual = ckv.codes.numel() > 0 or ckv.raw.numel() > 0
@@ -626,6 +659,24 @@ def _install_tower(named: list[tuple[str, nn.Module]], handle: PatchHandle) -> N
             kind, role, impl = found
             _install_helper(handle, module, impl, name=name or type(module).__name__, kind=kind, role=role,
                             target=targets[kind])  # fmt: skip
+
+
+class _NoGradientThroughCompression(torch.autograd.Function):
+    """The identity on q in a layer whose K/V are compressed under grad mode; its backward raises: compressed K/V
+    hold rounded codes, so no gradient flows through them, and a gradient that skipped them would be wrong."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, name: str, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.name = name
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            f"{ctx.name}: expected no backward pass through a layer whose K/V are compressed (compressed K/V are "
+            "rounded codes: no gradient flows through them); for gradients, patch with compress=False and "
+            "backend='eager', or leave the model unpatched; for inference, run under torch.no_grad()"
+        )
 
 
 def patch(
