@@ -1,6 +1,7 @@
 """The ``python -m kvbound.bench`` command line: the CPU smoke path end to end, and the no-GPU exit."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -87,3 +88,40 @@ def test_resume_skips_measured_tasks_and_appends(tmp_path):
 
 def test_option_stripping():
     assert cli._without(["--out", "a", "--resume", "3", "--x", "--resume=4"], "--resume") == ["--out", "a", "--x"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tau", "-1"], r"--tau: expected a finite value > 0, got -1.0"),
+        (["--block-size", "48"], r"--block-size: expected a power of two >= 16, got 48"),
+        (["--bits", "5"], r"--bits: expected one of \(2, 3, 4, 8\), got 5"),
+        (["--bits", "0"], r"--bits: expected one of \(2, 3, 4, 8\), got 0"),
+        (["--rank", "-1"], r"--rank: expected >= 0, got -1"),
+        (["--suite", "encoder", "--rank", "999"],
+         r"--rank: expected a rank below every head dim the encoder suite compresses \(the smallest is 16, K of "
+         r"shape smoke-causal\), got 999"),
+        (["--suite", "encoder", "--rank", "16", "--only", "smoke-plain", "smoke-causal"],
+         r"--rank: .*the smallest is 16, K of shape smoke-causal\), got 16"),
+        (["--suite", "relative", "--rank", "16"],
+         r"--rank: .*relative suite .*the smallest is 16, K of enformer-layer"),
+        (["--suite", "ring", "--rank", "32"], r"--rank: .*ring suite .*the smallest is 32, K and V of --head-dim"),
+        (["--suite", "encoder", "--shapes", "no/such/shapes.toml"], r"--shapes: shape file: no/such/shapes.toml"),
+    ],
+)
+def test_bad_compression_arguments_exit_2_before_anything_runs(args, message, tmp_path, capsys):
+    out = tmp_path / "x.csv"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cpu-smoke", "--out", str(out), *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"kvbound bench: error: " + message, err), err
+    assert not out.exists()
+
+
+def test_a_rank_below_the_chosen_shapes_head_dims_is_accepted():
+    parser = cli.build_parser()
+    for args in (["--suite", "encoder", "--rank", "16", "--only", "smoke-plain"], ["--suite", "encoder"],
+                 ["--suite", "relative", "--rank", "15"], ["--suite", "ring", "--rank", "63", "--head-dim", "64"],
+                 ["--suite", "attention", "--rank", "999"]):  # the attention suite takes its configs elsewhere
+        cli._check_compression_args(parser, parser.parse_args(["--cpu-smoke", *args]))

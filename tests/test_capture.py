@@ -312,3 +312,15 @@ def test_gpu_compressed_patch_that_encodes_synchronously_cannot_be_captured_and_
         with pytest.raises(RuntimeError, match=r"encodes synchronously.*speculative = False.*compress=False"):
             kvbound.capture(model, _dna(1, 256, 1))
     torch.randn(4, device="cuda")  # nothing was captured: the generator is as it was
+
+
+def test_capture_names_kwargs_that_are_not_a_dict_of_keyword_arguments():
+    """Checked before the device is looked at, so the same on the CPU and on a GPU."""
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match=r"^kwargs: expected a dict of keyword arguments, got list$"):
+        kvbound.capture(model, x, kwargs=[1])
+    with pytest.raises(TypeError, match=r"^kwargs: expected a dict of keyword arguments, got tuple$"):
+        kvbound.capture(model, kwargs=(("input", x),))
+    with pytest.raises(TypeError, match=r"^kwargs: expected str keys \(argument names\), got 0 \(int\)$"):
+        kvbound.capture(model, kwargs={0: x})

@@ -4,6 +4,7 @@ written with ``save_pretrained`` and read back; AlphaGenome's full model is not 
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -167,3 +168,30 @@ def test_models_suite_runs_trained_weights_from_a_checkpoint(tmp_path):
         assert cli.main(["--suite", "models", "--cpu-smoke", "--only", "enformer*", "--out", str(out),
                          "--checkpoint", bad]) == 2  # fmt: skip
     assert not out.exists()
+
+
+def test_a_checkpoint_that_is_not_a_path_is_named():
+    for bad, got in ((None, "None"), (3, "int"), (b"dir", "bytes"), (["dir"], "list")):
+        with pytest.raises(TypeError, match=rf"^checkpoint: expected a path or repository id, got {got}$"):
+            load("enformer", bad)
+    with pytest.raises(ValueError, match=r"^checkpoint: expected a path or repository id, got ''$"):
+        load("enformer", "")
+
+
+def test_a_directory_with_config_but_no_weights_names_the_files_looked_for(tmp_path, monkeypatch):
+    enformer_pytorch = pytest.importorskip("enformer_pytorch")
+    _no_network(monkeypatch)
+    enformer_pytorch.EnformerConfig(dim=96, depth=1, heads=4, attn_dim_key=16, num_downsamples=3,
+                                    dim_divisible_by=8, target_length=-1, output_heads=dict(human=8)
+                                    ).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(FileNotFoundError) as info:
+        load("enformer", tmp_path)
+    assert re.fullmatch(
+        rf"enformer checkpoint '{re.escape(str(tmp_path))}': config.json but no weights in this directory \(looked "
+        r"for model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json; "
+        r"expected a directory written by save_pretrained\)", str(info.value))
+    assert isinstance(info.value.__cause__, OSError)  # transformers' own error, kept as the cause
+    with pytest.raises(FileNotFoundError, match=r"looked for model.safetensors, model.safetensors.index.json;"):
+        load("enformer", tmp_path, use_safetensors=True)
+    with pytest.raises(FileNotFoundError, match=r"looked for model.fp16.safetensors, .*pytorch_model.fp16.bin"):
+        load("enformer", tmp_path, variant="fp16")

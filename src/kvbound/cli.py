@@ -13,13 +13,36 @@ _COMMANDS = {
 }
 
 
+def _usage(file) -> None:
+    print("usage: kvbound [--version] COMMAND [options]\n\ncommands:", file=file)
+    for name, (_, text) in _COMMANDS.items():
+        print(f"  {name:10s} {text}", file=file)
+
+
+def _version() -> str:
+    """The installed distribution's version (the source tree's when kvbound is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvbound")
+    except PackageNotFoundError:
+        from kvbound import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvbound COMMAND [options]\n\ncommands:")
-        for name, (_, text) in _COMMANDS.items():
-            print(f"  {name:10s} {text}")
-        return 0 if argv else 2
+    if not argv:
+        _usage(sys.stderr)
+        print(f"kvbound: expected a command (one of {', '.join(_COMMANDS)}), got none", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        _usage(sys.stdout)
+        return 0
+    if argv[0] == "--version":
+        print(f"kvbound {_version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
         print(f"kvbound: unknown command {name!r}; expected one of {', '.join(_COMMANDS)}", file=sys.stderr)

@@ -118,11 +118,39 @@ def run(
     return rows
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``; a CUDA device must be present (and N below the device count)."""
+    kind, sep, index = text.partition(":")
+    if kind == "cpu" and not sep:
+        return text
+    if kind != "cuda" or (sep and not (index.isascii() and index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"no CUDA device is present (torch {torch.__version__}, built for CUDA "
+                                         f"{torch.version.cuda}): expected cpu, got {text!r}")
+    count = torch.cuda.device_count()
+    if sep and int(index) >= count:
+        raise argparse.ArgumentTypeError(f"expected cuda:N with N < {count} (the CUDA devices present), got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbound demo", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=2048, help="sequence length in tokens (8 bp each)")
+    parser.add_argument("--tokens", type=_positive_int, default=2048,
+                        help="sequence length in tokens (8 bp each), a positive integer")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--device", type=_device, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     args = parser.parse_args(argv)
     from rich.console import Console
     from rich.table import Table

@@ -15,7 +15,7 @@ a call after the model was patched, unpatched or undone since the capture. It ru
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -58,6 +58,12 @@ def capture(fn: Callable, *args, kwargs: dict | None = None, warmup: int = 2, cl
         raise TypeError(f"clone_outputs: expected a bool, got {type(clone_outputs).__name__}")
     if not callable(fn):
         raise TypeError(f"fn: expected a module or callable, got {type(fn).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs: expected a dict of keyword arguments, got {type(kwargs).__name__}")
+    bad_keys = [k for k in kwargs or () if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"kwargs: expected str keys (argument names), got {bad_keys[0]!r} "
+                        f"({type(bad_keys[0]).__name__})")
     kwargs = {} if kwargs is None else dict(kwargs)
     return CapturedForward(fn, args, kwargs, warmup=warmup, clone_outputs=clone_outputs)
 

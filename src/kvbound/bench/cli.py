@@ -130,7 +130,9 @@ def _reexec_with_interpreter(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_compression_args(parser, args)
     if args.cpu_smoke and os.environ.get("TRITON_INTERPRET") != "1":
         # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kvbound is imported: start afresh.
         return _reexec_with_interpreter(argv)
@@ -168,9 +170,54 @@ def _suite_config(args):
     # The tiny Borzoi has 8-dimensional keys, and the rank must stay below the head dim.
     smoke_rank = 4 if args.suite == "models" else 8
     return CompressionConfig(
-        block_size=args.block_size or (16 if smoke else 128),
-        rank=args.rank if args.rank is not None else (smoke_rank if smoke else 8), bits=args.bits or 4,
+        block_size=args.block_size if args.block_size is not None else (16 if smoke else 128),
+        rank=args.rank if args.rank is not None else (smoke_rank if smoke else 8),
+        bits=args.bits if args.bits is not None else 4,
         tau=args.tau if args.tau is not None else DEFAULT_TAU)
+
+
+def _check_compression_args(parser: argparse.ArgumentParser, args) -> None:
+    """``parser.error`` (exit 2) for ``--rank``, ``--bits``, ``--block-size`` or ``--tau`` values that
+    ``CompressionConfig`` refuses, and for a rank that is not below every head dim the chosen suite compresses
+    (checked once, here, rather than in each row)."""
+    import re
+
+    try:
+        config = _suite_config(args)
+    except (TypeError, ValueError) as err:
+        found = re.match(r"CompressionConfig\.(\w+): (.*)", str(err), re.DOTALL)
+        parser.error(f"--{found[1].replace('_', '-')}: {found[2]}" if found else str(err))
+    dims = _suite_head_dims(parser, args)
+    if dims:
+        where, dim = min(dims, key=lambda item: item[1])
+        if config.rank >= dim:
+            parser.error(f"--rank: expected a rank below every head dim the {args.suite} suite compresses (the "
+                         f"smallest is {dim}, {where}), got {config.rank}")
+
+
+def _suite_head_dims(parser: argparse.ArgumentParser, args) -> list[tuple[str, int]]:
+    """``(where, head dim)`` of every K and V the chosen suite compresses, where known without building a model
+    (the models suite's ports are not built here: a rank too large for them gives error rows)."""
+    smoke = args.cpu_smoke
+    if args.suite == "encoder":
+        from kvbound.bench.shapes import default_shape_files, load_shapes
+
+        try:
+            shapes = load_shapes(args.shapes or default_shape_files(smoke))
+        except (OSError, ValueError) as err:
+            parser.error(f"--shapes: {err}")
+        if args.only:
+            shapes = [s for s in shapes if any(fnmatch(s.name, pattern) for pattern in args.only)]
+        return [(f"{name} of shape {s.name}", dim) for s in shapes
+                for name, dim in (("K", s.head_dim_qk), ("V", s.head_dim_v))]
+    if args.suite == "relative":
+        from kvbound.bench.relative import relative_specs
+
+        return [(f"{name} of {spec.name}", dim) for spec in relative_specs(smoke)
+                for name, dim in (("K", spec.dk), ("V", spec.dv))]
+    if args.suite == "ring":
+        return [("K and V of --head-dim", args.head_dim or (32 if smoke else 64))]
+    return []
 
 
 def _suite_rows(args, device, console):

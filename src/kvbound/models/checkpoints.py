@@ -64,6 +64,28 @@ def _port_class(port: str) -> tuple[_Loader, type]:
     return loader, getattr(module, loader.class_name)
 
 
+def _weight_names(kwargs: dict) -> list[str]:
+    """The weight files ``from_pretrained`` (transformers' ``PreTrainedModel``, which Enformer and Borzoi are) reads
+    from a ``save_pretrained`` directory, given its ``variant``, ``use_safetensors``, ``from_tf`` and ``from_flax``."""
+    variant = kwargs.get("variant")
+
+    def named(name: str) -> str:  # transformers' _add_variant: "model.safetensors" -> "model.<variant>.safetensors"
+        stem, _, suffix = name.rpartition(".")
+        return f"{stem}.{variant}.{suffix}" if variant else name
+
+    use_safetensors = kwargs.get("use_safetensors")
+    names = []
+    if kwargs.get("from_tf"):
+        names += ["model.ckpt.index", "tf_model.h5"]
+    if kwargs.get("from_flax"):
+        names += ["flax_model.msgpack"]
+    if use_safetensors is not False:
+        names += [named("model.safetensors"), named("model.safetensors.index.json")]
+    if not use_safetensors:
+        names += [named("pytorch_model.bin"), named("pytorch_model.bin.index.json")]
+    return names
+
+
 def _hub_model(port: str, cls: type, checkpoint: str, kwargs: dict) -> nn.Module:
     path = Path(checkpoint).expanduser()
     if path.exists():
@@ -73,7 +95,16 @@ def _hub_model(port: str, cls: type, checkpoint: str, kwargs: dict) -> nn.Module
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{port} checkpoint {str(path)!r}: no config.json in this directory (expected "
                                     f"one written by save_pretrained)")  # fmt: skip
-        return cls.from_pretrained(str(path), **kwargs)
+        try:
+            return cls.from_pretrained(str(path), **kwargs)
+        except OSError as err:  # transformers raises OSError (EnvironmentError) for a directory without weights
+            folder = path / kwargs.get("subfolder", "")
+            names = _weight_names(kwargs)
+            if any((folder / name).is_file() for name in names):
+                raise
+            raise FileNotFoundError(f"{port} checkpoint {str(folder)!r}: config.json but no weights in this "
+                                    f"directory (looked for {', '.join(names)}; expected a directory written by "
+                                    f"save_pretrained)") from err  # fmt: skip
     if not _looks_like_repo_id(checkpoint):
         raise FileNotFoundError(f"{port} checkpoint {checkpoint!r}: no such directory (and not a Hugging Face "
                                 f"repository id of the form owner/name)")  # fmt: skip
@@ -119,12 +150,19 @@ def load(port: str, checkpoint: str | os.PathLike, *, device=None, **kwargs) -> 
         **kwargs: passed to the port's ``from_pretrained`` (``use_tf_gamma``, ``cache_dir``, ``dtype_policy``...).
 
     Raises:
-        ValueError: an unknown port, or a weights file of another kind.
+        TypeError: ``checkpoint`` is not a path or a string.
+        ValueError: an unknown port, an empty ``checkpoint``, or a weights file of another kind.
         ImportError: the port is not installed (the message says how to install it).
         FileNotFoundError: the checkpoint cannot be found, or, with ``HF_HUB_OFFLINE=1``, is not in the local cache.
     """
+    if isinstance(checkpoint, os.PathLike):
+        checkpoint = os.fspath(checkpoint)
+    if not isinstance(checkpoint, str):
+        got = "None" if checkpoint is None else type(checkpoint).__name__
+        raise TypeError(f"checkpoint: expected a path or repository id, got {got}")
+    if not checkpoint:
+        raise ValueError("checkpoint: expected a path or repository id, got ''")
     loader, cls = _port_class(port)
-    checkpoint = os.fspath(checkpoint)
     if loader.hub:
         model = _hub_model(port, cls, checkpoint, dict(kwargs))
         if device is not None:
