@@ -489,6 +489,7 @@ def test_non_finite_compressed_tensors_raise(name, field, value):
         (dict(scale=math.nan), ValueError, "scale"),
         (dict(softcap=0.0), ValueError, "softcap"),
         (dict(softcap=-2.0), ValueError, "softcap"),
+        (dict(softcap=1e5), ValueError, r"^softcap: expected at most 4096 or None, got 100000.0"),
         (dict(causal=1), TypeError, "causal"),
         (dict(bias=torch.zeros(3, 8)), ValueError, "bias: expected a shape broadcastable to"),
         (dict(bias=torch.zeros(8, dtype=torch.int32)), TypeError, "bias: expected dtype"),

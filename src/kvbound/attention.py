@@ -22,6 +22,9 @@ from kvbound.codec.format import CompressedKV
 __all__ = ["attention"]
 
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Above this soft-cap the kernels' tanh (1 - 2 / (1 + 2**(2 x log2 e)), exact to about 2**-23 of the cap) loses
+# more of a logit of order 1 than the input dtype's rounding does.
+_LARGEST_SOFTCAP = 4096.0
 # The kernels index tiles of the compact bias with 32-bit integers.
 _LARGEST_BIAS_TILE = 2**30
 _BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -62,8 +65,8 @@ def attention(
             (query, key) positions in its compact form, broadcastable to ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]``:
             logit ``(i, j)`` gets ``bias[..., i // T, j // T]`` (AlphaGenome: ``T = 16``). The kernels read the
             compact tensor; it is never expanded.
-        softcap: if given (> 0), logits become ``softcap * tanh(logits / softcap)`` after the bias and before
-            the causal mask.
+        softcap: if given (above 0, at most 4096), logits become ``softcap * tanh(logits / softcap)`` after the
+            bias and before the causal mask.
         relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
             ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense or
             compressed K/V, ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
@@ -94,8 +97,9 @@ def attention(
         head-split view of ``[B, Nq, Hq * D]``, ``out.transpose(1, 2).reshape(B, Nq, Hq * Dv)`` is a view.
 
     Raises:
-        TypeError / ValueError naming the offending argument for wrong types, shapes, dtypes, devices and
-        for NaN or Inf in any input.
+        TypeError / ValueError naming the offending argument for wrong types, shapes, dtypes, devices, for NaN
+        or Inf in any input, and for finite values so large that the kernels' float32 logits or sums would
+        overflow. The kernels compute the forward only: a backward through the result raises ``RuntimeError``.
     """
     check_tensor(q, "q", ndim=4, dtypes=_QUERY_DTYPES, check_finite=False)
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -150,6 +154,12 @@ def attention(
         raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
     if softcap is not None and (not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"softcap: expected a finite value > 0 or None, got {softcap!r}")
+    if softcap is not None and softcap > _LARGEST_SOFTCAP:
+        raise ValueError(
+            f"softcap: expected at most {_LARGEST_SOFTCAP:g} or None, got {softcap!r}: the kernels' tanh is exact to "
+            "about 2**-23 of the cap, so a larger cap loses the logits' low digits, while changing them by only about "
+            "x**3 / (3 softcap**2); pass softcap=None"
+        )
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
