@@ -667,3 +667,20 @@ def test_backward_raises_a_clear_error(compressed):
     with pytest.raises(RuntimeError, match=r"^kvbound.attention: expected no backward pass"):
         out.sum().backward()
     assert q.grad is None
+
+
+def test_compressed_layout_is_checked_before_the_kernels_read_it():
+    """The kernels read codes and exact values at the stored offsets: an object whose offsets, code buffer or
+    widths were edited after encoding is refused at its first call, naming the operand and the field, before any
+    kernel reads past its buffers."""
+    import dataclasses
+
+    q, ck, cv = every_mode_case()
+    for bad, field in (
+        (dataclasses.replace(ck, offset=ck.offset + 10**6), "offset"),
+        (dataclasses.replace(ck, codes=ck.codes[:5]), "offset"),
+        (dataclasses.replace(ck, mode=torch.full_like(ck.mode, 7)), "mode"),
+    ):
+        with pytest.raises(ValueError, match=rf"^k: {field}: expected"):
+            attention(q, bad, cv)
+    check_against_reference(attention(q, ck, cv), q, ck.decompress(), cv.decompress())

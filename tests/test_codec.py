@@ -12,6 +12,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def assert_within_bound(x: torch.Tensor, ckv: kvbound.CompressedKV) -> float:
+    ckv.validate()  # the packed layout, as kvbound.load checks it
     y = ckv.decompress()
     assert y.dtype == torch.float32 and tuple(y.shape) == tuple(x.shape)
     err = (x.double() - y.double()).abs()
@@ -175,6 +176,7 @@ def test_save_load_bit_exact(tmp_path, use_basis):
         assert u.dtype == t.dtype and torch.equal(u, t), name
     assert torch.equal(back.decompress(), ckv.decompress())
     assert back.nbytes == ckv.nbytes
+    back.validate()
 
 
 def test_load_rejects_foreign_file(tmp_path):
@@ -247,6 +249,10 @@ class TestBadInput:
             kvbound.compress_kv(torch.randn(1, 3, 64, 32), basis=basis)
         with pytest.raises(ValueError, match="basis: expected rank 4"):
             kvbound.compress_kv(torch.randn(1, 2, 64, 32), kvbound.CompressionConfig(rank=4), basis)
+        with pytest.raises(ValueError, match=r"basis.projection: expected 3 dimensions \[H, r, D\], got 2"):
+            kvbound.Basis(basis.projection[0], basis.captured_energy, 0.0, 1)
+        with pytest.raises(TypeError, match=r"basis.projection: expected float16 .*, got float32"):
+            kvbound.Basis(basis.projection.float(), basis.captured_energy, 0.0, 1)
 
     @pytest.mark.parametrize(
         "kwargs, match",
@@ -259,6 +265,7 @@ class TestBadInput:
             ({"rank": -1}, "rank: expected >= 0"),
             ({"block_size": 100}, "block_size: expected a power of two >= 16"),
             ({"block_size": 8}, "block_size: expected a power of two >= 16"),
+            ({"block_size": 2**17}, r"block_size: expected at most 65536 \(2\*\*16"),
         ],
     )
     def test_config_validation(self, kwargs, match):
@@ -268,6 +275,8 @@ class TestBadInput:
     def test_config_types(self):
         with pytest.raises(TypeError, match="rank: expected int"):
             kvbound.CompressionConfig(rank=2.0)
+        with pytest.raises(TypeError, match="^CompressionConfig.bits: expected int, got float$"):
+            kvbound.CompressionConfig(bits=4.0)
         with pytest.raises(TypeError, match="config: expected kvbound.CompressionConfig"):
             kvbound.compress_kv(torch.randn(1, 1, 4, 16), {"rank": 2})
 

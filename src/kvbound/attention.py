@@ -17,7 +17,7 @@ import torch
 
 from kvbound import _checks
 from kvbound._validate import check_finite_values, check_tensor
-from kvbound.codec.format import CompressedKV
+from kvbound.codec.format import CompressedKV, check_layout
 
 __all__ = ["attention"]
 
@@ -282,6 +282,9 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
     if residual is None:
         if ckv._stamps() is None:  # nothing could be recorded: the op checks these with the call's other checks
             return -1, -1.0
+        # The layout (modes, widths, every block's reads inside codes and raw), once per object and version, with
+        # the check below: the kernels index codes and raw by the stored offsets.
+        check_layout(ckv, name, packed=False)
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
         peaks: dict[str, float] = {}
         (share,) = _queue_checks(tensors, flags=(ckv.mode,), limit=_keep_peaks(peaks))()  # with flags: never deferred

@@ -5,9 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CompressionConfig", "DEFAULT_TAU", "SUPPORTED_BITS"]
+__all__ = ["CompressionConfig", "DEFAULT_TAU", "MAX_BLOCK_SIZE", "SUPPORTED_BITS"]
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+
+# Largest block size. The kernels and the Triton encoder take the block size as a compile-time power of two and set
+# no limit of their own; the eager encoder pads every block to ``block_size`` rows in float64, so a block far beyond
+# N costs memory and time for nothing (2**20 on 32 tokens: 1.8 GiB), and the per-block metadata (mode, width, step,
+# offset: 14 bytes) is already negligible next to 2**16 rows of codes.
+MAX_BLOCK_SIZE = 2**16
 
 # Default absolute bound. Attention inputs in these models come out of a LayerNorm-ed residual stream
 # through a projection, so K and V entries are O(1) (std 0.6 for the demo's conv + projection layer; 0.3-3 is
@@ -24,7 +30,7 @@ class CompressionConfig:
     """How K or V is compressed.
 
     Args:
-        block_size: tokens per block along the sequence; a power of two >= 16.
+        block_size: tokens per block along the sequence; a power of two from 16 to ``MAX_BLOCK_SIZE`` (2**16).
         rank: rank of the low-rank part (0 = residual quantisation only); must be < head dim.
         bits: bits per residual code, one of 2, 3, 4, 8. Blocks whose residual does not fit are
             promoted to wider codes (4, 5, 6 or 8 bits), and to exact storage when even that fails (see
@@ -44,10 +50,17 @@ class CompressionConfig:
             raise ValueError(
                 f"CompressionConfig.block_size: expected a power of two >= 16, got {self.block_size}"
             )
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"CompressionConfig.block_size: expected at most {MAX_BLOCK_SIZE} (2**16: every block is padded to "
+                f"block_size rows when encoded, and larger blocks save no storage), got {self.block_size}"
+            )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int):
             raise TypeError(f"CompressionConfig.rank: expected int, got {type(self.rank).__name__}")
         if self.rank < 0:
             raise ValueError(f"CompressionConfig.rank: expected >= 0, got {self.rank}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"CompressionConfig.bits: expected int, got {type(self.bits).__name__}")
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"CompressionConfig.bits: expected one of {SUPPORTED_BITS}, got {self.bits!r}")
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)):

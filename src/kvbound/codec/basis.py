@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvbound._validate import check_tensor
+from kvbound._validate import check_finite_values, check_tensor
 from kvbound.config import CompressionConfig
 
-__all__ = ["Basis", "calibrate"]
+__all__ = ["Basis", "calibrate", "check_projection"]
 
 
 @dataclass(eq=False)
@@ -21,13 +21,37 @@ class Basis:
     ``projection`` is ``[H, r, D]`` float16 with orthonormal rows (before rounding): the top-``r`` right
     singular vectors of all calibration rows of each head. Every block of every sequence of that head is
     coded as ``x ~ C @ projection[h]``; a shared basis is what lets the fused kernel form logits in rank
-    space, ``(Q P^T) C^T``, once per query tile.
+    space, ``(Q P^T) C^T``, once per query tile. ``projection`` is checked when the basis is made and at every
+    compression (``check``).
     """
 
     projection: torch.Tensor
     captured_energy: torch.Tensor
     calibration_seconds: float
     num_rows: int
+    # The projection whose values were last found finite, and its version counter then (None: an inference tensor,
+    # which tracks no version); see ``check``.
+    _finite: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``TypeError``/``ValueError`` naming ``basis.projection`` unless it is a float16 tensor ``[H, r, D]``
+        with data and finite values (``check_projection``). The values are read (one host read) only when the
+        projection was replaced or modified in place since they were last found finite: every compression checks
+        its basis, and the encoder without host reads (``encode_triton_deferred``) reads nothing for a basis
+        left as it was made. (An inference tensor tracks no version: only its replacement is seen.)"""
+        projection = self.projection
+        check_projection(projection, finite=False)
+        if torch.compiler.is_compiling() or self._finite_recorded():
+            return
+        check_finite_values(projection, "basis.projection")
+        self._finite = (projection, _version(projection))
+
+    def _finite_recorded(self) -> bool:
+        record = self._finite
+        return record is not None and record[0] is self.projection and record[1] == _version(self.projection)
 
     @property
     def num_heads(self) -> int:
@@ -50,6 +74,34 @@ class Basis:
             f"Basis(heads={self.num_heads}, rank={self.rank}, head_dim={self.head_dim}, "
             f"rows={self.num_rows}, captured_energy=[{energy}], seconds={self.calibration_seconds:.3f})"
         )
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor
+        return None
+
+
+def check_projection(projection: object, *, finite: bool = True) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``basis.projection`` unless it is a float16 tensor ``[H, r, D]`` with
+    data (not on the meta device) and, with ``finite``, finite values (one host read)."""
+    name = "basis.projection"
+    if not isinstance(projection, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor [H, r, D], got {type(projection).__name__}")
+    if projection.dim() != 3:
+        raise ValueError(
+            f"{name}: expected 3 dimensions [H, r, D], got {projection.dim()} (shape {list(projection.shape)})"
+        )
+    if projection.dtype != torch.float16:
+        raise TypeError(
+            f"{name}: expected float16 (what kvbound.calibrate returns and the kernels read), "
+            f"got {str(projection.dtype).removeprefix('torch.')}"
+        )
+    if projection.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data (any device; it is copied to x's), got device meta")
+    if finite:
+        check_finite_values(projection, name)
 
 
 def calibrate(samples: torch.Tensor | Iterable[torch.Tensor], config: CompressionConfig) -> Basis:

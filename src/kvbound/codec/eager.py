@@ -31,7 +31,10 @@ from kvbound.codec.format import (
     MODE_PROMOTED,
     MODE_RAW,
     CompressedKV,
+    check_layout,
     codes_per_word,
+    packed_layout,
+    promotion_widths,
     words_per_row,
 )
 from kvbound.config import CompressionConfig
@@ -43,11 +46,6 @@ _CHUNK_ELEMENTS = 1 << 22
 _CHUNK_ELEMENTS_CUDA = 1 << 25
 _STEP_MARGIN = 1.0 - 2.0**-10
 _COEFF_FP16_LIMIT = 2.0**15
-
-
-def promotion_widths(bits: int) -> list[int]:
-    """Code widths tried in order for a block: ``bits`` first, then the wider ones that pack without waste."""
-    return [bits] + [w for w in (4, 5, 6, 8) if w > bits]
 
 
 def _chunks(total: int, per_item: int, device: torch.device | None = None):
@@ -109,8 +107,11 @@ def _block_projection(xb: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def _check_basis(basis: Basis, heads: int, head_dim: int, rank: int) -> None:
+    """``basis`` against x's heads and head dim and the config's rank, after ``Basis.check`` (a float16 ``[H, r, D]``
+    projection with finite values; the values are read only when the projection changed since its last check)."""
     if not isinstance(basis, Basis):
         raise TypeError(f"basis: expected kvbound.Basis or None, got {type(basis).__name__}")
+    basis.check()
     if basis.head_dim != head_dim:
         raise ValueError(f"basis: expected head dim {head_dim} (from x), got a basis of head dim {basis.head_dim}")
     if basis.num_heads != heads:
@@ -257,19 +258,9 @@ def lay_out(n, d, block, widths, mode, width, q_store, raw_rows, dtype):
     device = mode.device
     bh, nb = mode.shape
     valid = _valid_rows(n, block, device)
-    rows_in_block = valid.sum(-1).to(torch.int64)  # [NB]
-    wpr_of = torch.zeros(9, dtype=torch.int64, device=device)
-    for w in widths:
-        wpr_of[w] = words_per_row(w, d)
-    code_words = rows_in_block * wpr_of[width.long()]
-    raw_elems = torch.where(mode == MODE_RAW, rows_in_block * d, 0)
-    code_offset = torch.cumsum(code_words.reshape(-1), 0) - code_words.reshape(-1)
-    raw_offset = torch.cumsum(raw_elems.reshape(-1), 0) - raw_elems.reshape(-1)
-    flat_width = width.reshape(-1)
-    offset = torch.where(flat_width > 0, code_offset, -1)
-    offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(bh, nb)
-    codes_buf = torch.zeros(int(code_words.sum().item()), dtype=torch.int32, device=device)
-    raw_buf = torch.zeros(int(raw_elems.sum().item()), dtype=dtype, device=device)
+    offset, code_words, raw_elems = packed_layout(n, d, block, mode, width)
+    codes_buf = torch.zeros(int(code_words.item()), dtype=torch.int32, device=device)
+    raw_buf = torch.zeros(int(raw_elems.item()), dtype=dtype, device=device)
     local_row = torch.arange(block, device=device, dtype=torch.int64)
     for sl, q in q_store:
         for w in widths:
@@ -335,7 +326,13 @@ def _decode_chunks(ckv: CompressedKV, with_rounding: bool = False):
 
 
 def decode(ckv: CompressedKV) -> torch.Tensor:
-    """Reconstruct float32 [B, H, N, D] from ``ckv`` (the values the bound is certified on)."""
+    """Reconstruct float32 [B, H, N, D] from ``ckv`` (the values the bound is certified on).
+
+    First checks what the decoding relies on (``check_layout`` without ``packed``: dtypes, shapes, modes and code
+    widths, every block's reads inside ``codes``/``raw``), so that a damaged object raises a ``ValueError``/
+    ``TypeError`` naming the field instead of reading out of range or decoding wrong widths. Values are not checked
+    (``CompressedKV.validate`` does): NaN/Inf stored in the object come out as NaN/Inf."""
+    check_layout(ckv, packed=False)
     batch, heads, n, d = ckv.shape
     out = torch.empty(batch * heads, n, d, dtype=torch.float32, device=ckv.device)
     for sl, y32, _ in _decode_chunks(ckv):

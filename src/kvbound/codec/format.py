@@ -35,6 +35,9 @@ Tensors (all on one device):
 
 Only the rows that exist are stored: the last block of a sequence whose N is not a multiple of the block
 size stores ``N - k * block_size`` rows of codes or raw values.
+
+``CompressedKV.validate`` (``check_layout``) checks every rule above; :func:`load` runs it on every file it reads,
+and ``decompress`` checks what decoding relies on (dtypes, shapes, modes and code widths, reads in range).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from kvbound.config import CompressionConfig
 
 __all__ = [
     "CompressedKV",
+    "check_layout",
+    "packed_layout",
+    "promotion_widths",
     "MODE_LOWRANK",
     "MODE_PACKED",
     "MODE_PROMOTED",
@@ -74,6 +80,30 @@ def codes_per_word(bits: int) -> int:
 def words_per_row(bits: int, head_dim: int) -> int:
     """int32 words that one row of ``head_dim`` codes of ``bits`` bits occupies."""
     return -(-head_dim // codes_per_word(bits))
+
+
+def promotion_widths(bits: int) -> list[int]:
+    """Code widths tried in order for a block: ``bits`` first, then the wider ones that pack without waste."""
+    return [bits] + [w for w in (4, 5, 6, 8) if w > bits]
+
+
+def packed_layout(n: int, d: int, block: int, mode: torch.Tensor, width: torch.Tensor):
+    """Where each block's codes or exact values start when every stored row is packed in block order (b, h, k).
+
+    ``mode``/``width`` ``[..., NB]`` (widths 0 to 8). Returns ``(offset, code_words, raw_elements)``: ``offset`` int64
+    of ``mode``'s shape (the index of the block's first word in ``codes`` where it has codes, of its first element in
+    ``raw`` where it is exact, -1 otherwise), and the int64 0-d totals that ``codes`` and ``raw`` hold."""
+    device = mode.device
+    nb = mode.shape[-1]
+    rows = (n - torch.arange(nb, device=device, dtype=torch.int64) * block).clamp(max=block)  # [NB]
+    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
+    code_words = (rows * wpr_of[width.long().clamp(0, 8)]).reshape(-1)
+    raw_elems = torch.where(mode == MODE_RAW, rows * d, 0).reshape(-1)
+    code_offset = torch.cumsum(code_words, 0) - code_words
+    raw_offset = torch.cumsum(raw_elems, 0) - raw_elems
+    offset = torch.where(width.reshape(-1) > 0, code_offset, -1)
+    offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(mode.shape)
+    return offset, code_words.sum(), raw_elems.sum()
 
 
 def _metadata(shape: tuple[int, ...], dtype: torch.dtype, config: CompressionConfig, shared_basis: bool) -> dict:
@@ -253,6 +283,15 @@ class CompressedKV:
         names = ("lowrank", "packed", "promoted", "raw")
         return {name: counts[i] / total for i, name in enumerate(names)}
 
+    # ------------------------------------------------------------------------------------------- validation
+    def validate(self, name: str = "CompressedKV") -> None:
+        """Raise ``TypeError``/``ValueError`` naming ``name`` and the field (``"{name}: offset: expected ..., got
+        ..."``) unless this object holds the packed layout of ``kvbound.codec.format`` (``check_layout``): dtypes,
+        shapes and devices of the stored tensors, modes, code widths against the modes and ``config.bits``, steps
+        in ``(0, 2 tau]`` where there are codes, finite values, and offsets and lengths of ``codes``/``raw`` exactly
+        as the blocks' modes and widths lay them out. :func:`kvbound.load` runs it on every file it reads."""
+        check_layout(self, name, packed=True)
+
     # --------------------------------------------------------------------------------------------- decode
     def decompress(self) -> torch.Tensor:
         """Reconstruct ``[B, H, N, D]`` in float32 on this object's device."""
@@ -296,8 +335,246 @@ class CompressedKV:
         )
 
 
+# ------------------------------------------------------------------------------------------------ validation
+_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_TENSOR_NAMES = ("coeffs", "basis", "mode", "scale", "bits", "offset", "codes", "raw")
+_FIXED_DTYPES = {
+    "basis": torch.float16,
+    "mode": torch.int8,
+    "scale": torch.float32,
+    "bits": torch.int8,
+    "offset": torch.int64,
+    "codes": torch.int32,
+}
+_FLOAT32_TINY = 2.0**-126  # the encoders' smallest step (a smaller one is raised to it)
+
+
+def _name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _at(index: list[int]) -> str:
+    return str(tuple(index))
+
+
+def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool = True) -> None:
+    """Raise ``TypeError`` (a type or dtype) or ``ValueError`` (anything else), as ``"{where}: {field}: expected
+    ..., got ..."``, when ``ckv`` breaks the layout of this module's docstring.
+
+    Always checked: ``shape`` (4 ints >= 1), ``dtype`` (float16, bfloat16 or float32), ``config``,
+    ``shared_basis``; the dtype, shape and device of every stored tensor (``coeffs`` ``[B, H, N, r]`` float16 or
+    float32, ``basis`` ``[H, r, D]`` or ``[B, H, NB, r, D]`` float16, ``mode``/``bits``/``scale``/``offset``
+    ``[B, H, NB]`` int8/int8/float32/int64, flat int32 ``codes``, flat ``raw`` in ``dtype``); modes in 0..3; each
+    block's code width against its mode (0 for modes 0 and 3, ``config.bits`` for mode 1, one of the wider
+    ``promotion_widths(config.bits)`` for mode 2); every block's reads inside ``codes`` or ``raw``.
+
+    ``packed`` (what the encoders write and :func:`load` reads) adds: the rank is ``config.rank`` (below D); finite
+    ``coeffs``, ``basis``, ``scale`` and ``raw``; steps in ``(0, 2 tau]`` for blocks with codes (``(0, 2**-126]``
+    when ``2 tau`` is below float32's smallest normal number, to which the encoders raise smaller steps) and 0 for
+    the others; zero coefficients in exact blocks; offsets equal to :func:`packed_layout`'s, and ``codes``/``raw``
+    exactly as long as it needs. Without ``packed`` (what ``decompress`` checks) a block may sit anywhere inside
+    ``codes`` and ``raw`` (the speculative encoder's workspaces keep fixed places per block) and values are not
+    read: such an object may hold NaN/Inf from its input until the deferred-check block that made it reports them.
+
+    One host read for all the value checks (plus the reads that locate a failure).
+    """
+
+    def error(key: str, text: str, kind: type[Exception] = ValueError) -> Exception:
+        return kind(f"{where}: {key}: {text}")
+
+    # ---- scalar fields
+    shape = ckv.shape
+    if (
+        not isinstance(shape, (tuple, list))
+        or len(shape) != 4
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+    ):
+        raise error("shape", f"expected 4 ints [B, H, N, D], got {shape!r}", TypeError)
+    if min(shape) < 1:
+        raise error("shape", f"expected every dimension >= 1, got {list(shape)}")
+    if ckv.dtype not in _FLOAT_DTYPES.values():
+        raise error("dtype", f"expected float16, bfloat16 or float32, got {_name(ckv.dtype)}", TypeError)
+    config = ckv.config
+    if not isinstance(config, CompressionConfig):
+        raise error("config", f"expected kvbound.CompressionConfig, got {type(config).__name__}", TypeError)
+    if not isinstance(ckv.shared_basis, bool):
+        raise error("shared_basis", f"expected bool, got {type(ckv.shared_basis).__name__}", TypeError)
+
+    # ---- stored tensors: type, dtype, device, shape
+    tensors = {}
+    for key in _TENSOR_NAMES:
+        t = getattr(ckv, key)
+        if not isinstance(t, torch.Tensor):
+            raise error(key, f"expected a torch.Tensor, got {type(t).__name__}", TypeError)
+        tensors[key] = t
+    expected_dtype = {**_FIXED_DTYPES, "raw": ckv.dtype}
+    for key, t in tensors.items():
+        if key == "coeffs":
+            if t.dtype not in (torch.float16, torch.float32):
+                raise error(key, f"expected float16 or float32, got {_name(t.dtype)}", TypeError)
+        elif t.dtype != expected_dtype[key]:
+            what = " (the dtype field)" if key == "raw" else ""
+            raise error(key, f"expected {_name(expected_dtype[key])}{what}, got {_name(t.dtype)}", TypeError)
+    device = tensors["coeffs"].device
+    for key, t in tensors.items():
+        if t.device != device:
+            raise error(key, f"expected device {device} (coeffs' device), got {t.device}")
+    b, h, n, d = shape
+    block = config.block_size
+    nb = -(-n // block)
+    coeffs = tensors["coeffs"]
+    if coeffs.dim() != 4 or tuple(coeffs.shape[:3]) != (b, h, n):
+        raise error("coeffs", f"expected shape [{b}, {h}, {n}, r] (from shape), got {list(coeffs.shape)}")
+    r = coeffs.shape[3]
+    if packed and r != config.rank:
+        raise error("coeffs", f"expected rank config.rank = {config.rank} (its last dimension), got {r}")
+    if packed and r >= d:
+        raise error("coeffs", f"expected a rank below the head dim {d}, got {r}")
+    expected_shape = {
+        "basis": (h, r, d) if ckv.shared_basis else (b, h, nb, r, d),
+        "mode": (b, h, nb),
+        "scale": (b, h, nb),
+        "bits": (b, h, nb),
+        "offset": (b, h, nb),
+    }
+    for key, want in expected_shape.items():
+        got = tuple(tensors[key].shape)
+        if got != want:
+            how = f"shared_basis={ckv.shared_basis}, rank {r}" if key == "basis" else f"block_size {block}"
+            raise error(key, f"expected shape {list(want)} (from shape {list(shape)}, {how}), got {list(got)}")
+    for key in ("codes", "raw"):
+        if tensors[key].dim() != 1:
+            raise error(key, f"expected a flat tensor (1 dimension), got shape {list(tensors[key].shape)}")
+
+    # ---- values: every mask is computed on the device, and the verdicts are read back together
+    mode, width = ckv.mode.to(torch.int64), ckv.bits.to(torch.int64)
+    step, offset = ckv.scale, ckv.offset
+    codes_len, raw_len = ckv.codes.numel(), ckv.raw.numel()
+    wider = promotion_widths(config.bits)[1:]
+    coded = (mode == MODE_PACKED) | (mode == MODE_PROMOTED)
+    exact = mode == MODE_RAW
+    layout, code_total, raw_total = packed_layout(n, d, block, mode, width)
+    rows = (n - torch.arange(nb, device=device, dtype=torch.int64) * block).clamp(max=block)
+    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
+    limit = max(2.0 * config.tau, _FLOAT32_TINY)
+
+    def per_block(key: str, values: torch.Tensor, expected):
+        """The message of a block check: ``expected(index)`` says what the first failing block should hold."""
+
+        def message(mask: torch.Tensor) -> tuple[str, str]:
+            index = torch.nonzero(mask)[0].tolist()
+            count = int(mask.sum())
+            more = f"; {count} blocks in all" if count > 1 else ""
+            value = values[tuple(index)].item()
+            return key, (
+                f"expected {expected(index)}, got {value!r} at block {_at(index)} "
+                f"(mode {int(mode[tuple(index)])}{more})"
+            )
+
+        return message
+
+    def finite(key: str):
+        def message(_: torch.Tensor) -> tuple[str, str]:
+            mask = ~torch.isfinite(tensors[key])
+            index = torch.nonzero(mask)[0].tolist()
+            value = tensors[key][tuple(index)].item()
+            return key, f"expected finite values, got {value} at index {_at(index)} ({int(mask.sum())} in all)"
+
+        return message
+
+    def largest(t: torch.Tensor) -> torch.Tensor:
+        """The largest magnitude in float32 (NaN when there is a NaN); a float32 reduction, much faster on the CPU
+        than ``isfinite`` on 16-bit values."""
+        return t.float().abs().amax() if t.numel() else torch.zeros((), device=device)
+
+    def length(key: str, total: torch.Tensor, got: int, unit: str):
+        def message(mask: torch.Tensor) -> tuple[str, str]:
+            return key, f"expected {int(total)} {unit} (what the blocks' modes and code widths need), got {got}"
+
+        return message
+
+    def raw_coefficients(_: torch.Tensor) -> tuple[str, str]:
+        mask = exact_rows[..., None] & (coeffs != 0)
+        index = torch.nonzero(mask)[0].tolist()
+        return "coeffs", (
+            f"expected zero coefficients in exact blocks (mode 3), got {coeffs[tuple(index)].item()} at index "
+            f"{_at(index)} (block {_at([index[0], index[1], index[2] // block])})"
+        )
+
+    allowed = torch.tensor(wider, dtype=torch.int64, device=device)
+    checks = [
+        ((mode < 0) | (mode > 3), per_block("mode", mode, lambda i: "0..3 (low rank, packed, promoted, exact)")),
+        (
+            ((mode == MODE_LOWRANK) | exact) & (width != 0),
+            per_block("bits", width, lambda i: "0 for blocks without codes (modes 0 and 3)"),
+        ),
+        (
+            (mode == MODE_PACKED) & (width != config.bits),
+            per_block("bits", width, lambda i: f"config.bits = {config.bits} for packed blocks (mode 1)"),
+        ),
+        (
+            (mode == MODE_PROMOTED) & ~torch.isin(width, allowed),
+            per_block(
+                "bits", width, lambda i: f"one of {wider} (the promotion widths above config.bits = {config.bits}) "
+                "for promoted blocks (mode 2)"
+            ),
+        ),
+    ]
+    if packed:
+        checks += [
+            (~torch.isfinite(step), per_block("scale", step, lambda i: "a finite step")),
+            (
+                coded & ~((step > 0) & (step.to(torch.float64) <= limit)),
+                per_block("scale", step, lambda i: f"a step in (0, {limit!r}] (2 * config.tau) for blocks with codes"),
+            ),
+            (~coded & (step != 0), per_block("scale", step, lambda i: "0 for blocks without codes (modes 0 and 3)")),
+            (
+                offset != layout,
+                per_block(
+                    "offset", offset, lambda i: f"{int(layout[tuple(i)])} (the packed layout: blocks in order "
+                    "(b, h, k), each after the codes or exact values of those before it; -1 without either)"
+                ),
+            ),
+            (code_total != codes_len, length("codes", code_total, codes_len, "int32 words")),
+            (raw_total != raw_len, length("raw", raw_total, raw_len, f"{_name(ckv.dtype)} values")),
+        ]
+    else:
+        words = rows * wpr_of[width.clamp(0, 8)]
+        checks += [
+            (
+                coded & ((offset < 0) | (offset > codes_len - words)),
+                per_block(
+                    "offset", offset, lambda i: f"a start from which the block's {int(words[tuple(i)])} words lie "
+                    f"inside codes ({codes_len} words)"
+                ),
+            ),
+            (
+                exact & ((offset < 0) | (offset > raw_len - rows * d)),
+                per_block(
+                    "offset", offset, lambda i: f"a start from which the block's {int(rows[i[2]]) * d} values lie "
+                    f"inside raw ({raw_len} values)"
+                ),
+            ),
+        ]
+    if packed:
+        for key in ("coeffs", "basis", "raw"):
+            checks.append((~torch.isfinite(largest(tensors[key])), finite(key)))
+    if packed and r > 0:
+        exact_rows = exact.repeat_interleave(block, dim=-1)[..., :n]  # [B, H, N]
+        checks.append((exact_rows & (coeffs.float().abs().amax(-1) != 0), raw_coefficients))
+    verdicts = torch.stack([mask.any() for mask, _ in checks]).tolist()
+    for (mask, message), bad in zip(checks, verdicts, strict=True):
+        if bad:
+            key, text = message(mask)
+            raise error(key, text)
+
+
 def load(path: str, device: torch.device | str = "cpu") -> CompressedKV:
-    """Read a :class:`CompressedKV` written by ``CompressedKV.save``."""
+    """Read a :class:`CompressedKV` written by ``CompressedKV.save``.
+
+    Raises ``ValueError`` naming the file and the key when the metadata is missing a key or holds a value this
+    format does not allow, or when a tensor is missing or unknown; then runs ``CompressedKV.validate`` on the stored
+    tensors (the layout, ``TypeError``/``ValueError`` naming the file and the field)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -308,12 +585,54 @@ def load(path: str, device: torch.device | str = "cpu") -> CompressedKV:
             raise ValueError(
                 f"path: {path!s} has format version {meta.get('version')}, this kvbound reads {_FORMAT_VERSION}"
             )
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    dtype = getattr(torch, meta["dtype"])
-    return CompressedKV(
-        shape=tuple(json.loads(meta["shape"])),
-        dtype=dtype,
-        config=CompressionConfig(**json.loads(meta["config"])),
-        shared_basis=meta["shared_basis"] == "1",
-        **tensors,
-    )
+        names = list(f.keys())
+        missing = [name for name in _TENSOR_NAMES if name not in names]
+        extra = [name for name in names if name not in _TENSOR_NAMES]
+        if missing or extra:
+            got = "; ".join(([f"missing {missing}"] if missing else []) + ([f"unknown {extra}"] if extra else []))
+            raise ValueError(f"{path!s}: tensors: expected exactly {list(_TENSOR_NAMES)}, got {got}")
+        fields = _read_metadata(meta, str(path))
+        tensors = {name: f.get_tensor(name) for name in _TENSOR_NAMES}
+    ckv = CompressedKV(**fields, **tensors)
+    check_layout(ckv, str(path), packed=True)
+    return ckv
+
+
+def _read_metadata(meta: dict[str, str], where: str) -> dict:
+    """``shape``, ``dtype``, ``config`` and ``shared_basis`` from a file's metadata, each checked."""
+    for key in ("shape", "dtype", "config", "shared_basis"):
+        if key not in meta:
+            raise ValueError(f"{where}: metadata: expected the key {key!r}, missing (keys: {sorted(meta)})")
+    text = meta["shape"]
+    try:
+        shape = json.loads(text)
+    except json.JSONDecodeError:
+        shape = None
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 4
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+    ):
+        raise ValueError(f"{where}: metadata shape: expected a JSON list of 4 ints >= 1 [B, H, N, D], got {text!r}")
+    if meta["dtype"] not in _FLOAT_DTYPES:
+        raise ValueError(f"{where}: metadata dtype: expected one of {list(_FLOAT_DTYPES)}, got {meta['dtype']!r}")
+    text = meta["config"]
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError:
+        settings = None
+    keys = sorted(CompressionConfig().as_dict())
+    if not isinstance(settings, dict) or sorted(settings) != keys:
+        raise ValueError(f"{where}: metadata config: expected a JSON object with the keys {keys}, got {text!r}")
+    try:
+        config = CompressionConfig(**settings)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: metadata config: {e}") from e
+    if meta["shared_basis"] not in ("0", "1"):
+        raise ValueError(f"{where}: metadata shared_basis: expected '0' or '1', got {meta['shared_basis']!r}")
+    return {
+        "shape": tuple(shape),
+        "dtype": _FLOAT_DTYPES[meta["dtype"]],
+        "config": config,
+        "shared_basis": meta["shared_basis"] == "1",
+    }
