@@ -17,7 +17,7 @@ import torch
 
 from kvbound import _checks
 from kvbound._validate import check_finite_values, check_tensor
-from kvbound.codec.format import CompressedKV, check_layout
+from kvbound.codec.format import CompressedKV, check_layout, stored_shapes
 
 __all__ = ["attention"]
 
@@ -314,16 +314,7 @@ def _decoded_magnitude(rank: int, coeffs: float, basis: float, step: float, raw:
 def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
     """Shapes of the stored tensors against ``ckv.shape`` (the layout in ``kvbound.codec.format``)."""
     _check_device(ckv.device, q, name)
-    b, h, n, d = ckv.shape
-    nb, r = ckv.num_blocks, ckv.rank
-    expected = {
-        "coeffs": (b, h, n, r),
-        "basis": (h, r, d) if ckv.shared_basis else (b, h, nb, r, d),
-        "mode": (b, h, nb),
-        "scale": (b, h, nb),
-        "bits": (b, h, nb),
-        "offset": (b, h, nb),
-    }
+    expected = stored_shapes(tuple(ckv.shape), ckv.num_blocks, ckv.rank, ckv.shared_basis)
     for field, shape in expected.items():
         got = tuple(getattr(ckv, field).shape)
         if got != shape:

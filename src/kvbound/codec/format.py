@@ -357,6 +357,27 @@ def _at(index: list[int]) -> str:
     return str(tuple(index))
 
 
+def stored_shapes(shape: tuple[int, int, int, int], nb: int, r: int, shared_basis: bool) -> dict[str, tuple]:
+    """The shapes of the stored tensors of a CompressedKV of ``shape`` ``[B, H, N, D]`` with ``nb`` blocks per
+    head and rank ``r`` (``codes`` and ``raw`` are flat, of the layout's lengths)."""
+    b, h, n, d = shape
+    return {
+        "coeffs": (b, h, n, r),
+        "basis": (h, r, d) if shared_basis else (b, h, nb, r, d),
+        "mode": (b, h, nb),
+        "scale": (b, h, nb),
+        "bits": (b, h, nb),
+        "offset": (b, h, nb),
+    }
+
+
+def _json_or_none(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
 def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool = True) -> None:
     """Raise ``TypeError`` (a type or dtype) or ``ValueError`` (anything else), as ``"{where}: {field}: expected
     ..., got ..."``, when ``ckv`` breaks the layout of this module's docstring.
@@ -430,13 +451,8 @@ def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool
         raise error("coeffs", f"expected rank config.rank = {config.rank} (its last dimension), got {r}")
     if packed and r >= d:
         raise error("coeffs", f"expected a rank below the head dim {d}, got {r}")
-    expected_shape = {
-        "basis": (h, r, d) if ckv.shared_basis else (b, h, nb, r, d),
-        "mode": (b, h, nb),
-        "scale": (b, h, nb),
-        "bits": (b, h, nb),
-        "offset": (b, h, nb),
-    }
+    expected_shape = stored_shapes((b, h, n, d), nb, r, ckv.shared_basis)
+    del expected_shape["coeffs"]  # (its rank is what the others are checked against)
     for key, want in expected_shape.items():
         got = tuple(tensors[key].shape)
         if got != want:
@@ -604,10 +620,7 @@ def _read_metadata(meta: dict[str, str], where: str) -> dict:
         if key not in meta:
             raise ValueError(f"{where}: metadata: expected the key {key!r}, missing (keys: {sorted(meta)})")
     text = meta["shape"]
-    try:
-        shape = json.loads(text)
-    except json.JSONDecodeError:
-        shape = None
+    shape = _json_or_none(text)
     if (
         not isinstance(shape, list)
         or len(shape) != 4
@@ -617,10 +630,7 @@ def _read_metadata(meta: dict[str, str], where: str) -> dict:
     if meta["dtype"] not in _FLOAT_DTYPES:
         raise ValueError(f"{where}: metadata dtype: expected one of {list(_FLOAT_DTYPES)}, got {meta['dtype']!r}")
     text = meta["config"]
-    try:
-        settings = json.loads(text)
-    except json.JSONDecodeError:
-        settings = None
+    settings = _json_or_none(text)
     keys = sorted(CompressionConfig().as_dict())
     if not isinstance(settings, dict) or sorted(settings) != keys:
         raise ValueError(f"{where}: metadata config: expected a JSON object with the keys {keys}, got {text!r}")
