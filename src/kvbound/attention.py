@@ -50,7 +50,8 @@ def attention(
     Transformer-XL relative positions (Enformer, Borzoi).
 
     Args:
-        q: ``[B, Hq, Nq, Dk]`` float16, bfloat16 or float32 (float32 for CPU tests), any strides.
+        q: ``[B, Hq, Nq, Dk]`` float16, bfloat16 (on CUDA devices: Triton's CPU interpreter multiplies bfloat16
+            tiles wrongly) or float32, any strides.
         k: ``[B, Hkv, Nk, Dk]`` tensor of q's dtype, or a :class:`kvbound.CompressedKV` of that shape.
         v: ``[B, Hkv, Nk, Dv]`` tensor of q's dtype, or a :class:`kvbound.CompressedKV` (k and v are both
             compressed or both dense). ``Hq`` must be a multiple of ``Hkv`` (MHA, GQA, MQA): query head ``h``
