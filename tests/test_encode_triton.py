@@ -385,21 +385,37 @@ def test_one_pass_raises_and_flags(monkeypatch):
         et._encode(x, config, basis, torch.float16, True, one_pass=True)
 
 
-def test_one_pass_switch(monkeypatch):
-    """``KVBOUND_ONE_PASS_ENCODE`` picks the one-launch encoder for deferred encodes (off unless set); anything but
-    the switch's words is refused by name."""
+@pytest.mark.parametrize("below", [False, True])
+def test_one_pass_switch(below, monkeypatch):
+    """``KVBOUND_ONE_PASS_ENCODE`` picks the one-launch encoder for deferred encodes: on and off as told, and when
+    unset or ``auto`` for tensors of at most ``ONE_PASS_AUTO_ELEMENTS`` elements (here the default, then a limit just
+    below the test tensor's size); anything but the switch's words is refused by name."""
+    from kvbound.codec import encode_triton as et
+
     launched = counted_one_pass_launches(monkeypatch)
     (x, clean), config = _TILING_CASES["n37_d40_block16"]
+    if below:
+        monkeypatch.setattr(et, "ONE_PASS_AUTO_ELEMENTS", x.numel() - 1)
+    else:
+        assert x.numel() <= et.ONE_PASS_AUTO_ELEMENTS
+    auto = 0 if below else 1
     basis = kvbound.calibrate(clean, config)
-    for setting, expected in ((None, 0), ("auto", 0), ("0", 0), ("on", 1), ("1", 1)):
+    for setting, expected in ((None, auto), ("auto", auto), ("0", 0), ("off", 0), ("on", 1), ("1", 1)):
         if setting is None:
             monkeypatch.delenv("KVBOUND_ONE_PASS_ENCODE", raising=False)
         else:
             monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", setting)
+        assert et.one_pass_by_default(x) == bool(expected), setting
         launched.clear()
         _deferred(x, config, basis, None)
         assert len(launched) == expected, setting
     assert launched == [(3, 4)]  # one program per block: 3 blocks of 16 rows, B * H = 4
+    monkeypatch.delenv("KVBOUND_ONE_PASS_ENCODE")
+    if not below:  # the models' sizes against the default limit
+        assert not et.one_pass_by_default(torch.empty(4, 8, 4096, 64, device="meta"))  # Borzoi's K, batch 4: 8 Mi
+        assert et.one_pass_by_default(torch.empty(1, 8, 4096, 192, device="meta"))  # Borzoi's V, batch 1: 6 Mi
+        assert et.one_pass_by_default(torch.empty(8, 8, 1536, 64, device="meta"))  # Enformer's K, batch 8: 6 Mi
+        assert not et.one_pass_by_default(torch.empty(8, 8, 1536, 192, device="meta"))  # Enformer's V, batch 8
     monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", "sometimes")
     with pytest.raises(ValueError, match="KVBOUND_ONE_PASS_ENCODE: expected one of"):
         _deferred(x, config, basis, None)

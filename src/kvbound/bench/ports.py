@@ -568,7 +568,8 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                     row.update(measured)
                     if handle is not None and handle.compress:
                         row["compression_ratio"] = compressed_ratio(handle.modules, spec.describe)
-                        encoding = (f"speculative encoding, {handle.speculative_retries} forward(s) run again"
+                        encoding = (f"speculative encoding ({_one_pass_label(handle)}), "
+                                    f"{handle.speculative_retries} forward(s) run again"
                                     if handle.speculative and device.type == "cuda" else "synchronous encoding")
                         row["note"] = "; ".join(x for x in (row["note"], encoding) if x)[:500]
             except Exception as err:  # noqa: BLE001 - one variant's failure is recorded, the next still runs
@@ -576,6 +577,20 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
             yield row
             _release(device)
         del inputs, reference
+
+
+def _one_pass_label(handle) -> str:
+    """How the handle's speculative encodes are launched, for a row's note."""
+    from kvbound.codec.encode_triton import ONE_PASS_AUTO_ELEMENTS
+    from kvbound.kernels._common import switch_setting
+
+    choice = handle.one_pass_encode
+    if choice is None:
+        setting = switch_setting("KVBOUND_ONE_PASS_ENCODE")
+        if setting == "auto":
+            return f"one launch up to {ONE_PASS_AUTO_ELEMENTS} elements, five above"
+        choice = setting == "on"
+    return "one launch" if choice else "five launches"
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int, *, largest: int = 0,

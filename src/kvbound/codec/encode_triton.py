@@ -659,14 +659,15 @@ def encode_triton_deferred(
     launches over tiles of rows, where the host's launches rather than the device's work set the pace (a small
     batch); the same coefficients, modes, widths, steps, codes and exact values, each block's codes and exact
     values at the place of its rows in the workspaces. None: ``KVBOUND_ONE_PASS_ENCODE`` (on: ``1``, ``true``,
-    ``on``, ``yes``; off, the default: unset, ``auto``, ``0``, ``false``, ``off``, ``no``).
+    ``on``, ``yes``; off: ``0``, ``false``, ``off``, ``no``; unset or ``auto``, the default: one launch for a
+    tensor of at most ``ONE_PASS_AUTO_ELEMENTS`` elements, :func:`one_pass_by_default`).
     """
     if not scope.speculative:
         raise RuntimeError("encode_triton_deferred: scope is not a speculative deferred-check block")
     _check_inputs(x, config, basis)
     start = time.perf_counter()
     if one_pass is None:
-        one_pass = switch_setting("KVBOUND_ONE_PASS_ENCODE") == "on"
+        one_pass = one_pass_by_default(x)
     ckv, summary = _encode(x, config, basis, torch.float16, True, deferred=True, one_pass=one_pass)
     # Views of the summary only (slices of adjacent entries): queueing launches nothing.
     scope.queue(
@@ -683,6 +684,24 @@ def encode_triton_deferred(
     ckv._record_checked(residual, lowrank_share, held=True)  # also under inference mode (no version counters)
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
+
+
+# The largest tensor that a deferred encode runs in one launch by default. Measured on the H200 at 3c6805b
+# (benchmarks/results/h200_2026-12-05_3c6805b/one_pass_encode.csv, time per encode in a loop): one launch costs
+# about 40 us + 42 us per million elements of device time, five launches about 250-300 us of host time however
+# small the tensor, and about 23 us per million elements of device time. Up to 6 Mi elements (the models' K and V
+# at batch 1, Enformer's K up to batch 8) one launch took at most 7 % longer per encode and 2.7x less host time;
+# at 8 Mi elements (Borzoi's K at batch 4) it took 35 % longer, at 50 Mi (Borzoi's V at batch 8) 84 % longer.
+ONE_PASS_AUTO_ELEMENTS = 6 * 2**20
+
+
+def one_pass_by_default(x: torch.Tensor) -> bool:
+    """Whether :func:`encode_triton_deferred` runs ``x``'s encode in one launch when not told:
+    ``KVBOUND_ONE_PASS_ENCODE`` on or off, else (unset or ``auto``) ``x.numel() <= ONE_PASS_AUTO_ELEMENTS``."""
+    setting = switch_setting("KVBOUND_ONE_PASS_ENCODE")
+    if setting == "auto":
+        return x.numel() <= ONE_PASS_AUTO_ELEMENTS
+    return setting == "on"
 
 
 def _check_inputs(x: torch.Tensor, config: CompressionConfig, basis: Basis) -> None:

@@ -177,8 +177,9 @@ class PatchHandle:
             Set it to False to read the encoder's results in every layer instead.
         speculative_retries: forwards that ran a second time because a speculative encoding could not be kept.
         one_pass_encode: run each speculative encode in one launch instead of five (``encode_triton_deferred``'s
-            ``one_pass``: the same values, fewer launches, more device time); None (default): the process's
-            ``KVBOUND_ONE_PASS_ENCODE`` (off unless set).
+            ``one_pass``: the same values, fewer launches, more device time for large tensors); None (default):
+            ``KVBOUND_ONE_PASS_ENCODE`` when set to on or off, else one launch for tensors of at most 6 Mi
+            elements (``encode_triton.one_pass_by_default``).
         operand_bytes: device memory held between forwards by the patched layers' kept weight casts and relative
             keys (``kvbound/models/_operands.py``; ``clear_operands()`` drops them, ``KVBOUND_OPERAND_CACHE=0``
             stops keeping them).
