@@ -14,17 +14,18 @@ from kvbound.eval.models import ModelConfig, build_model
 
 
 class _ShiftHook:
-    """Returns bf16(k) + shift (a constant), as a stand-in codec whose error is known exactly."""
+    """Returns bf16(k) + shift and bf16(v) + shift (a constant), as a stand-in codec whose error is known exactly."""
+
+    storage = torch.bfloat16
 
     def __init__(self, shift: float, tau: float):
         self.shift = shift
         self.config = type("Config", (), {"tau": tau})()
 
     def __call__(self, layer, k, v):
-        decoded = k.to(torch.bfloat16).double() + self.shift
-        self.last_decoded = {"k": decoded}
-        # what the model consumes: the decoded K rounded to bf16 (as under autocast on the GPU)
-        return decoded.to(torch.bfloat16).to(k.dtype), v
+        self.last_decoded = {name: x.to(torch.bfloat16).double() + self.shift for name, x in (("k", k), ("v", v))}
+        # what the model consumes: the decoded K and V rounded to bf16 (as under autocast on the GPU)
+        return tuple(self.last_decoded[name].to(torch.bfloat16).to(x.dtype) for name, x in (("k", k), ("v", v)))
 
 
 @pytest.mark.parametrize("kind", ["enformer", "alphagenome"])
@@ -59,7 +60,10 @@ def test_logit_probe_measures_the_logit_change_exactly(kind, shift, tau):
         # rows beyond the bound, by the same formula in float64 here: none while shift < tau, some at 4 tau
         beyond = int((shift * query.sum(-1).abs() > tau * query.abs().sum(-1)).sum())
         assert (beyond > 0) == (shift > tau), beyond
-        assert record["violations"] == int(beyond > 0)  # one call per layer, counted once whatever its rows
+        assert record["logit_violations"] == int(beyond > 0)  # one call per layer, counted once whatever its rows
+        # K and V decoded beyond tau: counted per tensor whatever the queries (every element moved by the shift)
+        assert record["max_abs_error_v"] == pytest.approx(shift, rel=1e-9)
+        assert record["bound_violations"] == (2 if shift > tau else 0)
         # rounding the decoded K to bf16 moves the consumed logits by a different amount, measured apart
         assert record["max_logit_error_consumed"] != pytest.approx(expected_error, rel=1e-6)
 

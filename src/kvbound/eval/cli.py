@@ -802,13 +802,15 @@ def _layer_rows(context: _ModelContext, benchmark, args, device, autocast) -> li
                 "softmax_scale": record["softmax_scale"],
                 "max_q_l1": record["max_q_l1"],
                 "max_abs_error_k": record["max_abs_error_k"],
+                "max_abs_error_v": record["max_abs_error_v"],
                 "logit_bound_tau": record["max_q_l1"] * default.tau,
                 "logit_bound_measured_k": record["max_q_l1"] * record["max_abs_error_k"],
                 "max_logit_error": record["max_logit_error"],
                 "max_logit_error_consumed": record["max_logit_error_consumed"],
                 "model_kv_dtype": str(torch.bfloat16 if autocast else next(model.parameters()).dtype)[6:],
                 "bound_used_pct": 100 * record["max_logit_error"] / (record["max_q_l1"] * default.tau),
-                "bound_violations": record["violations"],
+                "bound_violations": record["bound_violations"],
+                "logit_violations": record["logit_violations"],
                 "windows": len(starts),
             }
         )

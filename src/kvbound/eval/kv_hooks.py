@@ -303,9 +303,11 @@ class LogitProbe:
     ``max_logit_error_consumed`` measures the logit change with the K the model actually used.
 
     ``records[layer]`` keeps the maxima over all calls: ``max_q_l1`` (``max ||q_eff||_1`` over rows),
-    ``max_abs_error_k``, ``max_logit_error``, ``max_logit_error_consumed`` and ``violations`` (calls whose
-    logit error exceeds ``||q_eff||_1 * tau`` in some row). The model then runs on the compressed K and V, as
-    with ``hook`` alone.
+    ``max_abs_error_k``, ``max_abs_error_v``, ``max_logit_error``, ``max_logit_error_consumed``, and two counts:
+    ``bound_violations`` (decoded K and V tensors with an element beyond tau, as ``hook.stats`` counts them) and
+    ``logit_violations`` (calls whose logit error exceeds ``||q_eff||_1 * tau`` in some row; a K beyond tau need
+    not cause one, since it depends on the queries). The model then runs on the compressed K and V, as with
+    ``hook`` alone.
     """
 
     def __init__(self, hook: CompressedKVHook, kind: str):
@@ -318,8 +320,30 @@ class LogitProbe:
 
     def kv_hook(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_hat, v_hat = self.hook(layer, k, v)
-        self._pending = (layer, k.detach().to(STORAGE_DTYPE), self.hook.last_decoded["k"])
+        storage = self.hook.storage
+        self._pending = (layer, k.detach().to(storage), self.hook.last_decoded["k"])
+        record = self._record(layer, k.shape[-1])
+        tau = self.hook.config.tau
+        for name, x in (("k", k), ("v", v)):
+            error = float((x.detach().to(storage).double() - self.hook.last_decoded[name].double()).abs().max())
+            record[f"max_abs_error_{name}"] = max(record[f"max_abs_error_{name}"], error)
+            record["bound_violations"] += int(not error <= tau)  # also counts NaN
         return k_hat, v_hat
+
+    def _record(self, layer: int, dk: int) -> dict:
+        return self.records.setdefault(
+            layer,
+            {
+                "max_q_l1": 0.0,
+                "max_abs_error_k": 0.0,
+                "max_abs_error_v": 0.0,
+                "max_logit_error": 0.0,
+                "max_logit_error_consumed": 0.0,
+                "bound_violations": 0,
+                "logit_violations": 0,
+                "softmax_scale": dk**-0.5,
+            },
+        )
 
     def attention_fn(self, model: TrackModel) -> Callable:
         layers = [module for module in model.modules() if isinstance(module, _HookedAttention)]
@@ -354,20 +378,9 @@ class LogitProbe:
         if not bool(torch.isfinite(row_error).all() and torch.isfinite(consumed).all()):
             raise FloatingPointError(f"layer {layer}: logit error has NaN or Inf")
         tau = self.hook.config.tau
-        record = self.records.setdefault(
-            layer,
-            {
-                "max_q_l1": 0.0,
-                "max_abs_error_k": 0.0,
-                "max_logit_error": 0.0,
-                "max_logit_error_consumed": 0.0,
-                "violations": 0,
-                "softmax_scale": dk**-0.5,
-            },
-        )
+        record = self._record(layer, dk)
         record["max_q_l1"] = max(record["max_q_l1"], float(q_l1.max()))
-        record["max_abs_error_k"] = max(record["max_abs_error_k"], float(delta.abs().max()))
         record["max_logit_error"] = max(record["max_logit_error"], float(row_error.max()))
         record["max_logit_error_consumed"] = max(record["max_logit_error_consumed"], float(consumed.max()))
         # the bound holds row by row: |q_i . (k_j - k_hat_j)| <= ||q_i||_1 * tau (tiny slack for float64 sums)
-        record["violations"] += int((row_error > q_l1 * tau * (1 + 1e-12) + 1e-12).any())
+        record["logit_violations"] += int((row_error > q_l1 * tau * (1 + 1e-12) + 1e-12).any())

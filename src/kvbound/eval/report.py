@@ -844,7 +844,10 @@ def render(results: Path) -> str:
             "query (softmax scale included; Enformer: `q / sqrt(dk) + u`, the content term, the only one that reads K; "
             "AlphaGenome: `q / sqrt(dk)`, before the 1-Lipschitz soft-cap). Maxima over the probed windows. The "
             "bound is certified on the decoded K (float32); the last column uses the K the model consumed, rounded "
-            "to its dtype (bf16 under autocast on the GPU), a rounding the bound does not cover."
+            "to its dtype (bf16 under autocast on the GPU), a rounding the bound does not cover. Two counts: "
+            "decoded K and V tensors with an element beyond tau (`K/V beyond tau`; `-` in results written before "
+            "it was counted per layer), and calls in which some row's logit error exceeds its own `L1(q) * tau` "
+            "(`logit bound missed`)."
         )
         add("")
         add(
@@ -859,7 +862,8 @@ def render(results: Path) -> str:
                     "bound: L1(q) x max abs(k - k_hat)",
                     "max logit error",
                     "% of bound",
-                    "violations",
+                    "K/V beyond tau",
+                    "logit bound missed",
                     "max logit error, K in the model's dtype",
                 ],
                 [
@@ -873,7 +877,9 @@ def render(results: Path) -> str:
                         _fmt(r["logit_bound_measured_k"]),
                         _fmt(r["max_logit_error"]),
                         _fmt(r["bound_used_pct"], 1),
-                        r["bound_violations"],
+                        # (layers.csv before logit_violations: its bound_violations counted the logit bound)
+                        r["bound_violations"] if "logit_violations" in r else "-",
+                        r.get("logit_violations", r["bound_violations"]),
                         f"{_fmt(r.get('max_logit_error_consumed'))} ({r.get('model_kv_dtype', '?')})",
                     ]
                     for r in layers
