@@ -256,6 +256,8 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         reads.clear()
         again = model(x)["human"]
         assert reads == [True, False] and h.speculative_retries == 1
+        assert h.retry_reasons == [[f"{r.name} K: a residual where none was forecast" for r in h.modules[:1]]]
+        assert h.synchronous_tensors == []  # a wrong forecast is learnt, not a reason to stop speculating
         assert torch.equal(again, sync)
         assert [r._forecast for r in h.modules] == learnt  # learnt again by the second run
 
@@ -263,6 +265,7 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         # of the forward stays speculative.
         h.modules[0]._synchronous.add("v")
         h.modules[0].last_v_ratio = None
+        assert h.synchronous_tensors == [(h.modules[0].name, "v")]
         reads.clear()
         assert torch.equal(model(x)["human"], sync)
         assert reads == [True] and h.speculative_retries == 1

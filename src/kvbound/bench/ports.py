@@ -569,7 +569,7 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                     if handle is not None and handle.compress:
                         row["compression_ratio"] = compressed_ratio(handle.modules, spec.describe)
                         encoding = (f"speculative encoding ({_one_pass_label(handle)}), "
-                                    f"{handle.speculative_retries} forward(s) run again"
+                                    f"{handle.speculative_retries} forward(s) run again{_retry_label(handle)}"
                                     if handle.speculative and device.type == "cuda" else "synchronous encoding")
                         row["note"] = "; ".join(x for x in (row["note"], encoding) if x)[:500]
             except Exception as err:  # noqa: BLE001 - one variant's failure is recorded, the next still runs
@@ -577,6 +577,17 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
             yield row
             _release(device)
         del inputs, reference
+
+
+def _retry_label(handle) -> str:
+    """Why forwards ran again and which tensors stopped speculating, for a row's note ('' when none did)."""
+    parts = []
+    if handle.retry_reasons:
+        parts.append("first flag: " + "; ".join(handle.retry_reasons[0])[:160])
+    if handle.synchronous_tensors:
+        parts.append("encoded synchronously since: " + ", ".join(f"{n} {r.upper()}"
+                                                                  for n, r in handle.synchronous_tensors)[:160])
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _one_pass_label(handle) -> str:

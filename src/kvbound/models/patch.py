@@ -176,6 +176,9 @@ class PatchHandle:
         speculative: encode K/V on the GPU without a host read per layer (default True; see :func:`patch`).
             Set it to False to read the encoder's results in every layer instead.
         speculative_retries: forwards that ran a second time because a speculative encoding could not be kept.
+        retry_reasons: what flagged each of those forwards (``Retry.reasons``, the latest 16 forwards').
+        synchronous_tensors: ``(layer, role)`` of the tensors encoded synchronously from now on after a retry
+            whose cause would come back every time (``forget_forecasts`` lets them speculate again).
         one_pass_encode: run each speculative encode in one launch instead of five (``encode_triton_deferred``'s
             ``one_pass``: the same values, fewer launches, more device time for large tensors); None (default):
             ``KVBOUND_ONE_PASS_ENCODE`` when set to on or off, else one launch for tensors of at most 6 Mi
@@ -206,6 +209,7 @@ class PatchHandle:
         # Speculative encoding (see patch's docstring): on by default; forwards run again after a retry.
         self.speculative = True
         self.speculative_retries = 0
+        self.retry_reasons: list[list[str]] = []
         self.one_pass_encode: bool | None = None
         self._attention_ids: set[int] = set()
         # The model's forward wrapped in kvbound.deferred_checks (set by patch when it patched anything).
@@ -393,6 +397,11 @@ class PatchHandle:
 
     def _count_retry(self, retry: _checks.Retry) -> None:
         self.speculative_retries += 1
+        self.retry_reasons = [*self.retry_reasons[-15:], list(retry.reasons)]
+
+    @property
+    def synchronous_tensors(self) -> list[tuple[str, str]]:
+        return [(record.name, role) for record in self.modules for role in sorted(record._synchronous)]
 
     def forget_forecasts(self) -> None:
         """Forget what earlier forwards taught the speculative encoder: the per-layer residual forecasts, and the
