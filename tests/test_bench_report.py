@@ -606,3 +606,5 @@ def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_unc
     # met, modules met; its compressed forward is from an older day)
     assert summary.startswith("**5 of 6 model targets met**")
     assert "enformer batch 8 modules: 5.47x < 10.0x" in summary and "not counted: enformer batch 32" in summary
+    # enformer 32 on its older day: forward 800 / 650 = 1.23x < 1.3x, modules 200 / 34 = 5.9x < 10x
+    assert summary.endswith("not counted: enformer batch 32 (0 of 2 of their targets met there).")

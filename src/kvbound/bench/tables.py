@@ -564,19 +564,21 @@ def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def model_targets_summary(rows: list[dict]) -> str:
     """One sentence: how many of the models' targets (forward, modules, against the best alternative) are met."""
-    met, missed, older = 0, [], []
+    met, missed, older, older_met, older_total = 0, [], [], 0, 0
     for e in model_targets(rows):
         where = f"{e['model']} batch {e['batch']}"
-        if e["older"]:
-            older.append(where)
-            continue
         checks = []
         if e.get("unpatched") is not None:
             checks += [("forward", e["forward"], e["forward_target"]), ("modules", e["modules"], MODEL_MODULE_TARGET)]
         if e.get("alternative") is not None:
             checks.append(("vs best alternative", e["versus"], 1.0))
-        if "compressed" in e and not e["compressed_older"]:
+        if "compressed" in e and (e["older"] or not e["compressed_older"]):
             checks.append(("compressed forward", e["compressed"], e["forward_target"]))
+        if e["older"]:
+            older.append(where)
+            older_total += len(checks)
+            older_met += sum(ratio is not None and ratio >= target for _, ratio, target in checks)
+            continue
         for what, ratio, target in checks:
             if ratio is not None and ratio >= target:
                 met += 1
@@ -585,8 +587,8 @@ def model_targets_summary(rows: list[dict]) -> str:
     total = met + len(missed)
     text = f"**{met} of {total} model targets met** (each model's batches measured on its newest day of runs)."
     text += f" Missed: {'; '.join(missed)}." if missed else ""
-    return text + (f" Measured only on earlier days, listed below and not counted: {', '.join(older)}." if older
-                   else "")  # fmt: skip
+    return text + (f" Measured only on earlier days, listed below and not counted: {', '.join(older)} "
+                   f"({older_met} of {older_total} of their targets met there)." if older else "")  # fmt: skip
 
 
 def _gib(n: float | None) -> str:
