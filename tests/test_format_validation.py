@@ -311,6 +311,72 @@ def test_decompress_refuses_what_it_cannot_read(ckv, case, fields, error, patter
         tampered(ckv, **fields).decompress()
 
 
+# The cases of DECODE_TAMPERING that only the stored values tell (shapes and dtypes are refused before any check).
+READ_TAMPERING = [c for c in DECODE_TAMPERING if c[0] not in ("codes-float32", "mode-shape")]
+
+
+def _inference_copy(ckv: kvbound.CompressedKV) -> kvbound.CompressedKV:
+    """The same object with every stored tensor an inference tensor (no version counter: no checked record)."""
+    with torch.inference_mode():
+        copy = dataclasses.replace(ckv, **{name: t.clone() for name, t in ckv._tensors().items()})
+    assert copy._stamps() is None
+    return copy
+
+
+@pytest.mark.parametrize("context", ["eager", "inference", "dispatched"])
+@pytest.mark.parametrize("case, fields, error, pattern", READ_TAMPERING, ids=[c[0] for c in READ_TAMPERING])
+def test_attention_refuses_what_it_cannot_read(ckv, case, fields, error, pattern, context):
+    """``kvbound.attention`` never reads a block outside ``codes`` or ``raw``: an object's first check runs the
+    layout checks (the same message as ``decompress``); where no record can be kept (inference tensors) or the op is
+    dispatched (here under ``torch.profiler``), each call counts the failed block checks with its other checks, read
+    before the kernel runs. The untampered object gives the same output in every context."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 8, D, generator=g)
+    bad = tampered(ckv, **fields)
+    good = ckv
+    if context == "inference":
+        bad, good = _inference_copy(bad), _inference_copy(ckv)
+    reference = kvbound.attention(q, ckv, ckv, scale=0.25)
+
+    def run(k, v):
+        if context == "inference":
+            with torch.inference_mode():
+                return kvbound.attention(q, k, v, scale=0.25)
+        if context == "dispatched":
+            with torch.profiler.profile():
+                return kvbound.attention(q, k, v, scale=0.25)
+        return kvbound.attention(q, k, v, scale=0.25)
+
+    if context == "eager":
+        with pytest.raises(error, match=r"^k: " + pattern):
+            run(bad, good)
+    else:
+        with pytest.raises(ValueError, match=r"^k: expected the layout of kvbound.CompressedKV, got [1-9]\d* failed "
+                                             r"block checks .*k.validate\(\) names the first"):
+            run(bad, good)
+        with pytest.raises(ValueError, match=r"^v: expected the layout of kvbound.CompressedKV, got [1-9]"):
+            run(good, bad)
+    torch.testing.assert_close(run(good, good), reference, rtol=0, atol=0)
+
+
+def test_layout_violations_counts_each_failed_check(ckv):
+    """``layout_violations`` (what attention queues) is zero for a valid object and counts failed block checks."""
+    from kvbound.codec.format import layout_violations
+
+    def count(c):
+        n, d = c.shape[2], c.shape[3]
+        return float(layout_violations(c.mode, c.bits, c.offset, n, d, BLOCK, CONFIG.bits, c.codes.numel(),
+                                       c.raw.numel()))  # fmt: skip
+
+    assert count(ckv) == 0
+    b, h, k = first_block_of[MODE_PACKED]
+    assert count(tampered(ckv, mode=set_at((b, h, k), 9))) == 1  # a mode outside 0..3
+    assert count(tampered(ckv, bits=set_at((b, h, k), 7))) == 1  # a width packed blocks cannot have
+    # every coded block of both heads reads outside 5 words of codes
+    coded = int(((ckv.mode == MODE_PACKED) | (ckv.mode == MODE_PROMOTED)).sum())
+    assert count(tampered(ckv, codes=lambda t: t[:5])) == coded
+
+
 # ------------------------------------------------------------------------------------------------------ load
 @pytest.fixture(scope="module")
 def saved(ckv, tmp_path_factory):

@@ -17,7 +17,7 @@ import torch
 
 from kvbound import _checks
 from kvbound._validate import check_finite_values, check_tensor
-from kvbound.codec.format import CompressedKV, check_layout, stored_shapes
+from kvbound.codec.format import CompressedKV, check_layout, layout_violations, stored_shapes
 
 __all__ = ["attention"]
 
@@ -99,8 +99,11 @@ def attention(
 
     Raises:
         TypeError / ValueError naming the offending argument for wrong types, shapes, dtypes, devices, for NaN
-        or Inf in any input, and for finite values so large that the kernels' float32 logits or sums would
-        overflow. The kernels compute the forward only: a backward through the result raises ``RuntimeError``.
+        or Inf in any input, for finite values so large that the kernels' float32 logits or sums would
+        overflow, and for compressed K/V whose stored layout is broken (modes, code widths, or blocks that would
+        be read outside ``codes`` or ``raw``: checked at an object's first call, or in every call where no record
+        can be kept, under inference mode or when the op is dispatched). The kernels compute the forward only: a
+        backward through the result raises ``RuntimeError``.
     """
     check_tensor(q, "q", ndim=4, dtypes=_QUERY_DTYPES, check_finite=False)
     batch, q_heads, n_q, head_dim_k = q.shape
@@ -886,13 +889,23 @@ def _attention_compressed(
             relative_keys = expand_run_keys(relative_keys, relative_runs, n_q + n_k - 1, checked=True)
     tensors = {"q": q, "bias": bias}
     flags = []
-    for name, known, stored, mode in (
-        ("k", k_residual, (k_coeffs, k_basis, k_scale, k_raw), k_mode),
-        ("v", v_residual, (v_coeffs, v_basis, v_scale, v_raw), v_mode),
-    ):
+    for name, known, stored, layout in (
+        ("k", k_residual, (k_coeffs, k_basis, k_scale, k_raw), (k_mode, k_bits, k_offset, k_codes, k_block_size,
+                                                                 k_packed_bits)),
+        ("v", v_residual, (v_coeffs, v_basis, v_scale, v_raw), (v_mode, v_bits, v_offset, v_codes, v_block_size,
+                                                                 v_packed_bits)),
+    ):  # fmt: skip
         if known < 0:
             tensors.update({f"{name}.{field}": t for field, t in zip(_CHECKED_FIELDS, stored, strict=True)})
+            mode, bits, offset, codes, block, packed_bits = layout
             flags.append(mode)
+            # No checked record (inference tensors, or the op dispatched): the layout with this call's checks, read
+            # before the kernel runs (flags are never deferred), so that no block is read outside codes or raw.
+            count = layout_violations(mode, bits, offset, n_k, stored[1].shape[-1], block, packed_bits, codes.numel(),
+                                      stored[3].numel())  # fmt: skip
+            conditions += ((f"{name}: expected the layout of kvbound.CompressedKV, got {{count}} failed block checks "
+                            f"(modes, code widths, or reads outside codes or raw; {name}.validate() names the first)",
+                            count),)  # fmt: skip
     tensors.update(
         relative_keys=relative_keys,
         relative_content_bias=relative_content_bias,

@@ -378,6 +378,48 @@ def _json_or_none(text: str) -> object:
         return None
 
 
+def block_layout_masks(
+    mode: torch.Tensor, bits: torch.Tensor, offset: torch.Tensor, n: int, d: int, block: int, packed_bits: int,
+    codes_len: int, raw_len: int,
+) -> dict[str, torch.Tensor]:
+    """Per block ``[B, H, NB]``, on the device, where the stored ``mode``, ``bits`` (code width) and ``offset`` break
+    the layout whatever the packing: ``mode`` outside 0..3; ``bits_without_codes``, ``bits_packed``,
+    ``bits_promoted`` (a width that does not fit the mode); ``codes_reads`` / ``raw_reads`` (a coded / exact block
+    whose reads from its offset do not lie inside ``codes`` / ``raw``). Also ``rows`` (of each block) and ``words``
+    (each block's code words at its width)."""
+    device = mode.device
+    mode, width, offset = mode.to(torch.int64), bits.to(torch.int64), offset.to(torch.int64)
+    nb = mode.shape[-1]
+    coded = (mode == MODE_PACKED) | (mode == MODE_PROMOTED)
+    exact = mode == MODE_RAW
+    rows = (n - torch.arange(nb, device=device, dtype=torch.int64) * block).clamp(max=block)
+    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
+    words = rows * wpr_of[width.clamp(0, 8)]
+    allowed = torch.tensor(promotion_widths(packed_bits)[1:], dtype=torch.int64, device=device)
+    return {
+        "mode": (mode < 0) | (mode > 3),
+        "bits_without_codes": ((mode == MODE_LOWRANK) | exact) & (width != 0),
+        "bits_packed": (mode == MODE_PACKED) & (width != packed_bits),
+        "bits_promoted": (mode == MODE_PROMOTED) & ~torch.isin(width, allowed),
+        "codes_reads": coded & ((offset < 0) | (offset > codes_len - words)),
+        "raw_reads": exact & ((offset < 0) | (offset > raw_len - rows * d)),
+        "rows": rows,
+        "words": words,
+    }
+
+
+def layout_violations(
+    mode: torch.Tensor, bits: torch.Tensor, offset: torch.Tensor, n: int, d: int, block: int, packed_bits: int,
+    codes_len: int, raw_len: int,
+) -> torch.Tensor:
+    """How many blocks break :func:`block_layout_masks`'s checks, counted once per check (a float64 scalar on the
+    device, nothing read): what ``kvbound.attention`` queues with a call's other checks for compressed K/V on which
+    no checked record can be kept, so that the kernels never read outside ``codes`` or ``raw``."""
+    masks = block_layout_masks(mode, bits, offset, n, d, block, packed_bits, codes_len, raw_len)
+    return sum(masks[key].sum() for key in ("mode", "bits_without_codes", "bits_packed", "bits_promoted",
+                                            "codes_reads", "raw_reads")).to(torch.float64)  # fmt: skip
+
+
 def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool = True) -> None:
     """Raise ``TypeError`` (a type or dtype) or ``ValueError`` (anything else), as ``"{where}: {field}: expected
     ..., got ..."``, when ``ckv`` breaks the layout of this module's docstring.
@@ -470,8 +512,8 @@ def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool
     coded = (mode == MODE_PACKED) | (mode == MODE_PROMOTED)
     exact = mode == MODE_RAW
     layout, code_total, raw_total = packed_layout(n, d, block, mode, width)
-    rows = (n - torch.arange(nb, device=device, dtype=torch.int64) * block).clamp(max=block)
-    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
+    masks = block_layout_masks(ckv.mode, ckv.bits, offset, n, d, block, config.bits, codes_len, raw_len)
+    rows, words = masks.pop("rows"), masks.pop("words")
     limit = max(2.0 * config.tau, _FLOAT32_TINY)
 
     def per_block(key: str, values: torch.Tensor, expected):
@@ -517,19 +559,15 @@ def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool
             f"{_at(index)} (block {_at([index[0], index[1], index[2] // block])})"
         )
 
-    allowed = torch.tensor(wider, dtype=torch.int64, device=device)
     checks = [
-        ((mode < 0) | (mode > 3), per_block("mode", mode, lambda i: "0..3 (low rank, packed, promoted, exact)")),
+        (masks["mode"], per_block("mode", mode, lambda i: "0..3 (low rank, packed, promoted, exact)")),
+        (masks["bits_without_codes"], per_block("bits", width, lambda i: "0 for blocks without codes (modes 0 and 3)")),
         (
-            ((mode == MODE_LOWRANK) | exact) & (width != 0),
-            per_block("bits", width, lambda i: "0 for blocks without codes (modes 0 and 3)"),
-        ),
-        (
-            (mode == MODE_PACKED) & (width != config.bits),
+            masks["bits_packed"],
             per_block("bits", width, lambda i: f"config.bits = {config.bits} for packed blocks (mode 1)"),
         ),
         (
-            (mode == MODE_PROMOTED) & ~torch.isin(width, allowed),
+            masks["bits_promoted"],
             per_block(
                 "bits", width, lambda i: f"one of {wider} (the promotion widths above config.bits = {config.bits}) "
                 "for promoted blocks (mode 2)"
@@ -555,17 +593,16 @@ def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool
             (raw_total != raw_len, length("raw", raw_total, raw_len, f"{_name(ckv.dtype)} values")),
         ]
     else:
-        words = rows * wpr_of[width.clamp(0, 8)]
         checks += [
             (
-                coded & ((offset < 0) | (offset > codes_len - words)),
+                masks["codes_reads"],
                 per_block(
                     "offset", offset, lambda i: f"a start from which the block's {int(words[tuple(i)])} words lie "
                     f"inside codes ({codes_len} words)"
                 ),
             ),
             (
-                exact & ((offset < 0) | (offset > raw_len - rows * d)),
+                masks["raw_reads"],
                 per_block(
                     "offset", offset, lambda i: f"a start from which the block's {int(rows[i[2]]) * d} values lie "
                     f"inside raw ({raw_len} values)"
