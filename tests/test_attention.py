@@ -645,6 +645,9 @@ def test_flags_and_scalars_of_the_wrong_type_are_refused():
         attention(q, k, v, softcap=np.float32(5.0))
     with pytest.raises(ValueError, match=r"^bias_tile: expected a power of two from 1 to 2\*\*30, got"):
         attention(q, k, v, bias=torch.zeros(1, 1, 1, 1), bias_tile=2**40)
+    with pytest.raises(ValueError, match=r"^bias_tile: expected 1 without a bias \(it gives the tile size of bias\), "
+                                         r"got 16"):
+        attention(q, k, v, bias_tile=16)
     n = q.shape[2] + k.shape[2] - 1
     keys = torch.zeros(q.shape[1], n, q.shape[3])
     with pytest.raises(TypeError, match=r"^relative_runs: expected a sequence of ints"):

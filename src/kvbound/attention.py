@@ -65,7 +65,7 @@ def attention(
         bias_tile: ``T``, a power of two. With ``T > 1``, ``bias`` is a pair bias constant over ``T x T`` tiles of
             (query, key) positions in its compact form, broadcastable to ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]``:
             logit ``(i, j)`` gets ``bias[..., i // T, j // T]`` (AlphaGenome: ``T = 16``). The kernels read the
-            compact tensor; it is never expanded.
+            compact tensor; it is never expanded. Without a bias it must be 1.
         softcap: if given (above 0, at most 4096), logits become ``softcap * tanh(logits / softcap)`` after the
             bias and before the causal mask.
         relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
@@ -172,6 +172,8 @@ def attention(
         raise TypeError(f"bias_tile: expected int, got {type(bias_tile).__name__}")
     if bias_tile < 1 or bias_tile & (bias_tile - 1) or bias_tile > _LARGEST_BIAS_TILE:
         raise ValueError(f"bias_tile: expected a power of two from 1 to 2**30, got {bias_tile}")
+    if bias is None and bias_tile != 1:
+        raise ValueError(f"bias_tile: expected 1 without a bias (it gives the tile size of bias), got {bias_tile}")
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)

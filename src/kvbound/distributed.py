@@ -242,7 +242,8 @@ def context_parallel_attention(
             k_len = lengths[src][1]
             block_bias = bias(starts[rank], q.shape[2], starts[src], k_len) if bias is not None else None
             part, part_lse = attention(
-                q, k_s, v_s, scale=scale, causal=causal and src == rank, bias=block_bias, bias_tile=bias_tile,
+                q, k_s, v_s, scale=scale, causal=causal and src == rank, bias=block_bias,
+                bias_tile=1 if block_bias is None else bias_tile,
                 softcap=softcap, return_lse=True,
                 relative_keys=_relative_rows(relative_keys, total, starts[rank], q.shape[2], starts[src], k_len),
                 relative_content_bias=relative_content_bias, relative_position_bias=relative_position_bias,
