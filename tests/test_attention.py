@@ -558,6 +558,36 @@ def test_logits_beyond_float32_raise_naming_q_and_k():
     check_against_reference(attention(q, k, v), q, k, v)  # ordinary magnitudes pass
 
 
+def test_logits_beyond_float32_raise_for_triton_encoded_keys():
+    """The synchronous Triton encoder records a bound on its output's magnitudes (x's largest plus tau), so that
+    compressed K fresh from it (recorded as checked: attention reads none of its tensors) is held to float32's range
+    too: a key of 1e20 outside the basis's span, stored exactly, with a query of 1e20 along it, raises naming q and k
+    before the kernel runs."""
+    g = torch.Generator().manual_seed(6)
+    config = CompressionConfig(rank=4, bits=4, block_size=16, tau=0.05)
+    sample = torch.zeros(1, 2, 32, 16)
+    sample[..., :4] = torch.randn(1, 2, 32, 4, generator=g)  # the basis spans the first four coordinates
+    basis = calibrate(sample, config)
+    k = sample.clone()
+    k[..., :4] = torch.randn(1, 2, 32, 4, generator=g)
+    v = torch.randn(1, 2, 32, 16, generator=g)
+    k_big = k.clone()
+    k_big[0, 1, 20, 9] = 1e20
+    q = torch.randn(1, 2, 8, 16, generator=g)
+    ck = compress_kv(k_big, config, basis, impl="triton")
+    cv = compress_kv(v, config, basis=None)
+    assert ck._checked_residual() is not None  # attention trusts the encoder's record and reads nothing of ck
+    assert ck._checked_magnitude() == pytest.approx(1e20 + 0.05)
+    assert float(ck.decompress().abs().amax()) == float(torch.tensor(1e20))  # stored exactly
+    q_big = q.clone()
+    q_big[0, 1, 2, 9] = 1e20
+    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay below"):
+        attention(q_big, ck, cv)
+    ordinary = compress_kv(k, config, basis, impl="triton")
+    assert ordinary._checked_magnitude() == pytest.approx(float(k.abs().amax()) + 0.05)
+    check_against_reference(attention(q, ordinary, cv), q, ordinary.decompress(), cv.decompress())
+
+
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

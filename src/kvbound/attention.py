@@ -583,7 +583,8 @@ class _Overflow:
     instead, naming the tensors. Both are sufficient conditions, met by anything but values near float32's range
     (``max|v|`` up to 3.4e32 for 10**6 keys). Compressed K/V (``ranks``: their ranks) are bounded from their stored
     tensors where the call checks them (``_decoded_magnitude``), else by ``known`` (the bound recorded with the
-    operand's check; -1.0: none, as for the Triton encoder's output, whose magnitude is not read back)."""
+    operand's check, or by the synchronous Triton encoder; -1.0: none, as for the speculative encoder's output,
+    whose magnitude is not read back)."""
 
     __slots__ = ("head_dim_k", "n_k", "scale", "weight", "ranks", "known")
 

@@ -792,8 +792,12 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
             scale=step, bits=width, offset=offset, codes=codes, raw=raw, shared_basis=True,
         )
         return ckv, summary
-    # The one host read: the summary, which ends with the number of low-rank blocks.
-    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = summary.tolist()
+    # The one host read: the summary, which ends with the number of low-rank blocks, and x's extremes (a bound on
+    # the decoded values' magnitudes, which kvbound.attention checks against float32's range).
+    largest = torch.linalg.vector_norm(x, float("inf")).reshape(1)  # exact: one of x's magnitudes
+    read = torch.cat([summary.to(torch.float64), largest.to(torch.float64)]).tolist()
+    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = (int(v) for v in read[:_SUMMARY_SIZE])
+    largest = read[_SUMMARY_SIZE]
     if nonfinite:
         check_finite_values(x, "x")
     if beyond_fp16 and not ieee:
@@ -819,6 +823,8 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
         # enters some coefficient, and 0 * Inf is NaN); steps come from finite residuals, raw values from x. Some
         # block holds a residual exactly when there are codes or raw values. kvbound.attention reuses this record.
         ckv._record_checked(code_words > 0 or raw_elements > 0, lowrank / max(1, mode.numel()))
+        if verify:  # every decoded element is within tau of x's
+            ckv._record_magnitude(largest + config.tau)
     return ckv
 
 
