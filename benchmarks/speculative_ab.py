@@ -4,8 +4,10 @@ Separate ``kvbound bench --suite models`` runs of the compressed variant have di
 (the autotuner's picks and the host's speed vary from process to process), which hides a change of the encoding
 path. Here one model is patched once (default config, calibrated), and forwards with ``handle.speculative`` True
 and False alternate in rounds, so both settings run the same compiled kernels on the same host within seconds of
-each other. Beside them: the unpatched port, the dense patch, and the speculative encoder in one launch per tensor
-(``patch-compressed-speculative-one-pass``: ``handle.one_pass_encode = True``), in the same rounds. Each row:
+each other. Beside them: the unpatched port, the dense patch, and the speculative encoder in five launches per tensor
+(``patch-compressed-speculative``: ``handle.one_pass_encode = False``), in one
+(``patch-compressed-speculative-one-pass``: ``True``) and as chosen by default, one launch up to 6 Mi elements
+(``patch-compressed-speculative-default``: ``None``), in the same rounds. Each row:
 model, batch, variant, the median and spread of the per-round medians (CUDA events around each forward,
 synchronised after it), host time per forward (``host_ms``: forwards queued back to back, wall clock; each forward
 ends with one host read, so this includes one wait for the device), the patched modules' encoder time per timed
@@ -100,6 +102,7 @@ def _batch_rows(spec, model, batch: int, device, args) -> list[dict]:
         "patch-dense": lambda: kvbound.patch(model, compress=False),
         "patch-compressed-speculative": lambda: _repatch(kvbound, model, calibrated, True),
         "patch-compressed-speculative-one-pass": lambda: _repatch(kvbound, model, calibrated, True, one_pass=True),
+        "patch-compressed-speculative-default": lambda: _repatch(kvbound, model, calibrated, True, one_pass=None),
         "patch-compressed-synchronous": lambda: _repatch(kvbound, model, calibrated, False),
     }
     times = {name: [] for name in settings}
@@ -156,7 +159,7 @@ def _encode_ms(handle) -> float:
     return sum(r.encode_seconds for r in handle.modules) * 1e3
 
 
-def _repatch(kvbound, model, calibrated, speculative: bool, one_pass: bool = False):
+def _repatch(kvbound, model, calibrated, speculative: bool, one_pass: bool | None = False):
     """The model patched compressed with the bases of ``calibrated`` (no second calibration), speculation and the
     one-launch encoder set."""
     handle = kvbound.patch(model, calibrated.config)
