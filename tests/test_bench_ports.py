@@ -217,6 +217,27 @@ def test_port_model_lists():
     assert dataclasses.is_dataclass(ports.SMOKE_PORT_MODELS[0])
 
 
+def test_encoding_notes_say_how_encodes_ran_and_why_forwards_ran_again(monkeypatch):
+    """A compressed row's note: the encoder's launch choice (the handle's, else KVBOUND_ONE_PASS_ENCODE's, else the
+    size rule) and, after retries, the first flag and the tensors that stopped speculating."""
+    from types import SimpleNamespace
+
+    from kvbound.codec.encode_triton import ONE_PASS_AUTO_ELEMENTS
+
+    handle = SimpleNamespace(one_pass_encode=None, retry_reasons=[], synchronous_tensors=[])
+    monkeypatch.delenv("KVBOUND_ONE_PASS_ENCODE", raising=False)
+    assert ports._one_pass_label(handle) == f"one launch up to {ONE_PASS_AUTO_ELEMENTS} elements, five above"
+    monkeypatch.setenv("KVBOUND_ONE_PASS_ENCODE", "0")
+    assert ports._one_pass_label(handle) == "five launches"
+    handle.one_pass_encode = True
+    assert ports._one_pass_label(handle) == "one launch"
+    assert ports._retry_label(handle) == ""
+    handle.retry_reasons = [["layer 3 K: a residual where none was forecast"], ["later"]]
+    handle.synchronous_tensors = [("transformer.1.attn", "v")]
+    assert ports._retry_label(handle) == (" (first flag: layer 3 K: a residual where none was forecast; encoded "
+                                          "synchronously since: transformer.1.attn V)")
+
+
 @pytest.mark.parametrize(
     ("largest_that_fits", "limit", "expected"),
     [
