@@ -531,27 +531,30 @@ def test_basis_projection_must_be_finite(basis):
 
 
 def test_basis_values_are_read_again_only_after_a_change(monkeypatch):
-    """The projection's values are read when the basis is made and again only once it was modified in place or
-    replaced (the encoder without host reads reads nothing for an unchanged basis)."""
+    """The projection's values (its largest magnitude, which also tells NaN/Inf) are read when the basis is made and
+    again only once it was modified in place or replaced (the encoder without host reads reads nothing for an
+    unchanged basis); ``largest_magnitude`` follows the values read."""
     import kvbound.codec.basis as module
 
     reads = []
-    real = module.check_finite_values
-    monkeypatch.setattr(module, "check_finite_values", lambda t, name: (reads.append(name), real(t, name)))
+    real = module._largest_magnitude
+    monkeypatch.setattr(module, "_largest_magnitude", lambda t: (reads.append(t), real(t))[1])
     basis = kvbound.calibrate(structured(torch.float32, spikes=False), CONFIG)
-    assert reads == ["basis.projection"]
+    assert len(reads) == 1 and reads[0] is basis.projection
+    assert basis.largest_magnitude() == float(basis.projection.float().abs().max()) <= 1.0
     x = structured(torch.float32)
     kvbound.compress_kv(x, CONFIG, basis)
     kvbound.compress_kv(x, CONFIG, basis, impl="triton")
     assert len(reads) == 1
     with torch.no_grad():
         basis.projection[0, 0, 0] = 0.5  # in place: its version counter moves
+    assert basis.largest_magnitude() is None  # what was read no longer holds
     kvbound.compress_kv(x, CONFIG, basis)
     kvbound.compress_kv(x, CONFIG, basis)
     assert len(reads) == 2
-    basis.projection = basis.projection.clone()
+    basis.projection = basis.projection.clone() * 2
     kvbound.compress_kv(x, CONFIG, basis)
-    assert len(reads) == 3
+    assert len(reads) == 3 and basis.largest_magnitude() == float(basis.projection.float().abs().max()) > 1.0
 
 
 # -------------------------------------------------------------------------------------------------- config

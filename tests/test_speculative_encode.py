@@ -117,6 +117,49 @@ def _data(n, d, gen, outlier=True):
 
 
 @pytest.mark.parametrize("one_pass", [False, True])
+def test_speculative_keys_are_held_to_float32s_range(one_pass):
+    """K from the speculative encoder is not read back, but its decoded values outside the exact ones are bounded
+    by what a kept encoding guarantees (coefficients within float16 times the basis's largest element, codes below
+    2**8 steps of at most 2 tau), and the exact values' largest magnitude is read with the attention call's other
+    checks: a key of 1e20 outside the basis's span, stored exactly, with a query of 1e20 along it, raises at the
+    block's end naming q and k; ordinary keys pass and give the synchronous encoder's output."""
+    g = torch.Generator().manual_seed(7)
+    config = kvbound.CompressionConfig(rank=4, bits=4, block_size=16, tau=0.05)
+    sample = torch.zeros(1, 2, 32, 16, dtype=torch.float16)
+    sample[..., :4] = torch.randn(1, 2, 32, 4, generator=g).half()  # the basis spans the first four coordinates
+    basis = kvbound.calibrate(sample, config)
+    assert 0.5 < basis.largest_magnitude() <= 1.0  # orthonormal rows: no element above 1
+    k = sample.clone()
+    k[..., :4] = torch.randn(1, 2, 32, 4, generator=g).half()
+    v = torch.randn(1, 2, 32, 16, generator=g).half()
+    q = torch.randn(1, 2, 8, 16, generator=g).half()
+    k_big, q_big = k.clone(), q.clone()
+    k_big[0, 1, 20, 9] = 6e4  # as large as float16 holds; with a query of 6e4 along it, scaled, in float16
+    q_big[0, 1, 2, 9] = 6e4
+    with _checks._block(speculative=True) as scope:
+        ck = encode_triton_deferred(k, config, basis, scope, name="K", one_pass=one_pass)
+        bound = ck._magnitude_but_raw()
+        assert bound == pytest.approx(4 * 65504 * basis.largest_magnitude() + 2**8 * 0.1)
+        assert ck._checked_magnitude() is None  # nothing of it was read
+        out = kvbound.attention(q, ck, kvbound.compress_kv(v, config, basis=None))
+    expected = kvbound.attention(q, kvbound.compress_kv(k, config, basis, impl="triton"),
+                                 kvbound.compress_kv(v, config, basis=None))  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # at head dim 16 and scale 1/4: logits up to 16 * 1.5e4 * (4 * 65504 + 25.6 + 6e4), far below float32's limit
+    with _checks._block(speculative=True) as scope:
+        ck = encode_triton_deferred(k_big, config, basis, scope, name="K", one_pass=one_pass)
+        kvbound.attention(q_big, ck, kvbound.compress_kv(v, config, basis=None))
+    # float32 keys of 1e20 (stored exactly: outside the span, coefficients zero) with queries of 1e20 along them
+    basis32 = kvbound.calibrate(sample.float(), config)
+    k32, q32 = k.float(), q.float()
+    k32[0, 1, 20, 9], q32[0, 1, 2, 9] = 1e20, 1e20
+    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay below .*\(k, compressed"):
+        with _checks._block(speculative=True) as scope:
+            ck = encode_triton_deferred(k32, config, basis32, scope, name="K", one_pass=one_pass)
+            kvbound.attention(q32, ck, kvbound.compress_kv(v.float(), config, basis=None))
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("outlier", [True, False])
 def test_deferred_encoder_matches_the_synchronous_one(outlier, one_pass):
     """The deferred encoder stores what the synchronous one stores: the five launches at the same places (packed

@@ -190,13 +190,14 @@ def attention(
             q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs, run_span
         )
     elif compressed:
-        known, shares, largest = (-1, -1), (-1.0, -1.0), (-1.0, -1.0)
+        known, shares, largest, but_raw = (-1, -1), (-1.0, -1.0), (-1.0, -1.0), (-1.0, -1.0)
         plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
         if plain:
             known_k, share_k = _recorded_residual(k, "k")
             known_v, share_v = _recorded_residual(v, "v")
             known, shares = (known_k, known_v), (share_k, share_v)
             largest = tuple(-1.0 if m is None else m for m in (k._checked_magnitude(), v._checked_magnitude()))
+            but_raw = tuple(-1.0 if m is None else m for m in (k._magnitude_but_raw(), v._magnitude_but_raw()))
         # In plain eager mode the op's implementation is called directly, as for dense K/V (see _plain_eager).
         run = _attention_compressed if plain else torch.ops.kvbound.attention_compressed
         out, lse = run(
@@ -237,6 +238,8 @@ def attention(
             relative_run_span=run_span,
             k_largest=largest[0],
             v_largest=largest[1],
+            k_largest_but_raw=but_raw[0],
+            v_largest_but_raw=but_raw[1],
         )
     else:
         out, lse = torch.ops.kvbound.attention_dense(
@@ -583,10 +586,10 @@ class _Overflow:
     instead, naming the tensors. Both are sufficient conditions, met by anything but values near float32's range
     (``max|v|`` up to 3.4e32 for 10**6 keys). Compressed K/V (``ranks``: their ranks) are bounded from their stored
     tensors where the call checks them (``_decoded_magnitude``), else by ``known`` (the bound recorded with the
-    operand's check, or by the synchronous Triton encoder; -1.0: none, as for the speculative encoder's output,
-    whose magnitude is not read back)."""
+    operand's check, or by the synchronous Triton encoder), else by ``but_raw`` plus the largest exact value read
+    with the call's checks (the speculative encoder's output); -1.0 in both: not bounded."""
 
-    __slots__ = ("head_dim_k", "n_k", "scale", "weight", "ranks", "known")
+    __slots__ = ("head_dim_k", "n_k", "scale", "weight", "ranks", "known", "but_raw")
 
     def __init__(
         self,
@@ -596,8 +599,10 @@ class _Overflow:
         softcap: float | None,
         ranks: tuple[int, int] | None = None,
         known: tuple[float, float] = (-1.0, -1.0),
+        but_raw: tuple[float, float] = (-1.0, -1.0),
     ) -> None:
         self.head_dim_k, self.n_k, self.scale, self.ranks, self.known = head_dim_k, n_k, abs(scale), ranks, known
+        self.but_raw = but_raw
         self.weight = 1.0
         if softcap is not None:
             from kvbound.kernels._common import fixed_softmax_max
@@ -610,7 +615,10 @@ class _Overflow:
         stored = [peaks.get(f"{name}.{field}") for field in _CHECKED_FIELDS]
         if all(value is not None for value in stored):
             return _decoded_magnitude(self.ranks[index], *stored)
-        return self.known[index] if self.known[index] >= 0 else None
+        if self.known[index] >= 0:
+            return self.known[index]
+        raw = peaks.get(f"{name}.raw")
+        return self.but_raw[index] + raw if self.but_raw[index] >= 0 and raw is not None else None
 
     def __call__(self, peaks: dict[str, float]) -> str | None:
         q, k, v = peaks.get("q"), self._largest(peaks, "k", 0), self._largest(peaks, "v", 1)
@@ -864,6 +872,8 @@ def _attention_compressed(
     relative_run_span: int = 0,
     k_largest: float = -1.0,
     v_largest: float = -1.0,
+    k_largest_but_raw: float = -1.0,
+    v_largest_but_raw: float = -1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``k_residual`` / ``v_residual``: -1, check that operand's stored tensors for NaN/Inf and read whether any
     block holds a residual (which kernel variant runs) and the share of low-rank-only blocks (whether the work is
@@ -873,7 +883,10 @@ def _attention_compressed(
     spans more than ``attention_compressed.COMPRESSED_RUN_SPAN`` of them (``relative_run_span`` from 1 to that), and
     the relative keys (expanded when given one per run) for a span of 0 (more); the runs are checked either way.
     ``k_largest`` / ``v_largest``: a bound on the operand's largest decoded magnitude recorded with its check
-    (``CompressedKV._checked_magnitude``; -1.0: none), for the float32 range check (``_Overflow``)."""
+    (``CompressedKV._checked_magnitude``; -1.0: none), for the float32 range check (``_Overflow``).
+    ``k_largest_but_raw`` / ``v_largest_but_raw``: where that is -1.0, a bound on the decoded magnitudes outside the
+    exact values (``CompressedKV._magnitude_but_raw``, the speculative encoder's); the exact values' largest
+    magnitude is then read with the call's checks (-1.0: none; the operand is not held to float32's range)."""
     from kvbound.kernels.attention_compressed import COMPRESSED_RUN_SPAN, CompressedOperand, attention_compressed_fwd
 
     n_k = k_coeffs.shape[2]
@@ -892,12 +905,14 @@ def _attention_compressed(
             relative_keys = expand_run_keys(relative_keys, relative_runs, n_q + n_k - 1, checked=True)
     tensors = {"q": q, "bias": bias}
     flags = []
-    for name, known, stored, layout in (
-        ("k", k_residual, (k_coeffs, k_basis, k_scale, k_raw), (k_mode, k_bits, k_offset, k_codes, k_block_size,
-                                                                 k_packed_bits)),
-        ("v", v_residual, (v_coeffs, v_basis, v_scale, v_raw), (v_mode, v_bits, v_offset, v_codes, v_block_size,
-                                                                 v_packed_bits)),
+    for name, known, largest, but_raw, stored, layout in (
+        ("k", k_residual, k_largest, k_largest_but_raw, (k_coeffs, k_basis, k_scale, k_raw),
+         (k_mode, k_bits, k_offset, k_codes, k_block_size, k_packed_bits)),
+        ("v", v_residual, v_largest, v_largest_but_raw, (v_coeffs, v_basis, v_scale, v_raw),
+         (v_mode, v_bits, v_offset, v_codes, v_block_size, v_packed_bits)),
     ):  # fmt: skip
+        if known >= 0 and largest < 0 <= but_raw:
+            tensors[f"{name}.raw"] = stored[3]  # its largest magnitude, with the call's finite checks
         if known < 0:
             tensors.update({f"{name}.{field}": t for field, t in zip(_CHECKED_FIELDS, stored, strict=True)})
             mode, bits, offset, codes, block, packed_bits = layout
@@ -919,7 +934,7 @@ def _attention_compressed(
     read = _queue_checks(
         tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k), conditions=conditions,
         limit=_Overflow(q.shape[3], n_k, scale, softcap, ranks=(k_coeffs.shape[3], v_coeffs.shape[3]),
-                        known=(k_largest, v_largest)),
+                        known=(k_largest, v_largest), but_raw=(k_largest_but_raw, v_largest_but_raw)),
     )  # fmt: skip
 
     read_once: list[list[tuple[bool, float]]] = []

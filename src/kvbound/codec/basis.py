@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ class Basis:
     captured_energy: torch.Tensor
     calibration_seconds: float
     num_rows: int
-    # The projection whose values were last found finite, and its version counter then (None: an inference tensor,
-    # which tracks no version); see ``check``.
+    # The projection whose values were last found finite, its version counter then (None: an inference tensor,
+    # which tracks no version) and its largest magnitude; see ``check``.
     _finite: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,12 +47,16 @@ class Basis:
         check_projection(projection, finite=False)
         if torch.compiler.is_compiling() or self._finite_recorded():
             return
-        check_finite_values(projection, "basis.projection")
-        self._finite = (projection, _version(projection))
+        self._finite = (projection, _version(projection), _largest_magnitude(projection))
 
     def _finite_recorded(self) -> bool:
         record = self._finite
         return record is not None and record[0] is self.projection and record[1] == _version(self.projection)
+
+    def largest_magnitude(self) -> float | None:
+        """The projection's largest magnitude as ``check`` last read it, if the projection is unchanged since
+        (None otherwise, or under ``torch.compile``, where nothing is read)."""
+        return self._finite[2] if self._finite_recorded() else None
 
     @property
     def num_heads(self) -> int:
@@ -81,6 +86,14 @@ def _version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:  # an inference tensor
         return None
+
+
+def _largest_magnitude(projection: torch.Tensor) -> float:
+    """The projection's largest magnitude (one host read); NaN or Inf raise ``ValueError`` naming the first."""
+    largest = float(torch.linalg.vector_norm(projection.float(), float("inf"))) if projection.numel() else 0.0
+    if not math.isfinite(largest):
+        check_finite_values(projection, "basis.projection")
+    return largest
 
 
 def check_projection(projection: object, *, finite: bool = True) -> None:

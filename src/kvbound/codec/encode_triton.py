@@ -586,6 +586,7 @@ def _tiling(block: int, d_pad: int) -> dict[str, tuple[int, ...]]:
 
 # summary[i]: what the single host read of an encode returns (int64 each).
 _CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED, _LOWRANK_BLOCKS = range(6)
+_FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 _SUMMARY_SIZE = 6
 # Exact blocks are rare; a workspace for an eighth of the tensor covers them without a second read.
 _RAW_WORKSPACE_FRACTION = 8
@@ -682,6 +683,12 @@ def encode_triton_deferred(
         scope.queue_value(summary, lambda read: sizes(round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]),
                                                       round(read[_LOWRANK_BLOCKS])))
     ckv._record_checked(residual, lowrank_share, held=True)  # also under inference mode (no version counters)
+    largest_p = basis.largest_magnitude()
+    if largest_p is not None:
+        # What kvbound.attention may assume of the decoded values without reading them: coefficients within float16
+        # (else a retry flag: this object is not used), codes below 2**8 steps of at most 2 tau (else the
+        # certificate's flag); the exact values in raw it reads itself.
+        ckv._record_magnitude_but_raw(config.rank * _FLOAT16_MAX * largest_p + 2.0**8 * max(2 * config.tau, 2.0**-126))
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
 

@@ -211,7 +211,20 @@ class CompressedKV:
     def _checked_magnitude(self) -> float | None:
         """What ``_record_magnitude`` recorded, if every stored tensor is unchanged since; else None."""
         record = getattr(self, "_magnitude", None)
-        return record[1] if record is not None and self._stamps() == record[0] else None
+        if record is None or record[0] == "held":
+            return None
+        return record[1] if self._stamps() == record[0] else None
+
+    def _record_magnitude_but_raw(self, largest: float) -> None:
+        """Record a bound on the largest magnitude of the decoded values that come from the low-rank part and the
+        codes, for an object that never leaves the code that made it (the speculative encoder's): the exact values
+        in ``raw`` are not covered, and ``kvbound.attention`` reads their largest magnitude with its other checks."""
+        self._magnitude = ("held", float(largest))
+
+    def _magnitude_but_raw(self) -> float | None:
+        """What ``_record_magnitude_but_raw`` recorded, else None."""
+        record = getattr(self, "_magnitude", None)
+        return record[1] if record is not None and record[0] == "held" else None
 
     def __getstate__(self) -> dict:
         # A check record names this process's storages (data pointers): a copy or another process must check again.
