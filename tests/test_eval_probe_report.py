@@ -24,6 +24,7 @@ class _ShiftHook:
 
     def __call__(self, layer, k, v):
         self.last_decoded = {name: x.to(torch.bfloat16).double() + self.shift for name, x in (("k", k), ("v", v))}
+        self.last_error = {name: abs(self.shift) for name in ("k", "v")}
         # what the model consumes: the decoded K and V rounded to bf16 (as under autocast on the GPU)
         return tuple(self.last_decoded[name].to(torch.bfloat16).to(x.dtype) for name, x in (("k", k), ("v", v)))
 

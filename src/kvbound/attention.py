@@ -17,7 +17,7 @@ import torch
 
 from kvbound import _checks
 from kvbound._validate import check_finite_values, check_tensor
-from kvbound.codec.format import CompressedKV, check_layout, layout_violations, stored_shapes
+from kvbound.codec.format import CompressedKV, check_layout, decoded_magnitude, layout_violations, stored_shapes
 
 __all__ = ["attention"]
 
@@ -298,7 +298,7 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
         peaks: dict[str, float] = {}
         (share,) = _queue_checks(tensors, flags=(ckv.mode,), limit=_keep_peaks(peaks))()  # with flags: never deferred
         ckv._record_checked(share < 1, share)
-        ckv._record_magnitude(_decoded_magnitude(ckv.rank, *(peaks.get(f"{name}.{f}", 0.0) for f in _CHECKED_FIELDS)))
+        ckv._record_magnitude(decoded_magnitude(ckv.rank, *(peaks.get(f"{name}.{f}", 0.0) for f in _CHECKED_FIELDS)))
         return int(share < 1), share
     share = ckv._checked_lowrank_share()
     return int(residual), -1.0 if share is None else share
@@ -312,12 +312,6 @@ def _keep_peaks(into: dict[str, float]) -> _checks.Limit:
 
     return keep
 
-
-def _decoded_magnitude(rank: int, coeffs: float, basis: float, step: float, raw: float) -> float:
-    """A bound on the largest magnitude of compressed values from those of their stored tensors: a decoded element
-    is a sum of ``rank`` products of a coefficient and a basis element, plus a residual code (below 2**8 steps at
-    the widest width) times its block's step, or a value stored exactly."""
-    return rank * coeffs * basis + _WIDEST_CODE * step + raw
 
 
 def _check_compressed(ckv: CompressedKV, q: torch.Tensor, name: str) -> None:
@@ -573,8 +567,6 @@ def _no_flags() -> list[float]:
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _FIXED_MAX_WEIGHT = 2.0**14
 _LOG2E = math.log2(math.e)
-# A stored residual code times its step is at most this many steps (the widest code, 8 bits, is below 2**8).
-_WIDEST_CODE = 2.0**8
 
 
 class _Overflow:
@@ -585,7 +577,7 @@ class _Overflow:
     Finite inputs beyond these would give Inf or NaN outputs where the float64 reference is finite: they raise
     instead, naming the tensors. Both are sufficient conditions, met by anything but values near float32's range
     (``max|v|`` up to 3.4e32 for 10**6 keys). Compressed K/V (``ranks``: their ranks) are bounded from their stored
-    tensors where the call checks them (``_decoded_magnitude``), else by ``known`` (the bound recorded with the
+    tensors where the call checks them (``format.decoded_magnitude``), else by ``known`` (the bound recorded with the
     operand's check, or by the synchronous Triton encoder), else by ``but_raw`` plus the largest exact value read
     with the call's checks (the speculative encoder's output); -1.0 in both: not bounded."""
 
@@ -614,7 +606,7 @@ class _Overflow:
             return peaks.get(name)
         stored = [peaks.get(f"{name}.{field}") for field in _CHECKED_FIELDS]
         if all(value is not None for value in stored):
-            return _decoded_magnitude(self.ranks[index], *stored)
+            return decoded_magnitude(self.ranks[index], *stored)
         if self.known[index] >= 0:
             return self.known[index]
         raw = peaks.get(f"{name}.raw")

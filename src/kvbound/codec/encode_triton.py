@@ -46,7 +46,15 @@ from kvbound._checks import DeferredChecks
 from kvbound._validate import check_finite_values, check_tensor
 from kvbound.codec.basis import Basis
 from kvbound.codec.eager import _check_basis, encode, promotion_widths
-from kvbound.codec.format import MODE_LOWRANK, MODE_PACKED, MODE_PROMOTED, MODE_RAW, CompressedKV, words_per_row
+from kvbound.codec.format import (
+    MODE_LOWRANK,
+    MODE_PACKED,
+    MODE_PROMOTED,
+    MODE_RAW,
+    CompressedKV,
+    decoded_magnitude,
+    words_per_row,
+)
 from kvbound.config import CompressionConfig
 from kvbound.kernels._common import cdiv, next_power_of_2, switch_setting
 
@@ -685,10 +693,11 @@ def encode_triton_deferred(
     ckv._record_checked(residual, lowrank_share, held=True)  # also under inference mode (no version counters)
     largest_p = basis.largest_magnitude()
     if largest_p is not None:
-        # What kvbound.attention may assume of the decoded values without reading them: coefficients within float16
-        # (else a retry flag: this object is not used), codes below 2**8 steps of at most 2 tau (else the
-        # certificate's flag); the exact values in raw it reads itself.
-        ckv._record_magnitude_but_raw(config.rank * _FLOAT16_MAX * largest_p + 2.0**8 * max(2 * config.tau, 2.0**-126))
+        # What kvbound.attention may assume of the decoded values without reading them: coefficients stored in
+        # float16, codes below 2**8 steps of at most 2 tau (else the certificate's retry flag: this object is not
+        # used); the exact values in raw it reads itself.
+        ckv._record_magnitude_but_raw(decoded_magnitude(config.rank, _FLOAT16_MAX, largest_p,
+                                                        max(2 * config.tau, 2.0**-126), 0.0))
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
 
@@ -801,8 +810,8 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
         return ckv, summary
     # The one host read: the summary, which ends with the number of low-rank blocks, and x's extremes (a bound on
     # the decoded values' magnitudes, which kvbound.attention checks against float32's range).
-    largest = torch.linalg.vector_norm(x, float("inf")).reshape(1)  # exact: one of x's magnitudes
-    read = torch.cat([summary.to(torch.float64), largest.to(torch.float64)]).tolist()
+    peak = torch.linalg.vector_norm(x, float("inf")).reshape(1)  # exact: one of x's magnitudes
+    read = torch.cat([summary.to(torch.float64), peak.to(torch.float64)]).tolist()
     code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = (int(v) for v in read[:_SUMMARY_SIZE])
     largest = read[_SUMMARY_SIZE]
     if nonfinite:

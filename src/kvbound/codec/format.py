@@ -87,23 +87,35 @@ def promotion_widths(bits: int) -> list[int]:
     return [bits] + [w for w in (4, 5, 6, 8) if w > bits]
 
 
+def _block_rows_and_words(n: int, d: int, block: int, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of each block ``[NB]`` and each block's code words at its width (``width`` ``[..., NB]``, 0 to 8)."""
+    device = width.device
+    rows = (n - torch.arange(width.shape[-1], device=device, dtype=torch.int64) * block).clamp(max=block)
+    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
+    return rows, rows * wpr_of[width.long().clamp(0, 8)]
+
+
 def packed_layout(n: int, d: int, block: int, mode: torch.Tensor, width: torch.Tensor):
     """Where each block's codes or exact values start when every stored row is packed in block order (b, h, k).
 
     ``mode``/``width`` ``[..., NB]`` (widths 0 to 8). Returns ``(offset, code_words, raw_elements)``: ``offset`` int64
     of ``mode``'s shape (the index of the block's first word in ``codes`` where it has codes, of its first element in
     ``raw`` where it is exact, -1 otherwise), and the int64 0-d totals that ``codes`` and ``raw`` hold."""
-    device = mode.device
-    nb = mode.shape[-1]
-    rows = (n - torch.arange(nb, device=device, dtype=torch.int64) * block).clamp(max=block)  # [NB]
-    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
-    code_words = (rows * wpr_of[width.long().clamp(0, 8)]).reshape(-1)
+    rows, words = _block_rows_and_words(n, d, block, width)
+    code_words = words.reshape(-1)
     raw_elems = torch.where(mode == MODE_RAW, rows * d, 0).reshape(-1)
     code_offset = torch.cumsum(code_words, 0) - code_words
     raw_offset = torch.cumsum(raw_elems, 0) - raw_elems
     offset = torch.where(width.reshape(-1) > 0, code_offset, -1)
     offset = torch.where(mode.reshape(-1) == MODE_RAW, raw_offset, offset).reshape(mode.shape)
     return offset, code_words.sum(), raw_elems.sum()
+
+
+def decoded_magnitude(rank: int, coeffs: float, basis: float, step: float, raw: float) -> float:
+    """A bound on the largest magnitude of compressed values from those of their stored tensors: a decoded element
+    is a sum of ``rank`` products of a coefficient and a basis element, plus a residual code (below 2**8 steps at
+    the widest width, 8 bits) times its block's step, or a value stored exactly."""
+    return rank * coeffs * basis + 2.0**8 * step + raw
 
 
 def _metadata(shape: tuple[int, ...], dtype: torch.dtype, config: CompressionConfig, shared_basis: bool) -> dict:
@@ -402,12 +414,9 @@ def block_layout_masks(
     (each block's code words at its width)."""
     device = mode.device
     mode, width, offset = mode.to(torch.int64), bits.to(torch.int64), offset.to(torch.int64)
-    nb = mode.shape[-1]
     coded = (mode == MODE_PACKED) | (mode == MODE_PROMOTED)
     exact = mode == MODE_RAW
-    rows = (n - torch.arange(nb, device=device, dtype=torch.int64) * block).clamp(max=block)
-    wpr_of = torch.tensor([0] + [words_per_row(w, d) for w in range(1, 9)], dtype=torch.int64, device=device)
-    words = rows * wpr_of[width.clamp(0, 8)]
+    rows, words = _block_rows_and_words(n, d, block, width)
     allowed = torch.tensor(promotion_widths(packed_bits)[1:], dtype=torch.int64, device=device)
     return {
         "mode": (mode < 0) | (mode > 3),
