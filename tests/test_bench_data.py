@@ -100,7 +100,7 @@ def test_sdpa_backend_unsupported_rows_carry_the_reason():
                    RunOptions(warmup_ms=0, rep_ms=0), "m0")
     assert row["status"] == "unsupported"
     assert "same last dimension" in row["reason"]
-    with pytest.raises(Unsupported):
+    with pytest.raises(Unsupported, match="^No viable backend for scaled_dot_product_attention"):
         SdpaBackend("sdpa-cudnn", "CUDNN_ATTENTION").prepare(case, None)
 
 

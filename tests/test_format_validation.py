@@ -375,6 +375,12 @@ def test_layout_violations_counts_each_failed_check(ckv):
     # every coded block of both heads reads outside 5 words of codes
     coded = int(((ckv.mode == MODE_PACKED) | (ckv.mode == MODE_PROMOTED)).sum())
     assert count(tampered(ckv, codes=lambda t: t[:5])) == coded
+    # the exact values' reads: one block short of raw, one offset before the start, every read block moved past the end
+    assert count(tampered(ckv, raw=lambda t: t[:-1])) == 1
+    assert count(tampered(ckv, offset=at_mode(MODE_RAW, -1))) == 1
+    reading = int((ckv.mode != MODE_LOWRANK).sum())
+    assert count(tampered(ckv, offset=lambda t: t + 10**6)) == reading
+    assert count(tampered(ckv, bits=at_mode(MODE_LOWRANK, 4))) == 1  # a low-rank block has no codes
 
 
 # ------------------------------------------------------------------------------------------------------ load

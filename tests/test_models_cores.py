@@ -291,7 +291,7 @@ def test_tile_bias_attention_on_compressed_kv_within_bound(backend):
 def test_explicit_kvbound_backend_never_falls_back(monkeypatch):
     q, k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
     bias = TileBias(torch.randn(1, 2, 2, 2), 16, 32, 32)
-    with pytest.raises(ValueError, match="backend: expected one of"):
+    with pytest.raises(ValueError, match=r"^backend: expected one of \('auto', 'eager', 'kvbound'\), got 'flash'$"):
         tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="flash")
     out = tile_bias_attention(q, k, v, bias, scale=0.25, softcap=5.0, backend="kvbound")
     expected = tile_bias_attention_reference(q, k, v, bias.values, scale=0.25, softcap=5.0)

@@ -22,9 +22,8 @@ from kvbound.codec.format import CompressedKV, check_layout, decoded_magnitude, 
 __all__ = ["attention"]
 
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Above this soft-cap the kernels' tanh (1 - 2 / (1 + 2**(2 x log2 e)), exact to about 2**-23 of the cap) loses
-# more of a logit of order 1 than the input dtype's rounding does.
-_LARGEST_SOFTCAP = 4096.0
+# The kernels form t = logit / softcap in float32; up to this cap every logit above 2**-62 gives a normal t.
+_LARGEST_SOFTCAP = 2.0**64
 # The kernels index tiles of the compact bias with 32-bit integers.
 _LARGEST_BIAS_TILE = 2**30
 _BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -66,8 +65,9 @@ def attention(
             (query, key) positions in its compact form, broadcastable to ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]``:
             logit ``(i, j)`` gets ``bias[..., i // T, j // T]`` (AlphaGenome: ``T = 16``). The kernels read the
             compact tensor; it is never expanded. Without a bias it must be 1.
-        softcap: if given (above 0, at most 4096), logits become ``softcap * tanh(logits / softcap)`` after the
-            bias and before the causal mask.
+        softcap: if given (above 0, at most 2**64), logits become ``softcap * tanh(logits / softcap)`` after the
+            bias and before the causal mask. The kernels' tanh keeps a relative error of a few 2**-24 on every logit
+            (``_common.softcap_form``).
         relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
             ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense or
             compressed K/V, ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
@@ -160,9 +160,9 @@ def attention(
         raise ValueError(f"softcap: expected a finite value > 0 or None, got {softcap!r}")
     if softcap is not None and softcap > _LARGEST_SOFTCAP:
         raise ValueError(
-            f"softcap: expected at most {_LARGEST_SOFTCAP:g} or None, got {softcap!r}: the kernels' tanh is exact to "
-            "about 2**-23 of the cap, so a larger cap loses the logits' low digits, while changing them by only about "
-            "x**3 / (3 softcap**2); pass softcap=None"
+            f"softcap: expected at most 2**64 or None, got {softcap!r}: the kernels divide each logit by the cap in "
+            "float32, so small logits would leave its normal range; a cap this large changes a logit x by about "
+            "x**3 / (3 softcap**2): pass softcap=None"
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")

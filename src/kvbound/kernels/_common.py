@@ -29,6 +29,34 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: jit code may read it
 
 
+# The soft-cap's two forms of tanh (``SOFTCAP`` 1 and 2, chosen by ``softcap_form``).
+SOFTCAP_EXP = 1
+SOFTCAP_SERIES = 2
+# Below this |t| the series form sums tanh's Taylor series through t**15, whose next term is under 2**-25 of tanh(t).
+SERIES_LIMIT = tl.constexpr(0.55)
+
+
+@triton.jit
+def soft_capped(t, softcap_log2, SOFTCAP: tl.constexpr):
+    """``softcap_log2 * tanh(t)``. Form 1: ``tanh(t) = 1 - 2 / (1 + e^(2t))`` (exp2 overflow to inf gives exactly 1,
+    underflow to 0 gives -1), whose absolute error is a few 2**-24 at every t, so near t = 0 it is a relative error of
+    a few 2**-24 / |t|. Form 2 sums the odd Taylor series below ``|t| < 0.55``, where form 1 would cancel, so the
+    relative error stays a few 2**-24 at every t (``softcap_form``)."""
+    y = 1.0 - 2.0 / (1.0 + tl.math.exp2(t * (2.0 * 1.4426950408889634)))
+    if SOFTCAP == 2:
+        s = t * t
+        series = -929569.0 / 638512875.0
+        series = series * s + 21844.0 / 6081075.0
+        series = series * s - 1382.0 / 155925.0
+        series = series * s + 62.0 / 2835.0
+        series = series * s - 17.0 / 315.0
+        series = series * s + 2.0 / 15.0
+        series = series * s - 1.0 / 3.0
+        series = t + t * (s * series)
+        y = tl.where(tl.abs(t) < SERIES_LIMIT, series, y)
+    return softcap_log2 * y
+
+
 @triton.jit
 def pow2_floor(x):
     """Largest power of two <= x for finite x > 0 (exact: keeps the float32 exponent bits only)."""
@@ -111,8 +139,7 @@ def finish_logits(
     if HAS_BIAS:
         x += load_bias_tile(bias_rows, start_n, offs_n, stride_bias_key, row_valid, N_K, MASK, BIAS_TILE) * bias_mult
     if SOFTCAP:
-        # tanh(t) = 1 - 2 / (1 + e^(2t)); exp2 overflow to inf gives exactly 1, underflow to 0 gives -1.
-        x = softcap_log2 * (1.0 - 2.0 / (1.0 + tl.math.exp2(x * (2.0 * 1.4426950408889634))))
+        x = soft_capped(x, softcap_log2, SOFTCAP)
     if MASK:
         key = start_n + offs_n
         keep = (key < N_K)[None, :]
@@ -653,6 +680,17 @@ def fold_scale_sign(q: torch.Tensor, scale: float, relative: bool) -> tuple[torc
     if scale < 0 and not relative:
         return q.neg(), -scale
     return q, scale
+
+
+def softcap_form(softcap: float | None, dtype: torch.dtype) -> int:
+    """The kernels' ``SOFTCAP``: 0 without a soft-cap; ``SOFTCAP_EXP`` (tanh through one exp2, an absolute error of a
+    few 2**-24 of the cap on every logit) where that stays under a quarter of ``dtype``'s rounding of a logit of 1
+    (softmax weighs absolute logit errors), that is ``softcap <= 2**(21 - p)`` for ``p`` significand bits (bfloat16
+    8192, float16 1024, float32 1/8); ``SOFTCAP_SERIES`` (an error of a few 2**-24 of each logit) above."""
+    if softcap is None:
+        return 0
+    bits = {torch.bfloat16: 8, torch.float16: 11}.get(dtype, 24)
+    return SOFTCAP_EXP if softcap <= 2.0 ** (21 - bits) else SOFTCAP_SERIES
 
 
 def logit_multipliers(scale: float, softcap: float | None) -> tuple[float, float, float]:

@@ -432,7 +432,7 @@ class PatchHandle:
         their K/V did not move and the predicted change carries no code-flip noise. Same bound, same ratio::
 
             with handle.variants([-1, 0, 0]):      # batch: reference, two variants of it
-                out = model(batch)
+                out = model(batch)                 # Enformer: model(batch)["human"]
             effects = out[1:] - out[:1]
 
         Only with ``compress=True`` (exact K/V have nothing to anchor). Not re-entrant.
