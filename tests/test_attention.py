@@ -723,3 +723,20 @@ def test_compressed_layout_is_checked_before_the_kernels_read_it():
         with pytest.raises(ValueError, match=rf"^k: {field}: expected"):
             attention(q, bad, cv)
     check_against_reference(attention(q, ck, cv), q, ck.decompress(), cv.decompress())
+
+
+def test_first_call_on_unrecorded_compressed_kv_reads_each_once(monkeypatch):
+    """K/V without a checked record (copies of checked objects keep none) are checked on their first call, the layout
+    and the finite values in one read per object, then the call's own read; a second call reads once."""
+    import dataclasses
+
+    q, ck, cv = _sync_cases()["compressed-residual"][0]
+    attention(q, ck, cv)  # compile
+    fresh_k, fresh_v = dataclasses.replace(ck), dataclasses.replace(cv)
+    assert fresh_k._checked_residual() is None and fresh_v._checked_residual() is None
+    calls = count_host_syncs(monkeypatch)
+    attention(q, fresh_k, fresh_v)
+    assert calls == ["tolist"] * 3
+    calls.clear()
+    attention(q, fresh_k, fresh_v)
+    assert calls == ["tolist"]

@@ -73,7 +73,8 @@ def test_logit_probe_needs_its_kv_hook():
     model = build_model(ModelConfig.toy("alphagenome", 5, window_bins=32, target_bins=16), seed=0).eval()
     probe = kv_hooks.LogitProbe(_ShiftHook(0.0, 1.0), "alphagenome")
     with kv_hooks.install(model, lambda layer, k, v: (k, v), probe.attention_fn(model)):
-        with pytest.raises(RuntimeError, match=r"^LogitProbe: attention ran without its K/V hook; install probe.kv_hook too$"):
+        without_hook = r"^LogitProbe: attention ran without its K/V hook; install probe.kv_hook too$"
+        with pytest.raises(RuntimeError, match=without_hook):
             model(torch.zeros(1, 4, 32 * 128))
     with pytest.raises(ValueError, match=r"^kind: expected 'enformer' or 'alphagenome', got 'borzoi'$"):
         kv_hooks.LogitProbe(_ShiftHook(0.0, 1.0), "borzoi")

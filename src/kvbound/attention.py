@@ -291,12 +291,22 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
     if residual is None:
         if ckv._stamps() is None:  # nothing could be recorded: the op checks these with the call's other checks
             return -1, -1.0
-        # The layout (modes, widths, every block's reads inside codes and raw), once per object and version, with
-        # the check below: the kernels index codes and raw by the stored offsets.
-        check_layout(ckv, name, packed=False)
+        # The layout (modes, widths, every block's reads inside codes and raw), once per object and version, in the
+        # same read as the finite values: the kernels index codes and raw by the stored offsets. A failed block
+        # check is then named by check_layout (a second read, on that path only).
+        check_layout(ckv, name, packed=False, values=False)
+        count = layout_violations(ckv.mode, ckv.bits, ckv.offset, ckv.shape[2], ckv.shape[3], ckv.config.block_size,
+                                  ckv.config.bits, ckv.codes.numel(), ckv.raw.numel())  # fmt: skip
+        layout = f"{name}: expected the layout of kvbound.CompressedKV, got {{count}} failed block checks"
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
         peaks: dict[str, float] = {}
-        (share,) = _queue_checks(tensors, flags=(ckv.mode,), limit=_keep_peaks(peaks))()  # with flags: never deferred
+        try:  # with flags: never deferred
+            (share,) = _queue_checks(tensors, flags=(ckv.mode,), conditions=((layout, count),),
+                                     limit=_keep_peaks(peaks))()  # fmt: skip
+        except ValueError as err:
+            if str(err).startswith(layout.split("{")[0]):
+                check_layout(ckv, name, packed=False)
+            raise
         ckv._record_checked(share < 1, share)
         ckv._record_magnitude(decoded_magnitude(ckv.rank, *(peaks.get(f"{name}.{f}", 0.0) for f in _CHECKED_FIELDS)))
         return int(share < 1), share

@@ -442,7 +442,7 @@ def layout_violations(
                                             "codes_reads", "raw_reads")).to(torch.float64)  # fmt: skip
 
 
-def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool = True) -> None:
+def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool = True, values: bool = True) -> None:
     """Raise ``TypeError`` (a type or dtype) or ``ValueError`` (anything else), as ``"{where}: {field}: expected
     ..., got ..."``, when ``ckv`` breaks the layout of this module's docstring.
 
@@ -461,7 +461,9 @@ def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool
     ``codes`` and ``raw`` (the speculative encoder's workspaces keep fixed places per block) and values are not
     read: such an object may hold NaN/Inf from its input until the deferred-check block that made it reports them.
 
-    One host read for all the value checks (plus the reads that locate a failure).
+    One host read for all the value checks (plus the reads that locate a failure). ``values=False``: only the
+    checks above that read nothing from the device (types, dtypes, devices, shapes), for a caller that queues
+    :func:`layout_violations` with its own read.
     """
 
     def error(key: str, text: str, kind: type[Exception] = ValueError) -> Exception:
@@ -525,6 +527,8 @@ def check_layout(ckv: CompressedKV, where: str = "CompressedKV", *, packed: bool
     for key in ("codes", "raw"):
         if tensors[key].dim() != 1:
             raise error(key, f"expected a flat tensor (1 dimension), got shape {list(tensors[key].shape)}")
+    if not values:
+        return
 
     # ---- values: every mask is computed on the device, and the verdicts are read back together
     mode, width = ckv.mode.to(torch.int64), ckv.bits.to(torch.int64)
