@@ -496,6 +496,10 @@ def test_non_finite_compressed_tensors_raise(name, field, value):
         (dict(softcap=0.0), ValueError, "softcap"),
         (dict(softcap=-2.0), ValueError, "softcap"),
         (dict(softcap=1e20), ValueError, r"^softcap: expected at most 2\*\*64 or None, got 1e\+20"),
+        (dict(softcap=1e-39), ValueError,
+         r"^softcap: expected at least 2\*\*-64 and \|scale\| / softcap within float32's range, got softcap 1e-39"),
+        (dict(softcap=1e-10, scale=1e30), ValueError,
+         r"^softcap: expected at least .*, got softcap 1e-10 at scale 1e\+30"),
         (dict(causal=1), TypeError, "causal"),
         (dict(bias=torch.zeros(3, 8)), ValueError, "bias: expected a shape broadcastable to"),
         (dict(bias=torch.zeros(8, dtype=torch.int32)), TypeError, "bias: expected dtype"),
@@ -674,10 +678,10 @@ def test_flags_and_scalars_of_the_wrong_type_are_refused():
     for value in (1, "no"):
         with pytest.raises(TypeError, match=r"^return_lse: expected bool, got"):
             attention(q, k, v, return_lse=value)
-    for value in (np.float32(0.5), torch.tensor(0.5)):
-        with pytest.raises(TypeError, match=r"^scale: expected a float or None, got"):
+    for value, name in ((np.float32(0.5), "numpy.float32"), (torch.tensor(0.5), "torch.Tensor")):
+        with pytest.raises(TypeError, match=rf"^scale: expected a float or None, got {name} \(pass float\(scale\)\)$"):
             attention(q, k, v, scale=value)
-    with pytest.raises(TypeError, match=r"^softcap: expected a float or None, got"):
+    with pytest.raises(TypeError, match=r"^softcap: expected a float or None, got numpy.float32 \(pass float"):
         attention(q, k, v, softcap=np.float32(5.0))
     with pytest.raises(ValueError, match=r"^bias_tile: expected a power of two from 1 to 2\*\*30, got"):
         attention(q, k, v, bias=torch.zeros(1, 1, 1, 1), bias_tile=2**40)
@@ -740,3 +744,28 @@ def test_first_call_on_unrecorded_compressed_kv_reads_each_once(monkeypatch):
     calls.clear()
     attention(q, fresh_k, fresh_v)
     assert calls == ["tolist"]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's store
+def test_output_beyond_q_dtype_from_wider_compressed_v_raises():
+    """The output takes q's dtype; compressed V of a wider dtype may decode beyond its range. Checked after the
+    kernel with the call's reads (at the block's end inside kvbound.deferred_checks()); V in range passes."""
+    import kvbound
+
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(1, 2, 8, 16, generator=g).half()
+    k, v = torch.randn(1, 2, 32, 16, generator=g), torch.randn(1, 2, 32, 16, generator=g)
+    cfg = CompressionConfig(block_size=16, rank=4)
+    ck, cv = compress_kv(k, cfg), compress_kv(v, cfg)
+    out = attention(q, ck, cv)
+    check_against_reference(out, q, ck.decompress().half(), cv.decompress().half())
+    big = compress_kv(v * 1e5, cfg)  # float32 values up to some 3e5: beyond float16's 65504
+    message = (r"^output \(float16 as q; v is a float32 CompressedKV whose values may exceed float16's range: pass q "
+               r"in float32 or compress V in q's dtype\): expected finite values")
+    with pytest.raises(ValueError, match=message + r", found -?inf at index"):
+        attention(q, ck, big)
+    deferred = r", found Inf \(kvbound.attention call 2 of 2 .*: q \[1, 2, 8, 16\]"
+    with pytest.raises(ValueError, match=message + deferred):
+        with kvbound.deferred_checks():
+            attention(q, ck, big)
+    assert torch.isfinite(attention(q.float(), ck, big)).all()  # in q's float32 the same call holds

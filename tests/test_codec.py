@@ -241,6 +241,15 @@ class TestBadInput:
         with pytest.raises(ValueError, match="rank must be < head dim; got rank 8 for head dim 8"):
             kvbound.compress_kv(torch.randn(1, 1, 4, 8))
 
+    def test_rank_above_block_size_without_a_basis(self):
+        config = kvbound.CompressionConfig(block_size=16, rank=17)
+        x = torch.randn(1, 1, 20, 32, generator=torch.Generator().manual_seed(0))
+        with pytest.raises(ValueError, match=r"^config: without a basis .* at most CompressionConfig.block_size = 16 "
+                                             r"of them; got rank 17 \(lower the rank"):
+            kvbound.compress_kv(x, config)
+        ckv = kvbound.compress_kv(x, config, kvbound.calibrate(x, config))  # a calibrated basis has no such limit
+        assert float((ckv.decompress().double() - x.double()).abs().max()) <= config.tau
+
     def test_basis_mismatch(self):
         basis = kvbound.calibrate(torch.randn(1, 2, 64, 32), kvbound.CompressionConfig())
         with pytest.raises(ValueError, match="basis: expected head dim 64 .* got a basis of head dim 32"):

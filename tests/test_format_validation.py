@@ -466,11 +466,59 @@ SAVABLE = [case for case in TAMPERING if case[0] != "codes-not-a-tensor"]
 
 
 @pytest.mark.parametrize("case, fields, error, pattern", SAVABLE, ids=[c[0] for c in SAVABLE])
-def test_load_runs_the_layout_checks(tmp_path, ckv, case, fields, error, pattern):
+def test_save_and_load_run_the_layout_checks(tmp_path, ckv, case, fields, error, pattern):
+    """``save`` refuses to write what ``load`` would refuse; a file written otherwise (an older or foreign writer)
+    is refused by ``load`` with the same message, naming the file."""
+    bad = tampered(ckv, **fields)
     path = tmp_path / "k.safetensors"
-    tampered(ckv, **fields).save(path)
+    with pytest.raises(error, match=r"^CompressedKV: " + pattern):
+        bad.save(path)
+    assert not path.exists()
+    save_file({name: t.contiguous() for name, t in bad._tensors().items()}, str(path), metadata=bad._metadata())
     with pytest.raises(error, match=r"^" + re.escape(str(path)) + ": " + pattern):
         kvbound.load(path)
+
+
+def test_save_and_load_name_paths_and_devices(tmp_path, ckv):
+    with pytest.raises(IsADirectoryError, match=r"^path: expected a file to write, got the directory "):
+        ckv.save(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^path: expected an existing directory to write k.kv in, got "):
+        ckv.save(tmp_path / "missing" / "k.kv")
+    path = tmp_path / "k.kv"
+    ckv.save(path)
+    with pytest.raises(IsADirectoryError, match=r"^path: expected a kvbound.CompressedKV file, got the directory "):
+        kvbound.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^path: expected a kvbound.CompressedKV file, got .*none.kv, which "
+                                                r"does not exist$"):
+        kvbound.load(tmp_path / "none.kv")
+    truncated = tmp_path / "truncated.kv"
+    truncated.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"^path: .*truncated.kv is not a readable safetensors file \("):
+        kvbound.load(truncated)
+    with pytest.raises(ValueError, match=r"^device: expected a torch device, got 'gpu7'"):
+        kvbound.load(path, device="gpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^device: expected an available device, got 'cuda': torch.cuda"):
+            kvbound.load(path, device="cuda")
+    back = kvbound.load(path)
+    for name, t in ckv._tensors().items():
+        assert torch.equal(getattr(back, name), t), name
+
+
+def test_max_abs_error_and_decompress_name_what_they_cannot_use(ckv):
+    x = ckv.decompress()
+    assert ckv.max_abs_error(x) == 0.0
+    with pytest.raises(TypeError, match=r"^x: expected a torch.Tensor, got list$"):
+        ckv.max_abs_error([1.0])
+    with pytest.raises(TypeError, match=r"^x: expected dtype in \(float16, bfloat16, float32\), got int32$"):
+        ckv.max_abs_error(x.int())
+    with pytest.raises(ValueError, match=r"^x: expected finite values, found nan at index \(0, 0, 0, 0\)"):
+        ckv.max_abs_error(torch.where(torch.arange(x.numel()).view(x.shape) == 0, math.nan, x))
+    with pytest.raises(ValueError, match=r"^x: expected shape \(1, 2, 75, 16\) \(this CompressedKV's\), got "
+                                         r"\(1, 2, 74, 16\)$"):
+        ckv.max_abs_error(x[:, :, :74])
+    with pytest.raises(ValueError, match=r"^CompressedKV: expected stored values to decode, got tensors on the meta "):
+        ckv.to("meta").decompress()
 
 
 def test_load_catches_config_bits_edited_under_stored_widths(tmp_path):

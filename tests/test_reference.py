@@ -69,6 +69,15 @@ def test_reference_accepts_float64_bias():
     assert (got - want).abs().max().item() < 1e-12
 
 
+def test_reference_accepts_float64_inputs_and_refuses_integers():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen) for _ in range(3))
+    got = kvbound.reference_attention(q.double(), k.double(), v.double(), causal=True)
+    assert torch.equal(got, kvbound.reference_attention(q, k, v, causal=True))  # both computed in float64
+    with pytest.raises(TypeError, match=r"^v: expected dtype in \(float16, bfloat16, float32, float64\), got int64$"):
+        kvbound.reference_attention(q, k, v.long())
+
+
 def test_reference_refuses_nan_bias_and_scale_and_keeps_masks():
     """The oracle never turns NaN into a valid-looking output: a NaN or +Inf bias and a NaN or non-number scale
     raise naming them. A bias of -inf is a mask: a row masked over every key gives zeros, the others the softmax

@@ -24,6 +24,7 @@ __all__ = ["attention"]
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The kernels form t = logit / softcap in float32; up to this cap every logit above 2**-62 gives a normal t.
 _LARGEST_SOFTCAP = 2.0**64
+_SMALLEST_SOFTCAP = 2.0**-64
 # The kernels index tiles of the compact bias with 32-bit integers.
 _LARGEST_BIAS_TILE = 2**30
 _BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,9 +66,9 @@ def attention(
             (query, key) positions in its compact form, broadcastable to ``[B, Hq, ceil(Nq / T), ceil(Nk / T)]``:
             logit ``(i, j)`` gets ``bias[..., i // T, j // T]`` (AlphaGenome: ``T = 16``). The kernels read the
             compact tensor; it is never expanded. Without a bias it must be 1.
-        softcap: if given (above 0, at most 2**64), logits become ``softcap * tanh(logits / softcap)`` after the
-            bias and before the causal mask. The kernels' tanh keeps a relative error of a few 2**-24 on every logit
-            (``_common.softcap_form``).
+        softcap: if given (2**-64 to 2**64, with ``|scale| / softcap`` within float32's range), logits become
+            ``softcap * tanh(logits / softcap)`` after the bias and before the causal mask. The kernels' tanh keeps
+            a relative error of a few 2**-24 on every logit (``_common.softcap_form``).
         relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
             ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense or
             compressed K/V, ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
@@ -151,11 +152,11 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim_k)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        raise TypeError(f"scale: expected a float or None, got {_type_name(scale)} (pass float(scale))")
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
-        raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+        raise TypeError(f"softcap: expected a float or None, got {_type_name(softcap)} (pass float(softcap))")
     if softcap is not None and (not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"softcap: expected a finite value > 0 or None, got {softcap!r}")
     if softcap is not None and softcap > _LARGEST_SOFTCAP:
@@ -163,6 +164,11 @@ def attention(
             f"softcap: expected at most 2**64 or None, got {softcap!r}: the kernels divide each logit by the cap in "
             "float32, so small logits would leave its normal range; a cap this large changes a logit x by about "
             "x**3 / (3 softcap**2): pass softcap=None"
+        )
+    if softcap is not None and not (softcap >= _SMALLEST_SOFTCAP and abs(scale) / softcap <= _FLOAT32_MAX):
+        raise ValueError(
+            f"softcap: expected at least 2**-64 and |scale| / softcap within float32's range, got softcap {softcap!r} "
+            f"at scale {scale!r}: the kernels multiply logits by scale / softcap and the bias by 1 / softcap in float32"
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
@@ -249,6 +255,13 @@ def attention(
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _type_name(value: object) -> str:
+    """``float32`` as ``numpy.float32``: a type's module where it is not a builtin, so that it does not read as a
+    torch dtype."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__name__}"
 
 
 def _plain_eager(tensors: tuple) -> bool:
@@ -517,6 +530,7 @@ def _queue_checks(
     full_bias_shape: tuple[int, ...] | None = None,
     conditions: tuple[tuple[str, torch.Tensor], ...] = (),
     limit: _checks.Limit | None = None,
+    label: object = None,
 ) -> Callable[[], list[float]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
@@ -531,7 +545,8 @@ def _queue_checks(
     ``full_bias_shape``: the shape ``bias`` broadcasts to, so that an error names the same index and count as
     for the expanded bias. ``conditions``: ``(message, count)`` pairs, a scalar that must be zero, else
     ``ValueError(message.format(count=...))`` after the finite checks (deferred with them). ``limit``: a check of
-    the largest magnitudes once they are finite (``_Overflow``), raised as ``ValueError`` (deferred with them)."""
+    the largest magnitudes once they are finite (``_Overflow``), raised as ``ValueError`` (deferred with them).
+    ``label``: what a deferred error names the call by (default: q's shape, where q is among ``tensors``)."""
     pairs = tensors.items() if isinstance(tensors, dict) else tensors
     present = [(name, t) for name, t in pairs if t is not None and t.is_floating_point() and t.numel()]
     deferred = _checks.active()
@@ -539,7 +554,9 @@ def _queue_checks(
         # Inside kvbound.deferred_checks(): queued on the device, read once at the block's end. The call's label
         # is only formatted for an error.
         q = next((t for name, t in present if name == "q"), None)
-        deferred.queue("" if q is None else _ShapeLabel("q", q.shape), present, conditions, limit)
+        if label is None:
+            label = "" if q is None else _ShapeLabel("q", q.shape)
+        deferred.queue(label, present, conditions, limit)
         return _no_flags
     checks = [_checks.largest_magnitudes([t for _, t in present])] if present else []
     checks += [torch.count_nonzero(f).to(torch.float64).reshape(1) for f in flags]
@@ -986,7 +1003,7 @@ def _attention_compressed(
     relative = None
     if relative_keys is not None and runs is None:
         relative = (relative_keys, relative_content_bias, relative_position_bias)
-    return attention_compressed_fwd(
+    out, lse = attention_compressed_fwd(
         q,
         k_op,
         v_op,
@@ -1000,6 +1017,14 @@ def _attention_compressed(
         relative=relative,
         relative_runs=runs,
     )
+    if torch.finfo(v_raw.dtype).max > torch.finfo(q.dtype).max:
+        # The output takes q's dtype; values decoded from V's wider dtype may lie beyond its range (checked after the
+        # kernel, with the call's reads: read now, or queued in a kvbound.deferred_checks() block).
+        q_type, v_type = (str(t.dtype).removeprefix("torch.") for t in (q, v_raw))
+        _queue_checks(((f"output ({q_type} as q; v is a {v_type} CompressedKV whose values may exceed {q_type}'s "
+                        "range: pass q in float32 or compress V in q's dtype)", out),),
+                      label=_ShapeLabel("q", q.shape))()  # fmt: skip
+    return out, lse
 
 
 _attention_compressed_op = torch.library.custom_op("kvbound::attention_compressed", mutates_args=())(

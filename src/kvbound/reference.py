@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from kvbound._validate import check_tensor
+from kvbound._validate import FLOAT_DTYPES, check_tensor
+
+_ORACLE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 __all__ = ["reference_attention"]
 
@@ -25,7 +27,8 @@ def reference_attention(
 
     Args:
         q: ``[B, Hq, Nq, Dk]``; k: ``[B, Hkv, Nk, Dk]``; v: ``[B, Hkv, Nk, Dv]``; ``Hq`` a multiple of ``Hkv``
-            (query head ``h`` reads K/V head ``h // (Hq // Hkv)``); ``Dk`` and ``Dv`` may differ. Any float dtype.
+            (query head ``h`` reads K/V head ``h // (Hq // Hkv)``); ``Dk`` and ``Dv`` may differ. float16, bfloat16,
+            float32 or float64.
         scale: logit scale, default ``1 / sqrt(Dk)``.
         causal: mask key ``j`` for query ``i`` when ``j > i`` (top-left aligned, as torch SDPA's ``is_causal``).
         bias: additive logit bias broadcastable to ``[B, Hq, Nq, Nk]``, added after scaling.
@@ -34,9 +37,8 @@ def reference_attention(
     Returns:
         ``[B, Hq, Nq, Dv]`` float64.
     """
-    check_tensor(q, "q", ndim=4)
-    check_tensor(k, "k", ndim=4)
-    check_tensor(v, "v", ndim=4)
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_tensor(t, name, ndim=4, dtypes=_ORACLE_DTYPES)
     b, hq, nq, dk = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"k, v: expected batch {b} (from q), got {k.shape[0]} and {v.shape[0]}")

@@ -131,6 +131,12 @@ def encode(x: torch.Tensor, config: CompressionConfig, basis: Basis | None = Non
     r, block, tau = config.rank, config.block_size, config.tau
     if basis is not None:
         _check_basis(basis, heads, d, r)
+    elif r > config.block_size:
+        raise ValueError(
+            f"config: without a basis each block's basis is the top singular vectors of its own {config.block_size} "
+            f"rows, at most CompressionConfig.block_size = {config.block_size} of them; got rank {config.rank} "
+            "(lower the rank, raise the block size, or pass a basis from kvbound.calibrate)"
+        )
     device = x.device
     nb = -(-n // block)
     bh = batch * heads

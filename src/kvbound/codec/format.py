@@ -322,12 +322,19 @@ class CompressedKV:
         """Reconstruct ``[B, H, N, D]`` in float32 on this object's device."""
         from kvbound.codec.eager import decode
 
+        if self.device.type == "meta":
+            raise ValueError("CompressedKV: expected stored values to decode, got tensors on the meta device, "
+                             "which hold shapes only")  # fmt: skip
         return decode(self)
 
     def max_abs_error(self, x: torch.Tensor) -> float:
-        """Measured ``max |x - decompress()|`` in float64 against the original tensor ``x``."""
-        if tuple(x.shape) != self.shape:
-            raise ValueError(f"x: expected shape {self.shape}, got {tuple(x.shape)}")
+        """Measured ``max |x - decompress()|`` in float64 against the original tensor ``x`` (float16, bfloat16 or
+        float32, finite, of this object's shape)."""
+        from kvbound._validate import check_tensor
+
+        check_tensor(x, "x", ndim=4)
+        if tuple(x.shape) != tuple(self.shape):
+            raise ValueError(f"x: expected shape {tuple(self.shape)} (this CompressedKV's), got {tuple(x.shape)}")
         x_hat = self.decompress().to(device=x.device, dtype=torch.float64)
         return float((x.to(torch.float64) - x_hat).abs().max().item())
 
@@ -345,9 +352,18 @@ class CompressedKV:
 
     # ------------------------------------------------------------------------------------------ save/load
     def save(self, path: str) -> None:
-        """Write this object to ``path`` as safetensors (bit-exact round trip with :func:`kvbound.load`)."""
+        """Write this object to ``path`` as safetensors (bit-exact round trip with :func:`kvbound.load`). Runs
+        :meth:`validate` first: a file that :func:`kvbound.load` would refuse is never written."""
+        from pathlib import Path
+
         from safetensors.torch import save_file
 
+        target = Path(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"path: expected a file to write, got the directory {path!s}")
+        if not target.parent.is_dir():
+            raise FileNotFoundError(f"path: expected an existing directory to write {target.name} in, got {path!s}")
+        self.validate()
         tensors = {name: t.detach().contiguous().cpu() for name, t in self._tensors().items()}
         save_file(tensors, str(path), metadata=self._metadata())
 
@@ -654,9 +670,26 @@ def load(path: str, device: torch.device | str = "cpu") -> CompressedKV:
     Raises ``ValueError`` naming the file and the key when the metadata is missing a key or holds a value this
     format does not allow, or when a tensor is missing or unknown; then runs ``CompressedKV.validate`` on the stored
     tensors (the layout, ``TypeError``/``ValueError`` naming the file and the field)."""
-    from safetensors import safe_open
+    from pathlib import Path
 
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
+    from safetensors import SafetensorError, safe_open
+
+    source = Path(path)
+    if source.is_dir():
+        raise IsADirectoryError(f"path: expected a kvbound.CompressedKV file, got the directory {path!s}")
+    if not source.is_file():
+        raise FileNotFoundError(f"path: expected a kvbound.CompressedKV file, got {path!s}, which does not exist")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected a torch device, got {device!r} ({err})") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: expected an available device, got {device!r}: torch.cuda.is_available() is False")
+    try:
+        opened = safe_open(str(path), framework="pt", device=str(device))
+    except SafetensorError as err:
+        raise ValueError(f"path: {path!s} is not a readable safetensors file ({err})") from None
+    with opened as f:
         meta = f.metadata() or {}
         if meta.get("format") != "kvbound.CompressedKV":
             raise ValueError(f"path: {path!s} is not a kvbound.CompressedKV file (format={meta.get('format')!r})")
