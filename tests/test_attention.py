@@ -764,8 +764,22 @@ def test_output_beyond_q_dtype_from_wider_compressed_v_raises():
                r"in float32 or compress V in q's dtype\): expected finite values")
     with pytest.raises(ValueError, match=message + r", found -?inf at index"):
         attention(q, ck, big)
-    deferred = r", found Inf \(kvbound.attention call 2 of 2 .*: q \[1, 2, 8, 16\]"
+    deferred = (r", found Inf \(the output of kvbound.attention call 1: q \[1, 2, 8, 16\], in this deferred-check "
+                r"block\)$")
     with pytest.raises(ValueError, match=message + deferred):
         with kvbound.deferred_checks():
             attention(q, ck, big)
     assert torch.isfinite(attention(q.float(), ck, big)).all()  # in q's float32 the same call holds
+
+
+def test_wider_compressed_v_bounded_within_q_dtype_costs_no_second_read(monkeypatch):
+    """float32 compressed V whose checked bound lies within float16: the output is not read again."""
+    g = torch.Generator().manual_seed(43)
+    q = torch.randn(1, 2, 8, 16, generator=g).half()
+    cfg = CompressionConfig(block_size=16, rank=4)
+    ck, cv = (compress_kv(torch.randn(1, 2, 32, 16, generator=g), cfg) for _ in range(2))
+    attention(q, ck, cv)  # compiles, and records both operands' checks
+    calls = count_host_syncs(monkeypatch)
+    out = attention(q, ck, cv)
+    assert calls == ["tolist"]
+    check_against_reference(out, q, ck.decompress().half(), cv.decompress().half())

@@ -28,6 +28,26 @@ def test_finite_inputs_give_the_same_output_and_no_error():
     assert _checks.active() is None
 
 
+def test_entries_that_are_not_calls_keep_the_calls_numbered():
+    """An encoder's entry (or a call's output check) is named by its label; attention calls are numbered among
+    themselves only."""
+    q, k, v = _qkv()
+    v_bad = v.clone()
+    v_bad[0, 0, 0, 0] = math.nan
+    with pytest.raises(ValueError, match=r"^v: expected finite values, found NaN \(kvbound.attention call 2 of 2 in "
+                                         r"this deferred-check block: q \[1, 2, 24, 16\]\)$"):
+        with kvbound.deferred_checks() as scope:
+            kvbound.attention(q, k, v)
+            scope.queue("K [1, 2, 24, 16] (an encoder)", {"K": k}, call=False)
+            assert scope.calls == 1
+            kvbound.attention(q, k, v_bad)
+    with pytest.raises(ValueError, match=r"^K: expected finite values, found NaN \(K \[1, 2, 24, 16\] \(an "
+                                         r"encoder\), in this deferred-check block\)$"):
+        with kvbound.deferred_checks() as scope:
+            kvbound.attention(q, k, v)
+            scope.queue("K [1, 2, 24, 16] (an encoder)", {"K": v_bad}, call=False)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_input_raises_at_the_end_naming_call_and_tensor(bad):
     q, k, v = _qkv()

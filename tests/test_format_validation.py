@@ -510,7 +510,8 @@ def test_max_abs_error_and_decompress_name_what_they_cannot_use(ckv):
     assert ckv.max_abs_error(x) == 0.0
     with pytest.raises(TypeError, match=r"^x: expected a torch.Tensor, got list$"):
         ckv.max_abs_error([1.0])
-    with pytest.raises(TypeError, match=r"^x: expected dtype in \(float16, bfloat16, float32\), got int32$"):
+    assert ckv.max_abs_error(x.double()) == 0.0
+    with pytest.raises(TypeError, match=r"^x: expected dtype in \(float16, bfloat16, float32, float64\), got int32$"):
         ckv.max_abs_error(x.int())
     with pytest.raises(ValueError, match=r"^x: expected finite values, found nan at index \(0, 0, 0, 0\)"):
         ckv.max_abs_error(torch.where(torch.arange(x.numel()).view(x.shape) == 0, math.nan, x))

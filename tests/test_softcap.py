@@ -130,3 +130,23 @@ def test_a_cap_far_above_the_logits_gives_uncapped_attention():
     q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
     capped = attention(q, k, v, softcap=1.0e9)
     torch.testing.assert_close(capped, attention(q, k, v), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "compressed"])
+def test_tiny_caps_with_huge_logits_raise_instead_of_nan(compressed):
+    """The kernels divide each logit term by the cap in float32: terms of 2e20 and -1e20 (a bias) over a cap of
+    2**-64 would overflow to inf - inf. Such inputs raise, naming the dominant term; so do query rows whose
+    multiplier scale / softcap would overflow."""
+    q = torch.full((1, 1, 4, 16), 1.0e10)
+    k, v = torch.full((1, 1, 32, 16), 1.25e9), torch.randn(1, 1, 32, 16, generator=torch.Generator().manual_seed(5))
+    cfg = CompressionConfig(block_size=16, rank=0)
+    kk, vv = (compress_kv(k, cfg), compress_kv(v, cfg)) if compressed else (k, v)
+    bias = torch.full((1, 1, 4, 1), -1.0e20)
+    with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay below 7\.2\de\+16 \(float32's "
+                                         r"range times the soft-cap over 2\*\*8\), got logits of up to 3e\+20"):
+        attention(q, kk, vv, bias=bias, scale=1.0, softcap=2.0**-64)
+    tiny_k = torch.full((1, 1, 32, 16), 1.0e-30)
+    kk = compress_kv(tiny_k, cfg) if compressed else tiny_k
+    multiplier = r"^q: expected \|scale\| max\|q\| / softcap below 1\.33e\+36 .*, got 1\.84e\+49"
+    with pytest.raises(ValueError, match=multiplier):
+        attention(torch.full((1, 1, 4, 16), 1.0e30), kk, vv, scale=1.0, softcap=2.0**-64)

@@ -111,7 +111,8 @@ class DeferredChecks:
         self.speculative = speculative
         self._parts: list[torch.Tensor] = []
         # (label, names, indices of the names' peak parts, messages, indices of the count parts, magnitude limit)
-        self._pending: list[tuple[object, list[str], list[int], list[str], list[int], Limit | None]] = []
+        self._pending: list[tuple[object, list[str], list[int], list[str], list[int], Limit | None, int]] = []
+        self._calls = 0  # attention calls among the pending entries (see queue)
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -145,12 +146,16 @@ class DeferredChecks:
         tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         conditions: Iterable[tuple[str, torch.Tensor]] = (),
         limit: Limit | None = None,
+        *,
+        call: bool = True,
     ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
         described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
         count)`` pairs, a tensor (any shape, any real dtype) whose sum must be zero, else
         ``ValueError(message.format(count=...))``. ``limit``: called with the tensors' largest magnitudes (name ->
-        float) once they are known to be finite; a message it returns is raised as ``ValueError``."""
+        float) once they are known to be finite; a message it returns is raised as ``ValueError``. ``call``: the
+        entry is an attention call, numbered among the block's calls in an error (``calls``); otherwise (an encoder,
+        a call's output) the error names it by ``label`` alone."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
@@ -160,7 +165,13 @@ class DeferredChecks:
             messages.append(message)
             counts.append(self._keep(count))
         if names or messages:
-            self._pending.append((label, names, peaks, messages, counts, limit))
+            self._calls += call
+            self._pending.append((label, names, peaks, messages, counts, limit, self._calls if call else 0))
+
+    @property
+    def calls(self) -> int:
+        """How many attention calls this block has queued since it was last staged: the number of the latest."""
+        return self._calls
 
     def queue_retry(
         self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
@@ -190,6 +201,7 @@ class DeferredChecks:
         replay's results cannot be used: ``kvbound.capture`` then runs the forward eagerly), else the queued values
         to their callbacks."""
         pending, self._pending = self._pending, []
+        calls, self._calls = self._calls, 0
         retries, self._retries = self._retries, []
         queued_values, self._values = self._values, []
         streams, self._streams = self._streams, {}
@@ -206,8 +218,11 @@ class DeferredChecks:
 
         def finish() -> None:
             values = _read_gathered(gathered, sizes)
-            for index, (label, names, peaks, messages, counts, limit) in enumerate(pending):
-                where = f"kvbound.attention call {index + 1} of {len(pending)} in this deferred-check block: {label}"
+            for label, names, peaks, messages, counts, limit, number in pending:
+                if number:
+                    where = f"kvbound.attention call {number} of {calls} in this deferred-check block: {label}"
+                else:
+                    where = f"{label}, in this deferred-check block"
                 for name, part in zip(names, peaks, strict=True):
                     (value,) = values[part]
                     if not math.isfinite(value):

@@ -67,8 +67,10 @@ def attention(
             logit ``(i, j)`` gets ``bias[..., i // T, j // T]`` (AlphaGenome: ``T = 16``). The kernels read the
             compact tensor; it is never expanded. Without a bias it must be 1.
         softcap: if given (2**-64 to 2**64, with ``|scale| / softcap`` within float32's range), logits become
-            ``softcap * tanh(logits / softcap)`` after the bias and before the causal mask. The kernels' tanh keeps
-            a relative error of a few 2**-24 on every logit (``_common.softcap_form``).
+            ``softcap * tanh(logits / softcap)`` after the bias and before the causal mask. The kernels' tanh errs
+            by a few 2**-24 of the cap where that is under a quarter of q's dtype's rounding of a unit logit (bf16
+            caps up to 8192, fp16 up to 1024, fp32 up to 1/8), else by a few 2**-24 of each logit
+            (``kernels._common.softcap_form``).
         relative_keys: ``R``, ``[Hq, Nq + Nk - 1, Dk]`` of q's dtype (``[H, 2N - 1, Dk]`` for self-attention); row
             ``m`` is the key of distance ``m - (Nq - 1)`` (key position minus query position). Dense or
             compressed K/V, ``Hq == Hkv`` only. The logits become (Transformer-XL; ``scale`` multiplies q only)::
@@ -531,6 +533,7 @@ def _queue_checks(
     conditions: tuple[tuple[str, torch.Tensor], ...] = (),
     limit: _checks.Limit | None = None,
     label: object = None,
+    call: bool = True,
 ) -> Callable[[], list[float]]:
     """Queue the call's checks on the device and return the function that reads them: the call's only host
     synchronisation. Reading raises ``ValueError`` (as ``check_finite_values``) for NaN or Inf in ``tensors``
@@ -546,7 +549,8 @@ def _queue_checks(
     for the expanded bias. ``conditions``: ``(message, count)`` pairs, a scalar that must be zero, else
     ``ValueError(message.format(count=...))`` after the finite checks (deferred with them). ``limit``: a check of
     the largest magnitudes once they are finite (``_Overflow``), raised as ``ValueError`` (deferred with them).
-    ``label``: what a deferred error names the call by (default: q's shape, where q is among ``tensors``)."""
+    ``label``: what a deferred error names the call by (default: q's shape, where q is among ``tensors``); ``call``:
+    whether the deferred entry counts as an attention call (``DeferredChecks.queue``)."""
     pairs = tensors.items() if isinstance(tensors, dict) else tensors
     present = [(name, t) for name, t in pairs if t is not None and t.is_floating_point() and t.numel()]
     deferred = _checks.active()
@@ -556,7 +560,7 @@ def _queue_checks(
         q = next((t for name, t in present if name == "q"), None)
         if label is None:
             label = "" if q is None else _ShapeLabel("q", q.shape)
-        deferred.queue(label, present, conditions, limit)
+        deferred.queue(label, present, conditions, limit, call=call)
         return _no_flags
     checks = [_checks.largest_magnitudes([t for _, t in present])] if present else []
     checks += [torch.count_nonzero(f).to(torch.float64).reshape(1) for f in flags]
@@ -608,7 +612,7 @@ class _Overflow:
     operand's check, or by the synchronous Triton encoder), else by ``but_raw`` plus the largest exact value read
     with the call's checks (the speculative encoder's output); -1.0 in both: not bounded."""
 
-    __slots__ = ("head_dim_k", "n_k", "scale", "weight", "ranks", "known", "but_raw")
+    __slots__ = ("head_dim_k", "n_k", "scale", "softcap", "weight", "ranks", "known", "but_raw", "v_bound")
 
     def __init__(
         self,
@@ -621,7 +625,8 @@ class _Overflow:
         but_raw: tuple[float, float] = (-1.0, -1.0),
     ) -> None:
         self.head_dim_k, self.n_k, self.scale, self.ranks, self.known = head_dim_k, n_k, abs(scale), ranks, known
-        self.but_raw = but_raw
+        self.but_raw, self.softcap = but_raw, softcap
+        self.v_bound: float | None = None  # the bound on max|v| the last check found (None: not bounded)
         self.weight = 1.0
         if softcap is not None:
             from kvbound.kernels._common import fixed_softmax_max
@@ -641,6 +646,7 @@ class _Overflow:
 
     def __call__(self, peaks: dict[str, float]) -> str | None:
         q, k, v = peaks.get("q"), self._largest(peaks, "k", 0), self._largest(peaks, "v", 1)
+        self.v_bound = v
         kind = "compressed, bounded from its stored tensors" if self.ranks else "dense"
         if q is not None and k is not None:
             query = self.scale * q
@@ -651,13 +657,24 @@ class _Overflow:
                 "bias": peaks.get("bias", 0.0),
             }
             logit = sum(terms.values())
-            # The kernels work in log2 units: each logit is multiplied by log2(e) before the softmax.
-            limit = _FLOAT32_MAX / _LOG2E
+            if self.softcap is None:
+                # The kernels work in log2 units: each logit is multiplied by log2(e) before the softmax.
+                limit, why = _FLOAT32_MAX / _LOG2E, "float32's range over log2(e)"
+            else:
+                # Each term is divided by the cap before the tanh, each query row first multiplied by up to
+                # |scale| max|q| / softcap (the compressed kernel's power-of-two row scale): room for both.
+                limit, why = _FLOAT32_MAX * self.softcap / 2**8, "float32's range times the soft-cap over 2**8"
+                if not query / self.softcap <= _FLOAT32_MAX / 2**8:
+                    return (
+                        f"q: expected |scale| max|q| / softcap below {_FLOAT32_MAX / 2**8:.3g} (float32's range over "
+                        f"2**8: the kernels multiply query rows by scale / softcap), got {query / self.softcap:.3g}: "
+                        f"largest magnitude {q:.3g} (q), scale {self.scale:.3g}, softcap {self.softcap:.3g}"
+                    )
             if not logit <= limit:
                 cause = max(terms, key=terms.get)
                 return (
-                    f"{cause}: expected magnitudes whose logits stay below {limit:.3g} (float32's range over "
-                    f"log2(e)), got logits of up to {logit:.3g}: largest magnitudes {q:.3g} (q) and {k:.3g} (k, "
+                    f"{cause}: expected magnitudes whose logits stay below {limit:.3g} ({why}), "
+                    f"got logits of up to {logit:.3g}: largest magnitudes {q:.3g} (q) and {k:.3g} (k, "
                     f"{kind}) at head dim {self.head_dim_k} and scale {self.scale:.3g}"
                     + "".join(f", {peaks[name]:.3g} ({name})" for name in ("relative_keys", "bias") if name in peaks)
                 )
@@ -669,6 +686,18 @@ class _Overflow:
                     f"{self.n_k} keys stay finite, got {v:.3g}"
                 )
         return None
+
+
+class _OutputLabel:
+    """``"the output of kvbound.attention call N: q [B, H, N, D]"``, formatted only when printed."""
+
+    __slots__ = ("number", "shape")
+
+    def __init__(self, number: int, shape: torch.Size) -> None:
+        self.number, self.shape = number, shape
+
+    def __str__(self) -> str:
+        return f"the output of kvbound.attention call {self.number}: q {list(self.shape)}"
 
 
 class _ShapeLabel:
@@ -950,11 +979,12 @@ def _attention_compressed(
     )
     # Finite checks and "does K / V have a block with a residual" in one sync (none when both are known and the
     # call is inside kvbound.deferred_checks()).
+    limit = _Overflow(q.shape[3], n_k, scale, softcap, ranks=(k_coeffs.shape[3], v_coeffs.shape[3]),
+                      known=(k_largest, v_largest), but_raw=(k_largest_but_raw, v_largest_but_raw))  # fmt: skip
     read = _queue_checks(
         tensors, flags=tuple(flags), full_bias_shape=_full_bias_shape(bias, bias_tile, q, n_k), conditions=conditions,
-        limit=_Overflow(q.shape[3], n_k, scale, softcap, ranks=(k_coeffs.shape[3], v_coeffs.shape[3]),
-                        known=(k_largest, v_largest), but_raw=(k_largest_but_raw, v_largest_but_raw)),
-    )  # fmt: skip
+        limit=limit,
+    )
 
     read_once: list[list[tuple[bool, float]]] = []
 
@@ -1017,13 +1047,20 @@ def _attention_compressed(
         relative=relative,
         relative_runs=runs,
     )
-    if torch.finfo(v_raw.dtype).max > torch.finfo(q.dtype).max:
-        # The output takes q's dtype; values decoded from V's wider dtype may lie beyond its range (checked after the
-        # kernel, with the call's reads: read now, or queued in a kvbound.deferred_checks() block).
-        q_type, v_type = (str(t.dtype).removeprefix("torch.") for t in (q, v_raw))
-        _queue_checks(((f"output ({q_type} as q; v is a {v_type} CompressedKV whose values may exceed {q_type}'s "
-                        "range: pass q in float32 or compress V in q's dtype)", out),),
-                      label=_ShapeLabel("q", q.shape))()  # fmt: skip
+    q_max = torch.finfo(q.dtype).max
+    if torch.finfo(v_raw.dtype).max > q_max:
+        # The output takes q's dtype; values decoded from V's wider dtype may lie beyond its range. Where the
+        # call's checks bound V within it (read before the kernel, or recorded with V's check), nothing more;
+        # else the output is checked after the kernel: read now (a second read), or queued in a
+        # kvbound.deferred_checks() block under the call's number.
+        v_bound = limit.v_bound if limit.v_bound is not None else (v_largest if v_largest >= 0 else None)
+        if v_bound is None or not v_bound <= q_max:
+            q_type, v_type = (str(t.dtype).removeprefix("torch.") for t in (q, v_raw))
+            deferred = _checks.active()
+            label = _ShapeLabel("q", q.shape) if deferred is None else _OutputLabel(deferred.calls, q.shape)
+            _queue_checks(((f"output ({q_type} as q; v is a {v_type} CompressedKV whose values may exceed {q_type}'s "
+                            "range: pass q in float32 or compress V in q's dtype)", out),),
+                          label=label, call=False)()  # fmt: skip
     return out, lse
 
 

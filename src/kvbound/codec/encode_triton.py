@@ -681,7 +681,7 @@ def encode_triton_deferred(
     # Views of the summary only (slices of adjacent entries): queueing launches nothing.
     scope.queue(
         f"{name} [{', '.join(map(str, x.shape))}] (Triton encoder)", {},
-        [(f"{name}: expected finite values, found NaN or Inf", summary[_NONFINITE : _NONFINITE + 1])],
+        [(f"{name}: expected finite values, found NaN or Inf", summary[_NONFINITE : _NONFINITE + 1])], call=False,
     )
     scope.queue_retry(f"{name}: coefficients beyond float16 or a block the certificate rejects (synchronous path)",
                       summary[_BEYOND_FP16 : _UNCERTIFIED + 1], unusable)

@@ -32,7 +32,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: jit code may read it
 # The soft-cap's two forms of tanh (``SOFTCAP`` 1 and 2, chosen by ``softcap_form``).
 SOFTCAP_EXP = 1
 SOFTCAP_SERIES = 2
-# Below this |t| the series form sums tanh's Taylor series through t**15, whose next term is under 2**-25 of tanh(t).
+# Below this |t| the series form sums tanh's Taylor series through t**15, whose next term is under 2**-24 of tanh(t).
 SERIES_LIMIT = tl.constexpr(0.55)
 
 
@@ -43,7 +43,7 @@ def soft_capped(t, softcap_log2, SOFTCAP: tl.constexpr):
     a few 2**-24 / |t|. Form 2 sums the odd Taylor series below ``|t| < 0.55``, where form 1 would cancel, so the
     relative error stays a few 2**-24 at every t (``softcap_form``)."""
     y = 1.0 - 2.0 / (1.0 + tl.math.exp2(t * (2.0 * 1.4426950408889634)))
-    if SOFTCAP == 2:
+    if SOFTCAP == 2:  # SOFTCAP_SERIES
         s = t * t
         series = -929569.0 / 638512875.0
         series = series * s + 21844.0 / 6081075.0
