@@ -783,3 +783,15 @@ def test_wider_compressed_v_bounded_within_q_dtype_costs_no_second_read(monkeypa
     out = attention(q, ck, cv)
     assert calls == ["tolist"]
     check_against_reference(out, q, ck.decompress().half(), cv.decompress().half())
+
+
+def test_unscaled_products_beyond_float32_raise_even_under_a_tiny_scale():
+    """The dense kernel forms q . k in float32 before scaling: logits of 1.6e11 from products of 1.6e41 under a
+    scale of 1e-30 gave a non-finite output; they raise, naming q and k."""
+    q, k = torch.full((1, 1, 4, 16), 1.0e20), torch.full((1, 1, 8, 16), 1.0e20)
+    k[0, 0, ::2] *= -1
+    v = torch.randn(1, 1, 8, 16, generator=torch.Generator().manual_seed(3))
+    assert torch.isfinite(reference_attention(q, k, v, scale=1e-30)).all()
+    with pytest.raises(ValueError, match=r"^q, k: expected dk max\|q\| max\|k\| below 1\.33e\+36 \(float32's range "
+                                         r"over 2\*\*8: the kernels form q \. k before scaling it\), got 1\.6e\+41"):
+        attention(q, k, v, scale=1e-30)

@@ -604,7 +604,9 @@ class _Overflow:
     """Whether a call's inputs keep the kernels' float32 sums finite, from the largest magnitudes its finite checks
     read (no device work): every logit is at most ``dk (|scale| max|q| + max|u|) max|k| + dk (|scale| max|q| +
     max|w|) max|R| + max|bias|`` (``u``, ``w``, ``R``: the relative content and position biases and keys, where
-    given), and every running sum of weighted values at most ``Nk W max|v|`` (``W``: the largest softmax weight).
+    given), and every running sum of weighted values at most ``Nk W max|v|`` (``W``: the largest softmax weight);
+    the unscaled products at most ``dk max|q| max|k|`` (the dense kernel scales after the dot), and with a soft-cap
+    each term over the cap, and each query row's ``|scale| max|q| / softcap``, within float32's range over 2**8.
     Finite inputs beyond these would give Inf or NaN outputs where the float64 reference is finite: they raise
     instead, naming the tensors. Both are sufficient conditions, met by anything but values near float32's range
     (``max|v|`` up to 3.4e32 for 10**6 keys). Compressed K/V (``ranks``: their ranks) are bounded from their stored
@@ -677,6 +679,14 @@ class _Overflow:
                     f"got logits of up to {logit:.3g}: largest magnitudes {q:.3g} (q) and {k:.3g} (k, "
                     f"{kind}) at head dim {self.head_dim_k} and scale {self.scale:.3g}"
                     + "".join(f", {peaks[name]:.3g} ({name})" for name in ("relative_keys", "bias") if name in peaks)
+                )
+            raw = self.head_dim_k * q * k
+            if not raw <= _FLOAT32_MAX / 2**8:
+                # The dense kernel forms q . k in float32 and scales it after: a tiny scale does not keep it finite.
+                return (
+                    f"q, k: expected dk max|q| max|k| below {_FLOAT32_MAX / 2**8:.3g} (float32's range over 2**8: the "
+                    f"kernels form q . k before scaling it), got {raw:.3g}: largest magnitudes {q:.3g} (q) and "
+                    f"{k:.3g} (k, {kind}) at head dim {self.head_dim_k}"
                 )
         if v is not None:
             limit = _FLOAT32_MAX / (self.n_k * self.weight)
