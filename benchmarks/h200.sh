@@ -238,7 +238,7 @@ bench() {
         done
         args=("${kept[@]}" --cpu-smoke)
     fi
-    CMD=("$PY" -m kvbound.bench --commit "$COMMIT" "${args[@]}" --out "$csv")
+    CMD=("$PY" -m kvbound.bench --commit "$COMMIT" "${args[@]}" --overwrite --out "$csv")
 }
 
 install_wheels() {

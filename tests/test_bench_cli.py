@@ -125,3 +125,39 @@ def test_a_rank_below_the_chosen_shapes_head_dims_is_accepted():
                  ["--suite", "relative", "--rank", "15"], ["--suite", "ring", "--rank", "63", "--head-dim", "64"],
                  ["--suite", "attention", "--rank", "999"]):  # the attention suite takes its configs elsewhere
         cli._check_compression_args(parser, parser.parse_args(["--cpu-smoke", *args]))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--suite", "models", "--batches", "-1"], r"argument --batches: expected a value >= 1, got -1"),
+        (["--suite", "models", "--repeats", "0"], r"argument --repeats: expected a value >= 1, got 0"),
+        (["--suite", "models", "--warmup", "-3"], r"argument --warmup: expected a value >= 0, got -3"),
+        (["--suite", "ring", "--world-sizes", "0"], r"argument --world-sizes: expected a value >= 1, got 0"),
+        (["--suite", "ring", "--lengths", "x"], r"argument --lengths: expected an integer, got 'x'"),
+        (["--warmup-ms", "-5"], r"argument --warmup-ms: expected a value >= 0.0, got -5"),
+        (["--shapes", "no/such/shapes.json"], r"--shapes: expected a shape file, got no/such/shapes.json, which does"),
+    ],
+)
+def test_bad_counts_and_paths_exit_2_before_anything_runs(args, message, tmp_path, capsys):
+    out = tmp_path / "x.csv"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cpu-smoke", "--out", str(out), *args])
+    assert info.value.code == 2
+    assert re.search(r"kvbound bench: error: " + message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_out_is_never_replaced_unless_asked(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for out, message in (
+        (notes, r"--out: .*notes.txt exists; pass --overwrite to replace it, or choose another path"),
+        (tmp_path, r"--out: expected a CSV file to write, got the directory "),
+        (tmp_path / "missing" / "x.csv", r"--out: expected a file in an existing directory, got .*missing does not"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["--cpu-smoke", "--suite", "encoder", "--out", str(out)])
+        assert info.value.code == 2
+        assert re.search(r"kvbound bench: error: " + message, capsys.readouterr().err)
+    assert notes.read_text() == "my notes\n"

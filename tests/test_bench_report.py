@@ -225,6 +225,10 @@ def test_roofline_main_without_gpu_redraws_from_results(results, tmp_path, capsy
     assert roofline.main(["--no-measure", "--results", str(results / "h200.csv"), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "4.00 TB/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        roofline.main(["--no-measure", "--results", str(tmp_path / "none.csv")])
+    assert info.value.code == 2
+    assert "--results: expected bench CSV files, got " in capsys.readouterr().err
 
 
 def test_report_writes_benchmarks_md(results, tmp_path):

@@ -271,7 +271,7 @@ def _quality_rows(path):
         return list(csv.DictReader(handle))
 
 
-def test_eval_cli_with_a_held_out_chromosome(chr22_cache, tmp_path):
+def test_eval_cli_with_a_held_out_chromosome(chr22_cache, tmp_path, capsys):
     """``kvbound eval --test-chromosomes X 22`` on the fixture: per-chromosome and pooled columns, chrX's untouched."""
     from kvbound.eval import cli
 
@@ -307,5 +307,8 @@ def test_eval_cli_with_a_held_out_chromosome(chr22_cache, tmp_path):
     assert len(plain) == 1
     for key in ("auroc_all", "pearson_mean", "variants", "windows", "auroc_vs_random"):
         assert plain[0][key] == exact[key], key
-    with pytest.raises(SystemExit, match="expected X first"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
         cli.main([*common, "--out", str(tmp_path / "bad"), "--test-chromosomes", "22"])
+    assert info.value.code == 2 and "--test-chromosomes: expected X first" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # refused before anything ran

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -307,3 +308,29 @@ def test_eval_says_when_weights_are_random(fixture_dir, tmp_path, capsys):
     rows = _rows(out / "quality.csv")
     assert {row["weights"] for row in rows} == {"random (untrained)"}
     assert "RANDOM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "nosuch"], r"--device: expected a torch device such as cpu or cuda, got 'nosuch'"),
+        (["--batch-size", "-1"], r"--batch-size: expected a value >= 1, got -1"),
+        (["--windows", "0"], r"--windows: expected a value >= 1, got 0"),
+        (["--models", "enformer,nosuch"], r"--models: expected a comma list of enformer and alphagenome"),
+        (["--settings", "default,bogus"], r"--settings: expected all or a comma list of .*, got \['bogus'\]"),
+        (["--codec-impl", "fast"], r"--codec-impl: expected eager, triton or auto, got 'fast'"),
+        (["--test-chromosomes", "22", "X"], r"--test-chromosomes: expected X first"),
+    ],
+)
+def test_eval_refuses_bad_arguments_before_loading_anything(args, message, tmp_path, capsys):
+    """Checked before the data and models load (a missing cache would otherwise be reported first)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cache", str(tmp_path / "no-cache"), "--out", str(tmp_path / "out"), *args])
+    assert info.value.code == 2
+    assert re.search(r"kvbound eval: error: " + message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_without_its_data_says_what_to_run(tmp_path, capsys):
+    assert cli.main(["--cache", str(tmp_path / "no-cache"), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 1
+    assert "kvbound.eval.data fetch" in capsys.readouterr().err

@@ -124,6 +124,14 @@ def test_alphagenome_reads_a_weights_file_only(tmp_path, monkeypatch):
     assert calls == [(str(tmp_path / "model.safetensors"), "cpu", {"num_organisms": 2})]
 
 
+def test_alphagenome_weights_file_that_cannot_be_read_is_named(tmp_path):
+    pytest.importorskip("alphagenome_pytorch")
+    for name in ("model.safetensors", "model.pt"):
+        (tmp_path / name).write_bytes(b"garbage")
+        with pytest.raises(ValueError, match=rf"^alphagenome checkpoint '.*{name}': not a readable weights file \("):
+            load("alphagenome", tmp_path / name)
+
+
 def test_a_port_that_is_not_installed_says_how_to_install_it(monkeypatch):
     real = checkpoints.importlib.import_module
 

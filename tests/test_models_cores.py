@@ -216,6 +216,41 @@ def test_tile_bias_attention_never_builds_full_bias():
 
 
 # ------------------------------------------------------------------------------------------ compressed K/V
+def test_output_bounds_refuse_what_would_make_them_wrong():
+    """Negative or NaN taus, non-finite or unpaired tensors gave negative, NaN, empty or broadcast 'bounds'."""
+    from kvbound.models import linear_output_bound
+
+    g = torch.Generator().manual_seed(7)
+    a, v = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 7, 3, generator=g)
+    cases = [
+        (dict(tau_k=-0.5, tau_v=0.1), ValueError, r"^tau_k: expected a finite float >= 0, got -0\.5$"),
+        (dict(tau_k=0.1, tau_v=math.nan), ValueError, r"^tau_v: expected a finite float >= 0, got nan$"),
+        (dict(tau_k=0.1, tau_v=0.1, logit_scale=math.inf), ValueError, r"^logit_scale: expected a finite float, got"),
+        (dict(tau_k="0.1", tau_v=0.1), TypeError, r"^tau_k: expected a float, got str$"),
+    ]
+    for kwargs, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            attention_output_bound(a, v, **kwargs)
+    bad = a.clone()
+    bad[0, 1, 2, 3] = math.nan
+    with pytest.raises(ValueError, match=r"^effective_query: expected finite values, found nan at index \(0, 1, 2, 3"):
+        attention_output_bound(bad, v, tau_k=0.1, tau_v=0.1)
+    with pytest.raises(ValueError, match=r"^effective_query: expected a head count that is a multiple of v's 2, got 1"):
+        attention_output_bound(a[:, :1], v, tau_k=0.1, tau_v=0.1)
+    with pytest.raises(ValueError, match=r"^v: expected batch 1 \(from effective_query\), got 3$"):
+        attention_output_bound(a, v.expand(3, -1, -1, -1), tau_k=0.1, tau_v=0.1)
+    with pytest.raises(ValueError, match=r"^v: expected a non-empty tensor, got shape \(1, 2, 0, 3\)$"):
+        attention_output_bound(a, v[:, :, :0], tau_k=0.1, tau_v=0.1)
+    with pytest.raises(TypeError, match=r"^v: expected dtype in \(float16, bfloat16, float32, float64\), got int64$"):
+        attention_output_bound(a, v.long(), tau_k=0.1, tau_v=0.1)
+    bound = attention_output_bound(a, v, tau_k=0.1, tau_v=0.1)
+    assert bound.shape == (1, 2, 5, 3) and bool((bound >= 0.1).all())
+    with pytest.raises(ValueError, match=r"^bound: expected values >= 0"):
+        linear_output_bound(-bound, torch.randn(6, 3, generator=g))
+    with pytest.raises(ValueError, match=r"^weight: expected \[out, 3\] \(in from bound\), got \[6, 4\]$"):
+        linear_output_bound(bound, torch.randn(6, 4, generator=g))
+
+
 def test_output_bound_holds_under_worst_case_perturbations():
     """attention_output_bound against float64 outputs with K/V moved by up to tau, adversarially and randomly."""
     g = torch.Generator().manual_seed(3)

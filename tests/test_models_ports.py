@@ -396,6 +396,23 @@ def test_enformer_training_mode_with_dropout_raises(enformer):
             module.eval()
 
 
+def test_training_mode_forward_is_refused_before_any_layer_runs(enformer):
+    """The model's forward checks the patched modules first: batch norms before the attention keep their statistics."""
+    model, _ = enformer
+    x = torch.randn(1, 8 * 20, 4).softmax(-1)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with patch(model, compress=False):
+        model.train()
+        try:
+            with pytest.raises(RuntimeError, match="training mode with attn_dropout.p=0.05"):
+                model(x)
+        finally:
+            model.eval()
+    after = model.state_dict()
+    assert any("running_mean" in name for name in before)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
 # -------------------------------------------------------------------------------------------------- Borzoi
 @pytest.fixture(scope="module")
 def borzoi():
@@ -719,6 +736,56 @@ def test_patch_finds_nothing_in_a_model_without_port_modules():
     _assert_same_snapshot(before, _snapshot(model))
 
 
+def test_patch_refuses_truthy_non_bools_and_says_when_nothing_was_patched(enformer):
+    model, _ = enformer
+    with pytest.raises(TypeError, match=r"^compress: expected bool, got str$"):
+        patch(model, compress="no")
+    with pytest.raises(TypeError, match=r"^filter_fn: expected a bool for transformer.0.0.fn.1, got str$"):
+        patch(model, compress=False, filter_fn=lambda name, m: "no")
+    assert all("forward" not in vars(m) for m in model.modules())  # nothing was left patched
+    with pytest.warns(UserWarning, match=r"no attention module that filter_fn selects in this Enformer: nothing"):
+        handle = patch(model, compress=False, filter_fn=lambda name, m: False)
+    assert handle.modules == []
+    with pytest.warns(UserWarning, match=r"no attention module of the Enformer, Borzoi or AlphaGenome ports in this "
+                                         r"Sequential"):
+        patch(torch.nn.Sequential(torch.nn.Linear(4, 4)), compress=False)
+
+
+def test_calibration_sample_with_nan_or_inf_is_named_and_undone(enformer):
+    model, _ = enformer
+    sample = torch.randn(1, 8 * 20, 4).softmax(-1)
+    sample[0, 3, 1] = math.inf
+    with pytest.raises(ValueError, match=r"^calibrate_on: expected finite values, found inf at index \(0, 3, 1\)"):
+        patch(model, CONFIG, calibrate_on=sample)
+    with pytest.raises(ValueError, match=r"^calibrate_on\[0\]: expected finite values, found inf"):
+        patch(model, CONFIG, calibrate_on=(sample,))
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_block_that_raises_keeps_its_exception_when_undo_fails_too(enformer):
+    model, _ = enformer
+    failed = r"undo at the end of a block that raised KeyError failed too: .*forward was replaced"
+    with pytest.warns(RuntimeWarning, match=failed):
+        with pytest.raises(KeyError, match="the user's"):
+            with patch(model, compress=False):
+                model.forward = model.forward.wrapped  # replaced behind the handle's back
+                raise KeyError("the user's")
+    del model.forward
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NumPy on NaN
+def test_nan_on_the_kvbound_backend_names_the_layer(enformer):
+    model, _ = enformer
+    x = torch.randn(1, 8 * 20, 4).softmax(-1)
+    x[0, 5, 1] = math.nan
+    with patch(model, compress=False, backend="kvbound"), torch.no_grad():
+        named = (r"^q: expected finite values, found NaN \(kvbound.attention call 1 of 2 in this deferred-check block: "
+                 r"transformer.0.0.fn.1: q \[1, 4, 20, 16\]\)$")
+        with pytest.raises(ValueError, match=named):
+            model(x)
+
+
 def test_patch_filter_double_patch_and_argument_errors(enformer):
     model, attention = enformer
     with patch(model, compress=False, filter_fn=lambda name, m: name.startswith("transformer.1")) as handle:
@@ -874,6 +941,11 @@ def test_enformer_variants_block_scores_changes_without_code_flip_noise(enformer
                 with pytest.raises(ValueError, match="references: expected a non-empty 1-D sequence of ints"):
                     with handle.variants(bad):
                         pass
+            import numpy as np
+
+            for accepted in (np.array([-1, 0, 0, 0]), [np.int64(-1), 0, np.int32(0), 0]):
+                with handle.variants(accepted):
+                    assert handle._anchor_index.tolist() == [-1, 0, 0, 0]
             with handle.variants(torch.tensor([-1, 0, 0, 0])):
                 with pytest.raises(RuntimeError, match="already inside a variants"):
                     with handle.variants([-1, 0, 0, 0]):

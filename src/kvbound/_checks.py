@@ -113,6 +113,8 @@ class DeferredChecks:
         # (label, names, indices of the names' peak parts, messages, indices of the count parts, magnitude limit)
         self._pending: list[tuple[object, list[str], list[int], list[str], list[int], Limit | None, int]] = []
         self._calls = 0  # attention calls among the pending entries (see queue)
+        # The model layer the next attention calls come from (set by kvbound.patch's layers), for their labels.
+        self.layer: str | None = None
         self._retries: list[tuple[str, int, Callable[[], None] | None]] = []
         self._values: list[tuple[int, Callable[[list[float]], None]]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -374,25 +376,31 @@ class DeferredForward:
     exception still reads its checks. Under ``torch.compile`` the forward runs as it is (the compiled attention
     calls check their inputs at the call).
 
-    ``speculate``: called before each forward; when it returns True the block is speculative (see the module
+    ``before``: called before each forward (it may raise: ``kvbound.patch`` refuses a training-mode forward there,
+    before any layer updates its state). ``speculate``: called before each forward; when it returns True the block
+    is speculative (see the module
     docstring), and a :class:`Retry` at its end runs the forward again in an ordinary block, after calling
     ``on_retry`` with the exception. The forward must then be free of side effects that a second run would repeat
     (``kvbound.patch`` speculates only when no module of the model with parameters, buffers or dropout is in
     training mode)."""
 
-    __slots__ = ("wrapped", "speculate", "on_retry", "__weakref__")
+    __slots__ = ("wrapped", "speculate", "on_retry", "before", "__weakref__")
 
     def __init__(
         self,
         wrapped,
         speculate: Callable[[], bool] | None = None,
         on_retry: Callable[[Retry], None] | None = None,
+        before: Callable[[], None] | None = None,
     ) -> None:
         self.wrapped = wrapped
         self.speculate = speculate
         self.on_retry = on_retry
+        self.before = before
 
     def __call__(self, *args, **kwargs):
+        if self.before is not None:
+            self.before()  # what would refuse the forward part-way, checked before any layer runs
         if torch.compiler.is_compiling():
             return self.wrapped(*args, **kwargs)
         if _stream_capturing():

@@ -559,7 +559,7 @@ def _queue_checks(
         # is only formatted for an error.
         q = next((t for name, t in present if name == "q"), None)
         if label is None:
-            label = "" if q is None else _ShapeLabel("q", q.shape)
+            label = "" if q is None else _ShapeLabel("q", q.shape, deferred.layer)
         deferred.queue(label, present, conditions, limit, call=call)
         return _no_flags
     checks = [_checks.largest_magnitudes([t for _, t in present])] if present else []
@@ -711,15 +711,16 @@ class _OutputLabel:
 
 
 class _ShapeLabel:
-    """``"q [B, H, N, D]"``, formatted only when printed."""
+    """``"q [B, H, N, D]"`` (``"layer: q [B, H, N, D]"`` for a call from a patched model's layer), formatted only
+    when printed."""
 
-    __slots__ = ("name", "shape")
+    __slots__ = ("name", "shape", "layer")
 
-    def __init__(self, name: str, shape: torch.Size) -> None:
-        self.name, self.shape = name, shape
+    def __init__(self, name: str, shape: torch.Size, layer: str | None = None) -> None:
+        self.name, self.shape, self.layer = name, shape, layer
 
     def __str__(self) -> str:
-        return f"{self.name} {list(self.shape)}"
+        return f"{self.layer + ': ' if self.layer else ''}{self.name} {list(self.shape)}"
 
 
 def _full_bias_shape(bias: torch.Tensor | None, bias_tile: int, q: torch.Tensor, n_k: int) -> tuple | None:

@@ -57,9 +57,12 @@ def compress_kv(
     else:
         raise ValueError(f"impl: expected 'eager' or 'triton', got {impl!r}")
     if anchor is None:
-        if anchor_index is not None or anchor_source is not None:
-            raise ValueError("anchor_index, anchor_source: given without an anchor")
+        given = [name for name, value in (("anchor_index", anchor_index), ("anchor_source", anchor_source))
+                 if value is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)}: given without an anchor (pass anchor=, the reference's encoding)")
         return fresh
     from kvbound.codec.anchored import encode_anchored
 
-    return encode_anchored(x, fresh, anchor, anchor_index, anchor_source, check_fresh=False)  # fresh: just certified
+    return encode_anchored(x, fresh, anchor, anchor_index, anchor_source, check_fresh=False,  # fresh: just certified
+                           source_name="anchor_source")  # fmt: skip

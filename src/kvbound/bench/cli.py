@@ -40,6 +40,22 @@ __all__ = ["main", "build_parser", "SUITES"]
 SUITES = ("attention", "encoder", "models", "relative", "ring")
 
 
+def _at_least(low, kind=int):
+    """An argparse type: ``kind(text)`` of at least ``low`` (else argparse's clear error, exit 2)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"expected a value >= {low}, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbound bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the (rank, bits) sweep (8,8) (16,8) (16,4) (8,2) (4,2) and the per-block basis")
     p.add_argument("--out", type=Path, default=None,
                    help="CSV to write (default: benchmarks/results/bench-<date>.csv); rows are appended as "
-                        "they are measured, so an interrupted run keeps its rows")
+                        "they are measured, so an interrupted run keeps its rows. An existing file is refused "
+                        "unless --overwrite is given")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--ncu", action="store_true",
                    help="re-run under Nsight Compute and record DRAM and L2 bytes per provider (no timing)")
     p.add_argument("--ncu-path", default="ncu", help="Nsight Compute command line (default: ncu on PATH)")
@@ -71,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crashed", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU through the same code path (Triton interpreter)")
-    p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up (default 25; 2 on CPU)")
-    p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time (default 100; 20 on CPU)")
-    p.add_argument("--check-rows", type=int, default=256,
+    p.add_argument("--warmup-ms", type=_at_least(0.0, float), default=None,
+                   help="do_bench warm-up (default 25; 2 on CPU)")
+    p.add_argument("--rep-ms", type=_at_least(0.0, float), default=None,
+                   help="do_bench repetition time (default 100; 20 on CPU)")
+    p.add_argument("--check-rows", type=_at_least(1), default=256,
                    help="query rows compared with the float64 reference (evenly spaced, first and last included)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="relative L2 error above which a row is check_failed (default 3e-2 for 16-bit inputs)")
@@ -92,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoders", nargs="+", default=None, metavar="NAME",
                    help="encoder suite: encoders to run (encoder-triton encoder-triton-noverify encoder-eager "
                         "device-copy)")
-    g.add_argument("--batches", nargs="+", type=int, default=None,
+    g.add_argument("--batches", nargs="+", type=_at_least(1), default=None,
                    help="models suite: batch sizes (default per model: 1 and a larger one)")
     g.add_argument("--patch-backend", choices=("auto", "eager", "kvbound"), default="auto",
                    help="models suite: kvbound.patch backend (default auto: kvbound.attention on CUDA)")
@@ -111,15 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--graphs", action="store_true",
                    help="models suite: also time the unpatched, the dense-patched and the compressed-patched forward "
                         "replayed from one CUDA graph each (kvbound.capture; CUDA only)")
-    g.add_argument("--warmup", type=int, default=None, help="models and ring suites: untimed calls (default 2 / 1)")
-    g.add_argument("--repeats", type=int, default=None,
+    g.add_argument("--warmup", type=_at_least(0), default=None,
+                   help="models and ring suites: untimed calls (default 2 / 1)")
+    g.add_argument("--repeats", type=_at_least(1), default=None,
                    help="models and ring suites: timed calls (default 5; 2 on CPU)")
-    g.add_argument("--lengths", nargs="+", type=int, default=None,
+    g.add_argument("--lengths", nargs="+", type=_at_least(1), default=None,
                    help="ring suite: whole sequence lengths (default 65536 131072 262144 524288; 256 on CPU)")
-    g.add_argument("--world-sizes", nargs="+", type=int, default=None,
+    g.add_argument("--world-sizes", nargs="+", type=_at_least(1), default=None,
                    help="ring suite: processes (one per GPU; default 1 2)")
-    g.add_argument("--heads", type=int, default=None, help="ring suite: heads (default 8; 2 on CPU)")
-    g.add_argument("--head-dim", type=int, default=None, help="ring suite: head dim (default 64; 32 on CPU)")
+    g.add_argument("--heads", type=_at_least(1), default=None, help="ring suite: heads (default 8; 2 on CPU)")
+    g.add_argument("--head-dim", type=_at_least(1), default=None, help="ring suite: head dim (default 64; 32 on CPU)")
     return p
 
 
@@ -133,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_compression_args(parser, args)
+    _check_paths(parser, args)
     if args.cpu_smoke and os.environ.get("TRITON_INTERPRET") != "1":
         # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kvbound is imported: start afresh.
         return _reexec_with_interpreter(argv)
@@ -174,6 +196,22 @@ def _suite_config(args):
         rank=args.rank if args.rank is not None else (smoke_rank if smoke else 8),
         bits=args.bits if args.bits is not None else 4,
         tau=args.tau if args.tau is not None else DEFAULT_TAU)
+
+
+def _check_paths(parser: argparse.ArgumentParser, args) -> None:
+    """``parser.error`` (exit 2) for an --out that is a directory, lies in no existing directory, or exists (unless
+    --overwrite, or a resumed or child run that appends to it), and for --shapes files that do not exist."""
+    out = args.out
+    if out is not None:
+        if out.is_dir():
+            parser.error(f"--out: expected a CSV file to write, got the directory {out}")
+        if not out.parent.is_dir():
+            parser.error(f"--out: expected a file in an existing directory, got {out} ({out.parent} does not exist)")
+        if out.exists() and not (args.overwrite or args.resume or args.ncu_child):
+            parser.error(f"--out: {out} exists; pass --overwrite to replace it, or choose another path")
+    for path in args.shapes or ():
+        if not path.is_file():
+            parser.error(f"--shapes: expected a shape file, got {path}, which does not exist")
 
 
 def _check_compression_args(parser: argparse.ArgumentParser, args) -> None:

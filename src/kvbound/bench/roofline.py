@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not measure; take the ceilings from the --results rows (works without a GPU)")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args(argv)
+    for path in args.results:
+        if not path.is_file():
+            parser.error(f"--results: expected bench CSV files, got {path}, which is not a file")
     rows = [r for path in args.results for r in records.read_rows(path)]
     if not args.no_measure:
         import torch

@@ -139,8 +139,10 @@ def encode_anchored(
     source: torch.Tensor | None = None,
     *,
     check_fresh: bool = True,
+    source_name: str = "source",
 ) -> CompressedKV:
     """Encode ``x`` [B, H, N, D] on the blocks of ``anchor`` wherever they still certify it (module docstring).
+    ``source_name``: what errors call ``source`` (``compress_kv`` passes ``anchor_source``).
 
     Args:
         x: the tensor to encode (finite; the dtype ``fresh`` and ``anchor`` were encoded from).
@@ -195,11 +197,12 @@ def encode_anchored(
     anchor_row = anchor_index.repeat_interleave(heads) * heads + head  # [BH] (negative: no anchor)
     has_anchor = anchor_index.repeat_interleave(heads) >= 0
     if source is not None:
-        check_tensor(source, "source", ndim=4)
+        check_tensor(source, source_name, ndim=4)
         if tuple(source.shape) != tuple(anchor.shape):
-            raise ValueError(f"source: expected the anchor's shape {list(anchor.shape)}, got {list(source.shape)}")
+            raise ValueError(f"{source_name}: expected the anchor's shape {list(anchor.shape)}, got "
+                             f"{list(source.shape)}")  # fmt: skip
         if source.device != x.device:
-            raise ValueError(f"source: expected device {x.device} (from x), got {source.device}")
+            raise ValueError(f"{source_name}: expected device {x.device} (from x), got {source.device}")
         source_rows = source.detach().reshape(-1, n, d)
 
     mode = fresh.mode.reshape(bh, nb).clone()

@@ -918,15 +918,54 @@ def _scaling_rows(context: _ModelContext, benchmark, args, device, autocast, bud
     return rows, skipped
 
 
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """``parser.error`` (exit 2) for values the run would only refuse after loading its data and models."""
+    for name in ("windows", "max_variants", "batch_size", "calibration_windows", "block_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a value >= 1, got {getattr(args, name)}")
+    if args.layer_windows < 0:
+        parser.error(f"--layer-windows: expected a value >= 0, got {args.layer_windows}")
+    wanted = [c.removeprefix("chr") for c in args.test_chromosomes]
+    if not wanted or wanted[0] != "X" or len(set(wanted)) != len(wanted):
+        parser.error("--test-chromosomes: expected X first (the training chromosome's test split) and no repeats, "
+                     f"e.g. `X 22`; got {' '.join(args.test_chromosomes)}")  # fmt: skip
+    kinds = [kind.strip() for kind in args.models.split(",") if kind.strip()]
+    unknown = [kind for kind in kinds if kind not in ("enformer", "alphagenome")]
+    if not kinds or unknown:
+        parser.error(f"--models: expected a comma list of enformer and alphagenome, got {args.models!r}")
+    if args.codec_impl not in ("auto", "eager", "triton"):
+        parser.error(f"--codec-impl: expected eager, triton or auto, got {args.codec_impl!r}")
+    if args.settings != "all":
+        known = {s.group for s in default_settings(args.block_size)}
+        unknown = sorted({g.strip() for g in args.settings.split(",")} - known)
+        if unknown:
+            parser.error(f"--settings: expected all or a comma list of {', '.join(sorted(known))}, got {unknown}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        parser.error(f"--device: expected a torch device such as cpu or cuda, got {args.device!r} ({err})")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device: expected an available device, got {args.device!r}: torch.cuda.is_available() is "
+                     "False")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     from rich.console import Console
+
+    from kvbound.eval.data import DataNotFoundError
 
     started = time.perf_counter()
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
     device = torch.device(args.device)
     autocast = device.type == "cuda"
-    benchmark = load_benchmark(args.cache, fixture=args.fixture, progress=True)
+    try:
+        benchmark = load_benchmark(args.cache, fixture=args.fixture, progress=True)
+    except DataNotFoundError as err:
+        console.print(f"kvbound eval: {err}")
+        return 1
     args.test_sets = _test_sets(args, benchmark)
     kinds = [kind.strip() for kind in args.models.split(",") if kind.strip()]
     models = _find_models(args, benchmark, kinds, device)

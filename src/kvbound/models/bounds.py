@@ -16,7 +16,13 @@ This bounds the exact-arithmetic outputs; a float32 evaluation adds its own roun
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from kvbound._validate import FLOAT_DTYPES, check_tensor
+
+_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 __all__ = ["attention_output_bound", "linear_output_bound"]
 
@@ -34,7 +40,23 @@ def attention_output_bound(
 
     Returns:
         ``[B, Hq, N, Dv]`` float64.
+
+    Raises ``TypeError``/``ValueError`` naming the argument for non-float or non-finite tensors, shapes that do not
+    pair (batch, head groups, empty keys), and taus or a scale that are not finite numbers >= 0 (taus) / finite.
     """
+    check_tensor(effective_query, "effective_query", ndim=4, dtypes=_DTYPES)
+    check_tensor(v, "v", ndim=4, dtypes=_DTYPES)
+    for name, value in (("tau_k", tau_k), ("tau_v", tau_v), ("logit_scale", logit_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+        if not math.isfinite(value) or (name != "logit_scale" and value < 0):
+            kind = "finite float" if name == "logit_scale" else "finite float >= 0"
+            raise ValueError(f"{name}: expected a {kind}, got {value!r}")
+    if v.shape[0] != effective_query.shape[0]:
+        raise ValueError(f"v: expected batch {effective_query.shape[0]} (from effective_query), got {v.shape[0]}")
+    if effective_query.shape[1] % v.shape[1]:
+        raise ValueError(f"effective_query: expected a head count that is a multiple of v's {v.shape[1]}, "
+                         f"got {effective_query.shape[1]}")  # fmt: skip
     a = effective_query.detach().to(torch.float64)
     vv = v.detach().to(torch.float64)
     group = a.shape[1] // vv.shape[1]
@@ -45,4 +67,10 @@ def attention_output_bound(
 
 def linear_output_bound(bound: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Bound after ``y = x W^T + b``: ``|W| @ bound`` (``bound`` ``[..., in]`` -> ``[..., out]``), float64."""
+    check_tensor(bound, "bound", dtypes=_DTYPES)
+    check_tensor(weight, "weight", ndim=2, dtypes=_DTYPES)
+    if bool((bound < 0).any()):
+        raise ValueError("bound: expected values >= 0 (a bound on absolute differences), got negative ones")
+    if bound.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight: expected [out, {bound.shape[-1]}] (in from bound), got {list(weight.shape)}")
     return bound.to(torch.float64) @ weight.detach().to(torch.float64).abs().T

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,13 @@ def _weights_file_model(port: str, cls: type, checkpoint: str, device, kwargs: d
     if path.suffix not in _WEIGHT_SUFFIXES:
         raise ValueError(f"{port} checkpoint {str(path)!r}: expected a suffix in {_WEIGHT_SUFFIXES}, got "
                          f"{path.suffix!r}")  # fmt: skip
-    return cls.from_pretrained(str(path), device=device, **kwargs)
+    from safetensors import SafetensorError
+
+    try:
+        return cls.from_pretrained(str(path), device=device, **kwargs)
+    except (SafetensorError, EOFError, pickle.UnpicklingError) as err:  # (torch.load's errors on a damaged file)
+        raise ValueError(f"{port} checkpoint {str(path)!r}: not a readable weights file ({type(err).__name__}: "
+                         f"{err})") from None  # fmt: skip
 
 
 def load(port: str, checkpoint: str | os.PathLike, *, device=None, **kwargs) -> nn.Module:
@@ -151,7 +158,8 @@ def load(port: str, checkpoint: str | os.PathLike, *, device=None, **kwargs) -> 
 
     Raises:
         TypeError: ``checkpoint`` is not a path or a string.
-        ValueError: an unknown port, an empty ``checkpoint``, or a weights file of another kind.
+        ValueError: an unknown port, an empty ``checkpoint``, a weights file of another kind, or one that cannot be
+            read (damaged or not a weights file).
         ImportError: the port is not installed (the message says how to install it).
         FileNotFoundError: the checkpoint cannot be found, or, with ``HF_HUB_OFFLINE=1``, is not in the local cache.
     """

@@ -43,6 +43,9 @@ from kvbound.models._ports import (
     port_class,
     pre_norm_forward,
 )
+from kvbound.models._ports import (
+    _check_inference as _check_module_inference,
+)
 from kvbound.models.relative import equal_row_runs
 
 __all__ = ["patch", "PatchHandle", "PatchedModule"]
@@ -267,11 +270,14 @@ class PatchHandle:
     def _check_eager(self, record: PatchedModule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """On the eager backend (PyTorch operations, which pass NaN and Inf through), queue the finite checks of
         the layer's q, k and v in the forward's deferred-check block (checked at once outside one), as
-        ``kvbound.attention`` does on its own backend; compressed K/V are checked by the encoder besides."""
+        ``kvbound.attention`` does on its own backend; compressed K/V are checked by the encoder besides. On that
+        backend, the name of the layer that the next attention calls of the block come from (their errors name it)."""
+        scope = _checks.active()
+        if scope is not None:
+            scope.layer = record.name
         if self._capturing or resolve_backend(self.backend, q.device) != "eager":
             return
         tensors = [(f"{record.name} {name}", t) for name, t in (("q", q), ("k", k), ("v", v))]
-        scope = _checks.active()
         if scope is not None:
             scope.queue(record.name, tensors)
             return
@@ -381,6 +387,14 @@ class PatchHandle:
         dense, blocks = ckv.dense_nbytes, max(1, ckv.mode.numel())
         return ckv
 
+    def _check_inference(self) -> None:
+        """Before each forward of the model: the patched attention modules' inference-only check (their dropouts in
+        training mode), so that a refused forward runs no layer (batch norms before them would update their
+        statistics)."""
+        if self.active and self._root is not None:
+            for record in self.modules:
+                _check_module_inference(record.module, record.name)
+
     def _speculate(self) -> bool:
         """Whether this forward of the model may encode speculatively: compressing, switched on, and no module of
         the model that holds parameters or buffers, or is a dropout, in training mode (a forward that runs again
@@ -441,7 +455,11 @@ class PatchHandle:
             raise RuntimeError("handle.variants(): this handle was undone; patch the model again")
         if not self.compress:
             raise RuntimeError("handle.variants(): this handle keeps K/V exact (compress=False); nothing to anchor")
-        given = references.tolist() if isinstance(references, torch.Tensor) else references
+        given = references.tolist() if isinstance(references, torch.Tensor) or hasattr(references, "tolist") else (
+            references  # (a NumPy array too)
+        )
+        if isinstance(given, (list, tuple)):
+            given = [int(i) if hasattr(i, "__index__") and not isinstance(i, bool) else i for i in given]
         if (
             not isinstance(given, (list, tuple))
             or not given
@@ -545,11 +563,25 @@ class PatchHandle:
     def __enter__(self) -> PatchHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.undo()
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None:
+            self.undo()
+            return
+        try:
+            self.undo()
+        except Exception as failed:  # noqa: BLE001 - the block's own exception is the one to see; this one is said
+            warnings.warn(f"kvbound.patch: undo at the end of a block that raised {kind.__name__} failed too: "
+                          f"{failed}", RuntimeWarning, stacklevel=2)  # fmt: skip
 
 
 def _run_sample(model: nn.Module, sample) -> None:
+    given = [("calibrate_on", sample)] if isinstance(sample, torch.Tensor) else (
+        [(f"calibrate_on[{k!r}]", v) for k, v in sample.items()] if isinstance(sample, Mapping)
+        else [(f"calibrate_on[{i}]", v) for i, v in enumerate(sample)] if isinstance(sample, (tuple, list)) else []
+    )  # fmt: skip
+    for name, t in given:  # named here: the layers would report NaN or Inf under their own argument names
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            check_finite_values(t, name)
     if isinstance(sample, torch.Tensor):
         model(sample)
     elif isinstance(sample, Mapping):
@@ -563,6 +595,14 @@ def _run_sample(model: nn.Module, sample) -> None:
             "calibrate_on: expected a tensor, a tuple of positional arguments, a dict of keyword arguments or "
             f"a callable taking the model, got {type(sample).__name__}"
         )
+
+
+def _selected(filter_fn: Callable, name: str, module: nn.Module) -> bool:
+    """``filter_fn(name, module)``, which must return a bool (a truthy string or a tensor is refused, naming it)."""
+    chosen = filter_fn(name, module)
+    if not isinstance(chosen, bool):
+        raise TypeError(f"filter_fn: expected a bool for {name}, got {type(chosen).__name__}")
+    return chosen
 
 
 def _install(module: nn.Module, record: PatchedModule, handle: PatchHandle, impl: Callable) -> None:
@@ -763,6 +803,8 @@ def patch(
         raise ValueError(f"query_chunk: expected None or an int >= 1, got {query_chunk!r}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn: expected a callable (name, module) -> bool, got {type(filter_fn).__name__}")
+    if not isinstance(compress, bool):
+        raise TypeError(f"compress: expected bool, got {type(compress).__name__}")
     if calibrate_on is not None and not compress:
         raise ValueError("calibrate_on: given with compress=False; calibration only serves compression")
 
@@ -790,7 +832,7 @@ def patch(
             elif not all(hasattr(module, attr) for attr in port.required):
                 missing = [a for a in port.required if not hasattr(module, a)]
                 handle.skipped.append((name, f"{port.kind} {cls.__name__} without {missing} (another version?)"))
-            elif filter_fn is not None and not filter_fn(name, module):
+            elif filter_fn is not None and not _selected(filter_fn, name, module):
                 continue
             elif module in _ACTIVE:
                 raise ValueError(f"model: module {name} is already patched by kvbound; undo that handle first")
@@ -803,6 +845,10 @@ def patch(
                     config.check_head_dim(dv, f"{name} V")
                 chosen.append((name, module, port))
 
+    if not chosen and not handle.skipped:  # (skipped modules get their own warning below)
+        which = "that filter_fn selects" if filter_fn is not None else "of the Enformer, Borzoi or AlphaGenome ports"
+        warnings.warn(f"kvbound.patch: no attention module {which} in this {type(model).__name__}: nothing was "
+                      "patched and the model runs as it was", stacklevel=2)  # fmt: skip
     for name, module, port in chosen:
         record = PatchedModule(name=name, kind=port.kind, role=port.role, module=module, method=port.method)
         _install(module, record, handle, port.forward)
@@ -830,7 +876,8 @@ def patch(
         handle._root = model
         handle._root_modules = [m for m in model.modules() if _training_matters(m)]
         handle._root_original = model.__dict__.get("forward", _MISSING)
-        handle._root_installed = _checks.DeferredForward(model.forward, handle._speculate, handle._count_retry)
+        handle._root_installed = _checks.DeferredForward(model.forward, handle._speculate, handle._count_retry,
+                                                         handle._check_inference)  # fmt: skip
         model.__dict__["forward"] = handle._root_installed
     if handle.skipped:
         listed = "; ".join(f"{name}: {reason}" for name, reason in handle.skipped)
