@@ -376,13 +376,12 @@ class DeferredForward:
     exception still reads its checks. Under ``torch.compile`` the forward runs as it is (the compiled attention
     calls check their inputs at the call).
 
-    ``before``: called before each forward (it may raise: ``kvbound.patch`` refuses a training-mode forward there,
-    before any layer updates its state). ``speculate``: called before each forward; when it returns True the block
-    is speculative (see the module
-    docstring), and a :class:`Retry` at its end runs the forward again in an ordinary block, after calling
-    ``on_retry`` with the exception. The forward must then be free of side effects that a second run would repeat
-    (``kvbound.patch`` speculates only when no module of the model with parameters, buffers or dropout is in
-    training mode)."""
+    ``before``: called before each eager forward (it may raise: ``kvbound.patch`` refuses a training-mode forward
+    there, before any layer updates its state). ``speculate``: called before each forward; when it returns True the
+    block is speculative (see the module docstring), and a :class:`Retry` at its end runs the forward again in an
+    ordinary block, after calling ``on_retry`` with the exception. The forward must then be free of side effects
+    that a second run would repeat (``kvbound.patch`` speculates only when no module of the model with parameters,
+    buffers or dropout is in training mode)."""
 
     __slots__ = ("wrapped", "speculate", "on_retry", "before", "__weakref__")
 
@@ -399,10 +398,10 @@ class DeferredForward:
         self.before = before
 
     def __call__(self, *args, **kwargs):
-        if self.before is not None:
-            self.before()  # what would refuse the forward part-way, checked before any layer runs
         if torch.compiler.is_compiling():
             return self.wrapped(*args, **kwargs)
+        if self.before is not None:
+            self.before()  # what would refuse the forward part-way, checked before any layer runs
         if _stream_capturing():
             if getattr(_LOCAL, "graph", None) is None:
                 raise RuntimeError(

@@ -270,8 +270,8 @@ class PatchHandle:
     def _check_eager(self, record: PatchedModule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """On the eager backend (PyTorch operations, which pass NaN and Inf through), queue the finite checks of
         the layer's q, k and v in the forward's deferred-check block (checked at once outside one), as
-        ``kvbound.attention`` does on its own backend; compressed K/V are checked by the encoder besides. On that
-        backend, the name of the layer that the next attention calls of the block come from (their errors name it)."""
+        ``kvbound.attention`` does on its own backend; compressed K/V are checked by the encoder besides. On every
+        backend, the block records this layer's name: the attention calls that follow name it in their errors."""
         scope = _checks.active()
         if scope is not None:
             scope.layer = record.name
