@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What float64 references, biases and measurements also accept.
+FLOAT_DTYPES_AND_64 = (*FLOAT_DTYPES, torch.float64)
 
 
 def check_tensor(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvbound import _checks
-from kvbound._validate import check_finite_values, check_tensor
+from kvbound._validate import FLOAT_DTYPES_AND_64, check_finite_values, check_tensor
 from kvbound.codec.format import CompressedKV, check_layout, decoded_magnitude, layout_violations, stored_shapes
 
 __all__ = ["attention"]
@@ -27,7 +27,7 @@ _LARGEST_SOFTCAP = 2.0**64
 _SMALLEST_SOFTCAP = 2.0**-64
 # The kernels index tiles of the compact bias with 32-bit integers.
 _LARGEST_BIAS_TILE = 2**30
-_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BIAS_DTYPES = FLOAT_DTYPES_AND_64
 
 
 def attention(
@@ -596,6 +596,8 @@ def _no_flags() -> list[float]:
 # The kernels sum logits and the unnormalised P @ V in float32. A softmax weight is at most 1 with a running or
 # bounded maximum, and at most 2**14 with the fixed maximum of a soft-cap (``kernels._common.fixed_softmax_max``).
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# Where the kernels multiply further (row scales, summed terms), float32's range over 2**8 leaves room for it.
+_FLOAT32_ROOM = _FLOAT32_MAX / 2**8
 _FIXED_MAX_WEIGHT = 2.0**14
 _LOG2E = math.log2(math.e)
 
@@ -665,10 +667,10 @@ class _Overflow:
             else:
                 # Each term is divided by the cap before the tanh, each query row first multiplied by up to
                 # |scale| max|q| / softcap (the compressed kernel's power-of-two row scale): room for both.
-                limit, why = _FLOAT32_MAX * self.softcap / 2**8, "float32's range times the soft-cap over 2**8"
-                if not query / self.softcap <= _FLOAT32_MAX / 2**8:
+                limit, why = _FLOAT32_ROOM * self.softcap, "float32's range times the soft-cap over 2**8"
+                if not query / self.softcap <= _FLOAT32_ROOM:
                     return (
-                        f"q: expected |scale| max|q| / softcap below {_FLOAT32_MAX / 2**8:.3g} (float32's range over "
+                        f"q: expected |scale| max|q| / softcap below {_FLOAT32_ROOM:.3g} (float32's range over "
                         f"2**8: the kernels multiply query rows by scale / softcap), got {query / self.softcap:.3g}: "
                         f"largest magnitude {q:.3g} (q), scale {self.scale:.3g}, softcap {self.softcap:.3g}"
                     )
@@ -681,10 +683,10 @@ class _Overflow:
                     + "".join(f", {peaks[name]:.3g} ({name})" for name in ("relative_keys", "bias") if name in peaks)
                 )
             raw = self.head_dim_k * q * k
-            if not raw <= _FLOAT32_MAX / 2**8:
+            if not raw <= _FLOAT32_ROOM:
                 # The dense kernel forms q . k in float32 and scales it after: a tiny scale does not keep it finite.
                 return (
-                    f"q, k: expected dk max|q| max|k| below {_FLOAT32_MAX / 2**8:.3g} (float32's range over 2**8: the "
+                    f"q, k: expected dk max|q| max|k| below {_FLOAT32_ROOM:.3g} (float32's range over 2**8: the "
                     f"kernels form q . k before scaling it), got {raw:.3g}: largest magnitudes {q:.3g} (q) and "
                     f"{k:.3g} (k, {kind}) at head dim {self.head_dim_k}"
                 )
@@ -1067,8 +1069,8 @@ def _attention_compressed(
         v_bound = limit.v_bound if limit.v_bound is not None else (v_largest if v_largest >= 0 else None)
         if v_bound is None or not v_bound <= q_max:
             q_type, v_type = (str(t.dtype).removeprefix("torch.") for t in (q, v_raw))
-            deferred = _checks.active()
-            label = _ShapeLabel("q", q.shape) if deferred is None else _OutputLabel(deferred.calls, q.shape)
+            deferred = _checks.active()  # (the label names the entry in a deferred block only)
+            label = None if deferred is None else _OutputLabel(deferred.calls, q.shape)
             _queue_checks(((f"output ({q_type} as q; v is a {v_type} CompressedKV whose values may exceed {q_type}'s "
                             "range: pass q in float32 or compress V in q's dtype)", out),),
                           label=label, call=False)()  # fmt: skip

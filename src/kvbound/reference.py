@@ -6,9 +6,7 @@ import math
 
 import torch
 
-from kvbound._validate import FLOAT_DTYPES, check_tensor
-
-_ORACLE_DTYPES = (*FLOAT_DTYPES, torch.float64)
+from kvbound._validate import FLOAT_DTYPES_AND_64, check_tensor
 
 __all__ = ["reference_attention"]
 
@@ -38,7 +36,7 @@ def reference_attention(
         ``[B, Hq, Nq, Dv]`` float64.
     """
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_tensor(t, name, ndim=4, dtypes=_ORACLE_DTYPES)
+        check_tensor(t, name, ndim=4, dtypes=FLOAT_DTYPES_AND_64)
     b, hq, nq, dk = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"k, v: expected batch {b} (from q), got {k.shape[0]} and {v.shape[0]}")
@@ -62,7 +60,7 @@ def reference_attention(
     v64 = v.detach().to(torch.float64).repeat_interleave(group, dim=1)
     logits = (q64 @ k64.transpose(-1, -2)) * scale
     if bias is not None:
-        check_tensor(bias, "bias", dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        check_tensor(bias, "bias", dtypes=FLOAT_DTYPES_AND_64,
                      check_finite=False)
         if torch.isnan(bias).any() or torch.isposinf(bias).any():  # -inf is a mask
             raise ValueError("bias: expected finite values or -inf (a mask), found NaN or +Inf")

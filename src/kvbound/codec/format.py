@@ -330,9 +330,9 @@ class CompressedKV:
     def max_abs_error(self, x: torch.Tensor) -> float:
         """Measured ``max |x - decompress()|`` in float64 against the original tensor ``x`` (float16, bfloat16,
         float32 or float64, finite, of this object's shape)."""
-        from kvbound._validate import FLOAT_DTYPES, check_tensor
+        from kvbound._validate import FLOAT_DTYPES_AND_64, check_tensor
 
-        check_tensor(x, "x", ndim=4, dtypes=(*FLOAT_DTYPES, torch.float64))
+        check_tensor(x, "x", ndim=4, dtypes=FLOAT_DTYPES_AND_64)
         if tuple(x.shape) != tuple(self.shape):
             raise ValueError(f"x: expected shape {tuple(self.shape)} (this CompressedKV's), got {tuple(x.shape)}")
         x_hat = self.decompress().to(device=x.device, dtype=torch.float64)

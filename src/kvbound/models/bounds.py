@@ -20,9 +20,8 @@ import math
 
 import torch
 
-from kvbound._validate import FLOAT_DTYPES, check_tensor
-
-_DTYPES = (*FLOAT_DTYPES, torch.float64)
+from kvbound._validate import FLOAT_DTYPES_AND_64 as _DTYPES
+from kvbound._validate import check_tensor
 
 __all__ = ["attention_output_bound", "linear_output_bound"]
 
