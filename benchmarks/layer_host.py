@@ -1,7 +1,7 @@
 """Host time per call of the pieces of a patched Enformer layer at batch 1, where the eager forward waits for the
 host: torch ops, kvbound's Triton launches (through ``JITFunction.run``, through the compiled kernel, and the
-argument binding alone), the finite checks, ``kvbound.attention`` and whole modules, unpatched and patched. Needs a
-CUDA GPU.
+argument binding alone), the finite checks, ``kvbound.attention`` and whole modules, unpatched and patched (K/V
+dense, and compressed with the default configuration, calibrated). Needs a CUDA GPU.
 
     python benchmarks/layer_host.py OUT.csv [--calls 200] [--rounds 3] [--commit C]
 
@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     attention_residual, feed_forward_residual = model.transformer[0][0], model.transformer[0][1]
     module = attention_residual.fn[1]
 
+    calibration = spec.make_input(1, 2, dev)
+
+    def calibrate(m: nn.Module) -> None:
+        with torch.autocast("cuda", dtype=bf16):
+            m(*calibration.args, **calibration.kwargs)
+
     def module_call():
         return module(x)
 
@@ -125,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         JITFunction.run = run
         rounds: dict[str, list[float]] = {}
         for r in range(args.rounds):
-            for variant in ("unpatched", "patched"):
-                if variant == "patched":
+            for variant in ("unpatched", "patched", "patched, compressed"):
+                if variant != "unpatched":
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        handle = kvbound.patch(model, compress=False)
+                        compress = variant != "patched"
+                        handle = kvbound.patch(model, compress=compress, calibrate_on=calibrate if compress else None)
                 calls = {**(pieces if variant == "unpatched" else {}),
                          f"Enformer attention module ({variant})": module_call,
                          f"Enformer layer: attention and feed-forward residuals ({variant})": layer_call}  # fmt: skip
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         fn()
                     rounds.setdefault(label, []).append((time.perf_counter() - start) / args.calls * 1e6)
                     torch.cuda.synchronize()
-                if variant == "patched":
+                if variant != "unpatched":
                     handle.undo()
             print(f"round {r + 1} of {args.rounds} done", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
