@@ -44,9 +44,10 @@ def _relative_errors(t: torch.Tensor, form: int) -> torch.Tensor:
     return (got - exact).abs() / exact.abs().clamp_min(1e-300)
 
 
-@pytest.fixture
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """The CPU under Triton's interpreter, and the GPU (tests marked ``gpu``)."""
+    return request.param
 
 
 def test_series_form_keeps_every_tanh_to_a_few_units_of_float32(device):
@@ -111,13 +112,13 @@ LARGE_CAPS = [
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 @pytest.mark.parametrize("compressed", [False, True], ids=["dense", "compressed"])
 @pytest.mark.parametrize("dtype, softcap", LARGE_CAPS, ids=lambda x: str(x).replace("torch.", ""))
-def test_attention_at_large_caps_matches_the_reference(dtype, softcap, compressed):
+def test_attention_at_large_caps_matches_the_reference(dtype, softcap, compressed, device):
     """Within twice plain PyTorch attention's error in the same dtype, dense and compressed, causal, with a bias."""
     g = torch.Generator().manual_seed(int(softcap) % 1000 + 7)
-    q = torch.randn(1, 4, 37, 32, generator=g).to(dtype)
-    k = structured(1, 2, 70, 32, dtype, 31)
-    v = structured(1, 2, 70, 24, dtype, 32)
-    bias = torch.randn(1, 4, 37, 1, generator=g) * 3.0
+    q = torch.randn(1, 4, 37, 32, generator=g).to(device, dtype)
+    k = structured(1, 2, 70, 32, dtype, 31).to(device)
+    v = structured(1, 2, 70, 24, dtype, 32).to(device)
+    bias = (torch.randn(1, 4, 37, 1, generator=g) * 3.0).to(device)
     cfg = CompressionConfig(block_size=16, rank=4)
     kk, vv = (compress_kv(k, cfg), compress_kv(v, cfg)) if compressed else (k, v)
     k_ref, v_ref = (kk.decompress(), vv.decompress()) if compressed else (k, v)
@@ -125,28 +126,29 @@ def test_attention_at_large_caps_matches_the_reference(dtype, softcap, compresse
     check_against_reference(out, q, k_ref, v_ref, causal=True, bias=bias, softcap=softcap)
 
 
-def test_a_cap_far_above_the_logits_gives_uncapped_attention():
+def test_a_cap_far_above_the_logits_gives_uncapped_attention(device):
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(device) for _ in range(3))
     capped = attention(q, k, v, softcap=1.0e9)
     torch.testing.assert_close(capped, attention(q, k, v), rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["dense", "compressed"])
-def test_tiny_caps_with_huge_logits_raise_instead_of_nan(compressed):
+def test_tiny_caps_with_huge_logits_raise_instead_of_nan(compressed, device):
     """The kernels divide each logit term by the cap in float32: terms of 2e20 and -1e20 (a bias) over a cap of
     2**-64 would overflow to inf - inf. Such inputs raise, naming the dominant term; so do query rows whose
     multiplier scale / softcap would overflow."""
-    q = torch.full((1, 1, 4, 16), 1.0e10)
-    k, v = torch.full((1, 1, 32, 16), 1.25e9), torch.randn(1, 1, 32, 16, generator=torch.Generator().manual_seed(5))
+    q = torch.full((1, 1, 4, 16), 1.0e10, device=device)
+    k = torch.full((1, 1, 32, 16), 1.25e9, device=device)
+    v = torch.randn(1, 1, 32, 16, generator=torch.Generator().manual_seed(5)).to(device)
     cfg = CompressionConfig(block_size=16, rank=0)
     kk, vv = (compress_kv(k, cfg), compress_kv(v, cfg)) if compressed else (k, v)
-    bias = torch.full((1, 1, 4, 1), -1.0e20)
+    bias = torch.full((1, 1, 4, 1), -1.0e20, device=device)
     with pytest.raises(ValueError, match=r"^q, k: expected magnitudes whose logits stay below 7\.2\de\+16 \(float32's "
                                          r"range times the soft-cap over 2\*\*8\), got logits of up to 3e\+20"):
         attention(q, kk, vv, bias=bias, scale=1.0, softcap=2.0**-64)
-    tiny_k = torch.full((1, 1, 32, 16), 1.0e-30)
+    tiny_k = torch.full((1, 1, 32, 16), 1.0e-30, device=device)
     kk = compress_kv(tiny_k, cfg) if compressed else tiny_k
     multiplier = r"^q: expected \|scale\| max\|q\| / softcap below 1\.33e\+36 .*, got 1\.84e\+49"
     with pytest.raises(ValueError, match=multiplier):
-        attention(torch.full((1, 1, 4, 16), 1.0e30), kk, vv, scale=1.0, softcap=2.0**-64)
+        attention(torch.full((1, 1, 4, 16), 1.0e30, device=device), kk, vv, scale=1.0, softcap=2.0**-64)
