@@ -746,6 +746,26 @@ def test_first_call_on_unrecorded_compressed_kv_reads_each_once(monkeypatch):
     assert calls == ["tolist"]
 
 
+def test_checked_compressed_kv_under_a_profiler_reads_once_and_is_recorded_by_name(monkeypatch):
+    """Under torch.profiler the op runs through the dispatcher (so that the trace names it) and still uses the
+    objects' checked records: inside kvbound.deferred_checks() no read until the block ends, as without the
+    profiler (an unrecorded object's layout and which kernel variant runs would be read before the kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import kvbound
+
+    q, ck, cv = _sync_cases()["compressed-residual"][0]
+    expected = attention(q, ck, cv)  # compiles; checks and records both objects
+    calls = count_host_syncs(monkeypatch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with kvbound.deferred_checks():
+            out = attention(q, ck, cv)
+            assert calls == []
+    assert calls == ["tolist"]
+    assert any(e.name == "kvbound::attention_compressed" for e in prof.events())
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's store
 def test_output_beyond_q_dtype_from_wider_compressed_v_raises():
     """The output takes q's dtype; compressed V of a wider dtype may decode beyond its range. Checked after the

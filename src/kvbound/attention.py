@@ -199,8 +199,9 @@ def attention(
         )
     elif compressed:
         known, shares, largest, but_raw = (-1, -1), (-1.0, -1.0), (-1.0, -1.0), (-1.0, -1.0)
-        plain = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()))
-        if plain:
+        operands = (q, bias4, *relative, *k._tensors().values(), *v._tensors().values())
+        plain = _plain_eager(operands)
+        if plain or _plain_eager(operands, profiled=True):  # under a profiler the op runs, with the records
             known_k, share_k = _recorded_residual(k, "k")
             known_v, share_v = _recorded_residual(v, "v")
             known, shares = (known_k, known_v), (share_k, share_v)
@@ -266,17 +267,19 @@ def _type_name(value: object) -> str:
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__name__}"
 
 
-def _plain_eager(tensors: tuple) -> bool:
+def _plain_eager(tensors: tuple, *, profiled: bool = False) -> bool:
     """Whether calling an op's implementation directly is indistinguishable from calling the op: eager mode
     (not traced by ``torch.compile``), no dispatch or function mode (fake tensors, ``FlopCounterMode``, device
     contexts), no functorch transform, no profiler (which records the op by name), plain tensors only (no
-    subclass), and no input that requires grad while grad mode is on (the op gives those its autograd error)."""
+    subclass), and no input that requires grad while grad mode is on (the op gives those its autograd error).
+    ``profiled``: a running profiler counts as plain eager too (it records the op but sees the same tensors, so
+    what is recorded on them, such as a CompressedKV's checks, still holds)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
-        or torch.autograd.profiler._is_profiler_enabled
+        or (torch.autograd.profiler._is_profiler_enabled and not profiled)
     ):
         return False
     grad = torch.is_grad_enabled()
