@@ -550,13 +550,14 @@ def test_model_speedups_plot_divides_by_its_own_runs_unpatched_forward(tmp_path,
     assert path is not None and path.read_bytes()[:8] == PNG_MAGIC
     assert seen == {"patched dense": [1.5], "patched dense, CUDA graph / unpatched eager": [2.0],
                     "patched dense / unpatched, both CUDA graphs": [1.6]}
-    assert groups == ["enformer\nB=1\nccccccc"]  # no empty group for borzoi's batch without an unpatched forward
+    # the run's commit and GPU; no empty group for borzoi's batch without an unpatched forward
+    assert groups == ["enformer\nB=1\nccccccc H200"]
     assert plots.model_speedups(fixture_rows(), tmp_path / "none.png") is None
 
 
 def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_uncounted():
     day = {**ENV, "date": "2026-12-04T10:00:00Z", "commit": "ccccccc"}
-    later = {**ENV, "date": "2026-12-04T12:00:00Z", "commit": "ddddddd"}
+    later = {**ENV, "date": "2026-12-04T12:00:00Z", "commit": "ddddddd", "gpu": "NVIDIA H100 80GB HBM3"}
     older = {**ENV, "date": "2026-12-01T10:00:00Z", "commit": "aaaaaaa"}
     switched = {**later, "date": "2026-12-04T13:00:00Z", "command": "KVBOUND_RELATIVE_RUNS=0 python -m kvbound.bench"}
     rows = [
@@ -601,8 +602,8 @@ def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_unc
     assert row["in CUDA graphs"] == "2.72x (met)" and row["best alternative (ms)"] == "flex-built-table (162)"
     assert row["compressed K/V"] == "2.50x (met); in CUDA graphs 2.51x (met)"
     assert by[("alphagenome", "1")]["compressed K/V"] == "1.15x (MISSED (88% of the target)), 2026-12-01, not counted"
-    assert row["commits"] == "ccccccc, ddddddd" and row["peak GiB: unpatched / patched / alternative"] == (
-        "17.00 / 9.00 / 17.50")  # the forwards' peaks (baseline 2 GiB included)
+    assert row["commits (GPU)"] == "ccccccc (H200), ddddddd (H100)"  # each run's commit and GPU
+    assert row["peak GiB: unpatched / patched / alternative"] == "17.00 / 9.00 / 17.50"  # baseline 2 GiB included
     assert by[("enformer", "32")]["day"] == "2026-12-01 (older)"
     assert by[("alphagenome", "1")]["verdict (10x)"] == "met" and by[("alphagenome", "1")]["patched vs it"] == "-"
     summary = tables.model_targets_summary(rows)

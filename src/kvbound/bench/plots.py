@@ -300,8 +300,10 @@ def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
                   label="target" if i == 0 else None)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(groups)))
-    commit_of = {(r["shape"], int(r["batch"])): (r.get("commit") or "?")[:7]
-                 for r in timed if r["provider"] == "unpatched"}  # fmt: skip
+    from kvbound.bench.tables import _gpu_label
+
+    commit_of = {(r["shape"], int(r["batch"])): f"{(r.get('commit') or '?')[:7]} {_gpu_label(r.get('gpu'))}"
+                 for r in timed if r["provider"] == "unpatched"}  # the eager bars' run  # fmt: skip
     ax.set_xticklabels([f"{model}\nB={batch}\n{commit_of.get((model, batch), '?')}" for model, batch in groups],
                        fontsize=8)
     ax.set_ylabel("whole-forward speed-up over the unpatched port (median times)")

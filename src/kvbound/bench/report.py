@@ -664,7 +664,11 @@ attention`: the unpatched forward over the patched forward less its attention mo
 device time at all (the ceiling the attention-only targets can reach). Transformer: from the first to the last
 kernel launched in an attention module. Each CSV has a plot of the same next to it (`.png`). Files recorded before
 9567d8e counted the marks' device-side ranges as device work (their READMEs say so): their busy time cannot show
-gaps inside a module.
+gaps inside a module. In the `patch-compressed` rows recorded before 86b408c, the traced forward is not the timed
+one: under the profiler the compressed attention op ignored its operands' check records and checked each K and V
+again before its kernel (a host read each: 70 syncs in Enformer's forward, some 150 small check kernels per layer),
+so their busy, idle and attention-module columns overstate that variant's work; their `forward ms` (untraced) does
+not.
 """
 
 _RELATIVE_NCU_METHOD = """`python benchmarks/relative_ncu.py OUT.csv` (`bash benchmarks/h200.sh relative-ncu`): one

@@ -15,6 +15,7 @@ What the ratios count (also printed under each table by the report):
 
 from __future__ import annotations
 
+import re
 import sys
 
 from kvbound.bench.formulas import attention_flops, rank_space_flops, reconstruction_overhead
@@ -523,12 +524,19 @@ def model_targets(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda e: (order.index(e["model"]), e["older"], e["batch"]))
 
 
+def _gpu_label(name: str | None) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``: the model of a device name, else the name (``-`` when unknown)."""
+    found = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name or "")
+    return found.group(0) if found else (name or "-")
+
+
 def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """``model_targets`` as a table: each speed-up with its target, its verdict and the commit of its run."""
+    """``model_targets`` as a table: each speed-up with its target, its verdict and the commit and GPU of its
+    runs (a model's batches may come from different machines; each target is judged within one run)."""
     headers = ["model", "batch", "day", "forward ms: unpatched / patched", "forward speed-up", "verdict",
                "in CUDA graphs", "compressed K/V", "attention modules ms", "modules speed-up", "verdict (10x)",
                "best alternative (ms)", "patched vs it", "verdict", "peak GiB: unpatched / patched / alternative",
-               "commits"]  # fmt: skip
+               "commits (GPU)"]  # fmt: skip
     table = []
     for e in model_targets(rows):
         target = e["forward_target"]
@@ -536,7 +544,8 @@ def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         peaks = [_gib(r.get("peak_bytes")) if r is not None else "-" for r in (u, p, alt)]
         graph = e.get("graph")
         rows_used = (u, alt, e.get("compressed_row"), *(e.get("graph_rows") or {}).values())
-        commits = dict.fromkeys(r.get("commit") or "-" for r in rows_used if r is not None)
+        commits = dict.fromkeys(f"{r.get('commit') or '-'} ({_gpu_label(r.get('gpu'))})" for r in rows_used
+                                if r is not None)  # fmt: skip
         squeezed = "-"
         if "compressed" in e:
             squeezed = f"{e['compressed']:.2f}x ({_met(e['compressed'], target)})"
