@@ -323,13 +323,22 @@ def _inference_copy(ckv: kvbound.CompressedKV) -> kvbound.CompressedKV:
     return copy
 
 
-@pytest.mark.parametrize("context", ["eager", "inference", "dispatched"])
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing: under it ``kvbound.attention`` dispatches its op, as under
+    ``torch.compile`` or a device context, where no check record can be trusted."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("context", ["eager", "profiled", "inference", "dispatched"])
 @pytest.mark.parametrize("case, fields, error, pattern", READ_TAMPERING, ids=[c[0] for c in READ_TAMPERING])
 def test_attention_refuses_what_it_cannot_read(ckv, case, fields, error, pattern, context):
     """``kvbound.attention`` never reads a block outside ``codes`` or ``raw``: an object's first check runs the
-    layout checks (the same message as ``decompress``); where no record can be kept (inference tensors) or the op is
-    dispatched (here under ``torch.profiler``), each call counts the failed block checks with its other checks, read
-    before the kernel runs. The untampered object gives the same output in every context."""
+    layout checks (the same message as ``decompress``; under ``torch.profiler`` too, where the op is dispatched with
+    the objects' records); where no record can be kept (inference tensors) or used (the op dispatched under a
+    function mode), each call counts the failed block checks with its other checks, read before the kernel runs.
+    The untampered object gives the same output in every context."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 8, D, generator=g)
     bad = tampered(ckv, **fields)
@@ -342,12 +351,15 @@ def test_attention_refuses_what_it_cannot_read(ckv, case, fields, error, pattern
         if context == "inference":
             with torch.inference_mode():
                 return kvbound.attention(q, k, v, scale=0.25)
-        if context == "dispatched":
+        if context == "profiled":
             with torch.profiler.profile():
+                return kvbound.attention(q, k, v, scale=0.25)
+        if context == "dispatched":
+            with _PassThrough():
                 return kvbound.attention(q, k, v, scale=0.25)
         return kvbound.attention(q, k, v, scale=0.25)
 
-    if context == "eager":
+    if context in ("eager", "profiled"):
         with pytest.raises(error, match=r"^k: " + pattern):
             run(bad, good)
     else:
