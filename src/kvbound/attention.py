@@ -199,9 +199,10 @@ def attention(
         )
     elif compressed:
         known, shares, largest, but_raw = (-1, -1), (-1.0, -1.0), (-1.0, -1.0), (-1.0, -1.0)
-        operands = (q, bias4, *relative, *k._tensors().values(), *v._tensors().values())
-        plain = _plain_eager(operands)
-        if plain or _plain_eager(operands, profiled=True):  # under a profiler the op runs, with the records
+        # Under a profiler the op runs (the trace names it), with the objects' records as in plain eager mode.
+        recorded = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()), profiled=True)
+        plain = recorded and not torch.autograd.profiler._is_profiler_enabled
+        if recorded:
             known_k, share_k = _recorded_residual(k, "k")
             known_v, share_v = _recorded_residual(v, "v")
             known, shares = (known_k, known_v), (share_k, share_v)
