@@ -4,18 +4,23 @@ argument binding alone), the finite checks, ``kvbound.attention`` and whole modu
 dense, and compressed with the default configuration, calibrated, called inside a speculative block as a patched
 forward calls them). Needs a CUDA GPU.
 
-    python benchmarks/layer_host.py OUT.csv [--calls 200] [--rounds 3] [--commit C]
+    python benchmarks/layer_host.py OUT.csv [--calls 200] [--rounds 3] [--commit C] [--cprofile DIR]
 
 Each piece is called ``--calls`` times back to back without synchronising (the device work of every piece is far
 shorter than its host path, so the time per call is the host's), in ``--rounds`` rounds that take turns; each row
 holds the median over the rounds and every round's value. Host speed differs between machines and processes by
-tens of per cent, so compare rows of one file, not across files.
+tens of per cent, so compare rows of one file, not across files. With ``--cprofile DIR`` the patched modules (dense and
+compressed, inside their blocks as above) are also profiled by ``cProfile`` over ``--calls`` calls after the rounds:
+``DIR/module_<variant>.txt``, the 45 functions with the most own time and the 45 with the most time inside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -31,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--commit", default="unknown")
+    p.add_argument("--cprofile", type=Path, default=None, help="also profile the patched modules' host path here")
     args = p.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         print("layer_host.py: expected --calls >= 1 and --rounds >= 1", file=sys.stderr)
@@ -164,6 +170,37 @@ def main(argv: list[str] | None = None) -> int:
                 if variant != "unpatched":
                     handle.undo()
             print(f"round {r + 1} of {args.rounds} done", flush=True)
+        if args.cprofile is not None:
+            args.cprofile.mkdir(parents=True, exist_ok=True)
+            for variant in ("patched", "patched, compressed"):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    compress = variant != "patched"
+                    handle = kvbound.patch(model, compress=compress, calibrate_on=calibrate if compress else None)
+                speculative = compress
+                try:
+                    with _checks._block(speculative=speculative):
+                        for _ in range(5):
+                            module_call()
+                    torch.cuda.synchronize()
+                    profiler = cProfile.Profile()
+                    with _checks._block(speculative=speculative):
+                        profiler.enable()
+                        for _ in range(args.calls):
+                            module_call()
+                        profiler.disable()
+                except _checks.Retry as retry:
+                    print(f"cProfile of {variant}: dropped (speculative retry: {retry})", flush=True)
+                else:
+                    text = io.StringIO()
+                    stats = pstats.Stats(profiler, stream=text)
+                    print(f"{args.calls} calls of the Enformer attention module ({variant})", file=text)
+                    stats.sort_stats("tottime").print_stats(45)
+                    stats.sort_stats("cumulative").print_stats(45)
+                    name = "module_" + variant.replace(", ", "_").replace(" ", "_") + ".txt"
+                    (args.cprofile / name).write_text(text.getvalue())
+                torch.cuda.synchronize()
+                handle.undo()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
