@@ -86,6 +86,31 @@ def test_flags_of_any_shape_and_queueing_dispatches_no_op():
     assert got == [[0.0, 0.0, 0.0, 0.0, 2.0, 7.0], [0.5]]
 
 
+def test_entries_read_their_own_elements_of_a_kept_tensor():
+    """``keep`` a tensor once; ``(index, start, stop)`` triples then stand for its elements in conditions, flags and
+    values, read with everything else at the block's end."""
+    summary = torch.tensor([0, 0, 0, 0, 2, 7], dtype=torch.int64)
+    got, called = [], []
+    with pytest.raises(_checks.Retry) as caught:
+        with _checks._block(speculative=True) as scope:
+            whole = scope.keep(summary)
+            scope.queue_retry("clear", (whole, 0, 2), lambda: called.append("clear"))
+            scope.queue("call", {}, [("x: {count} bad", (whole, 2, 3))])
+            scope.queue_retry("set", (whole, 3, 5), lambda: called.append("set"))
+            scope.queue_value((whole, 4, 6), got.append)
+    assert caught.value.reasons == ["set"] and called == ["set"] and got == []
+    with pytest.raises(ValueError, match=r"x: 9 bad"):
+        with _checks._block(speculative=True) as scope:
+            whole = scope.keep(summary)
+            scope.queue("call", {}, [("x: {count} bad", (whole, 4, 6))])
+    with _checks._block(speculative=True) as scope:
+        whole = scope.keep(summary)
+        scope.queue_retry("clear", (whole, 0, 4))
+        scope.queue_value((whole, 4, 6), got.append)
+        scope.queue_value((whole, 0, 6), got.append)
+    assert got == [[2.0, 7.0], [0.0, 0.0, 0.0, 0.0, 2.0, 7.0]]
+
+
 def test_deferred_forward_runs_again_after_a_retry():
     calls, retries = [], []
 
@@ -194,6 +219,38 @@ def test_deferred_encoder_matches_the_synchronous_one(outlier, one_pass):
         assert not torch.equal(spec.offset, sync.offset)
     assert torch.equal(decoded, sync.decompress())
     assert bool(((decoded.double() - x.double()).abs() <= config.tau).all())
+
+
+def test_one_pass_encodes_reuse_a_workspace_and_store_what_fresh_tensors_store():
+    """With a ``workspace`` a one-launch encode writes into the tensors an earlier encode of the same shapes left
+    there (no allocation), and stores exactly what an encode into fresh tensors stores (the code words of blocks
+    that use fewer than the widest code's are not written, and not read: the decoded values cover them); other
+    shapes replace them."""
+    gen = torch.Generator().manual_seed(5)
+    config = kvbound.CompressionConfig(rank=4, bits=4, tau=0.05, block_size=32)
+    first, second = _data(100, 32, gen, True), _data(100, 32, gen, False)
+    basis = kvbound.calibrate(torch.cat([first, second], 2), config)
+    fields = ("coeffs", "mode", "scale", "bits", "offset", "codes", "raw")
+    workspace = {}
+    for x in (first, second):
+        with _checks._block(speculative=True) as scope:
+            fresh = encode_triton_deferred(x, config, basis, scope, one_pass=True)
+            kept = encode_triton_deferred(x, config, basis, scope, one_pass=True, workspace=workspace)
+            again = encode_triton_deferred(x, config, basis, scope, one_pass=True, workspace=workspace)
+            for field in fields:
+                assert getattr(again, field).data_ptr() == getattr(kept, field).data_ptr(), field
+                assert getattr(again, field).data_ptr() != getattr(fresh, field).data_ptr(), field
+                if field != "codes":
+                    assert torch.equal(getattr(again, field), getattr(fresh, field)), field
+            decoded = again.decompress()
+        assert torch.equal(decoded, fresh.decompress())
+        assert bool(((decoded.double() - x.double()).abs() <= config.tau).all())
+    assert len(workspace) == 1
+    shorter = first[:, :, :64]
+    with _checks._block(speculative=True) as scope:
+        small = encode_triton_deferred(shorter, config, basis, scope, one_pass=True, workspace=workspace)
+        assert small.coeffs.shape[2] == 64 and len(workspace) == 1
+        assert torch.equal(small.decompress(), encode_triton_deferred(shorter, config, basis, scope).decompress())
 
 
 def test_deferred_encoder_flags_a_residual_it_was_told_is_absent_and_raises_nan_at_the_end():
@@ -384,11 +441,27 @@ def test_gpu_patched_forward_speculative_matches_synchronous(enformer):
             second = model(x)["human"].float()
         finally:
             _checks.DeferredChecks.read = original_read
+        # One-launch encodes (small tensors): every layer wrote K and V into the handle's two kept sets of tensors.
+        assert [len(w) for w in handle._encode_workspaces.values()] == [1, 1]
+        kept = [t.data_ptr() for w in handle._encode_workspaces.values() for ts in w.values() for t in ts]
+        untimed = sum(r.encode_seconds for r in handle.modules)  # time_encoding off: no events recorded
+        handle.time_encoding = True
+        third = model(x)["human"].float()
+        handle.time_encoding = False
+        timed = sum(r.encode_seconds for r in handle.modules) - untimed
+        assert kept == [t.data_ptr() for w in handle._encode_workspaces.values() for ts in w.values() for t in ts]
+        held = handle.operand_bytes
+        handle.clear_operands()
+        assert handle.operand_bytes == 0 and [len(w) for w in handle._encode_workspaces.values()] == [0, 0]
+        fourth = model(x)["human"].float()
+        assert handle.operand_bytes == held
     assert reads == [True, True] and handle.speculative_retries == 0
+    assert untimed == 0 and timed > 0
     scale = sync.abs().max().item()
     print(f"first speculative forward vs synchronous: {(first - sync).abs().max().item() / scale:.2e} (relative)")
     assert (first - sync).abs().max().item() <= 2e-2 * scale
-    assert torch.equal(second, sync)
+    for out in (second, third, fourth):
+        assert torch.equal(out, sync)
 
 
 _MISSING = "{} is not installed (src/kvbound/models/README.md: installing the ports)"

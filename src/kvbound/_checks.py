@@ -122,8 +122,17 @@ class DeferredChecks:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def _keep(self, t: torch.Tensor) -> int:
-        """Keep ``t`` for the block's read; its index among the parts."""
+    def _keep(self, t: torch.Tensor | tuple[int, int, int]) -> int | tuple[int, int, int]:
+        """Keep ``t`` for the block's read; its index among the parts. A ``(index, start, stop)`` triple (elements
+        ``start:stop`` of a part kept before, :meth:`keep`) is returned as it is."""
+        if isinstance(t, tuple):
+            return t
+        return self._keep_all([t])[0]
+
+    def keep(self, t: torch.Tensor) -> int:
+        """Keep ``t`` (any shape) for the block's read and return its index: ``(index, start, stop)`` then stands
+        for elements ``start:stop`` of its flattened values wherever a count, flag or values tensor is taken
+        (``queue``'s conditions, ``queue_retry``, ``queue_value``), so that several entries share one part."""
         return self._keep_all([t])[0]
 
     def _keep_all(self, parts: list[torch.Tensor]) -> list[int]:
@@ -153,9 +162,10 @@ class DeferredChecks:
     ) -> None:
         """Queue the finite check of ``tensors`` (name -> tensor, a dict or ``(name, tensor)`` pairs) for the call
         described by ``label`` (anything; formatted with ``str`` only in an error), and ``conditions``: ``(message,
-        count)`` pairs, a tensor (any shape, any real dtype) whose sum must be zero, else
-        ``ValueError(message.format(count=...))``. ``limit``: called with the tensors' largest magnitudes (name ->
-        float) once they are known to be finite; a message it returns is raised as ``ValueError``. ``call``: the
+        count)`` pairs, ``count`` a tensor (any shape, any real dtype; or an ``(index, start, stop)`` triple,
+        :meth:`keep`) whose sum must be zero, else ``ValueError(message.format(count=...))``. ``limit``: called with
+        the tensors' largest magnitudes (name -> float) once they are known to be finite; a message it returns is
+        raised as ``ValueError``. ``call``: the
         entry is an attention call, numbered among the block's calls in an error (``calls``); otherwise (an encoder,
         a call's output) the error names it by ``label`` alone."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
@@ -178,7 +188,8 @@ class DeferredChecks:
     def queue_retry(
         self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
     ) -> None:
-        """Queue ``flag`` (a tensor, any shape and real dtype): any nonzero element at the block's end means the
+        """Queue ``flag`` (a tensor, any shape and real dtype, or an ``(index, start, stop)`` triple, :meth:`keep`):
+        any nonzero element at the block's end means the
         block's results cannot be returned, and the end raises :class:`Retry` (after the NaN/Inf checks, which raise
         first), having called ``on_flag`` (for example to stop speculating where the flag would be raised again).
         Only in a speculative block."""
@@ -187,7 +198,8 @@ class DeferredChecks:
         self._retries.append((reason, self._keep(flag), on_flag))
 
     def queue_value(self, values: torch.Tensor, callback: Callable[[list[float]], None]) -> None:
-        """Read ``values`` (any shape; integers up to 2**53 and floats come back exact in float64) with the block's
+        """Read ``values`` (any shape, or an ``(index, start, stop)`` triple, :meth:`keep`; integers up to 2**53 and
+        floats come back exact in float64) with the block's
         checks and hand them to ``callback`` as a flat list of floats, once the block has ended without error and
         without retry."""
         self._values.append((self._keep(values), callback))
@@ -236,18 +248,20 @@ class DeferredChecks:
                     if message is not None:
                         raise ValueError(f"{message} ({where})")
                 for message, part in zip(messages, counts, strict=True):
-                    count = sum(values[part])
+                    count = sum(_part(values, part))
                     if count != 0:
                         shown = round(count) if math.isfinite(count) else count
                         raise ValueError(f"{message.format(count=shown)} ({where})")
-            flagged = [(reason, on_flag) for reason, part, on_flag in retries if any(v != 0 for v in values[part])]
+            flagged = [
+                (reason, on_flag) for reason, part, on_flag in retries if any(v != 0 for v in _part(values, part))
+            ]
             if flagged:
                 for _, on_flag in flagged:
                     if on_flag is not None:
                         on_flag()
                 raise Retry([reason for reason, _ in flagged])
             for part, callback in queued_values:
-                callback(values[part])
+                callback(_part(values, part))
 
         return finish
 
@@ -255,6 +269,14 @@ class DeferredChecks:
         """One host read of every queued check, flag and value; raise ``ValueError`` for the first call with NaN
         or Inf, then :class:`Retry` if a retry flag is set; else hand the values to their callbacks."""
         self.stage()()
+
+
+def _part(values: list[list[float]], part: int | tuple[int, int, int]) -> list[float]:
+    """The values read for ``part``: a kept part's index, or ``(index, start, stop)`` (``DeferredChecks.keep``)."""
+    if isinstance(part, tuple):
+        index, start, stop = part
+        return values[index][start:stop]
+    return values[part]
 
 
 def _nothing() -> None:

@@ -35,6 +35,7 @@ hold every block at the widest code and every block exact, so each block writes 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbound._checks import DeferredChecks
+from kvbound._checks import DeferredChecks, _stream_capturing
 from kvbound._validate import check_finite_values, check_tensor
 from kvbound.codec.basis import Basis
 from kvbound.codec.eager import _check_basis, encode, promotion_widths
@@ -642,6 +643,7 @@ def encode_triton_deferred(
     sizes: Callable[[int, int, int], None] | None = None,
     unusable: Callable[[], None] | None = None,
     one_pass: bool | None = None,
+    workspace: dict | None = None,
 ) -> CompressedKV:
     """``encode_triton`` with no host read, inside a speculative ``kvbound._checks`` block ``scope``.
 
@@ -670,6 +672,14 @@ def encode_triton_deferred(
     values at the place of its rows in the workspaces. None: ``KVBOUND_ONE_PASS_ENCODE`` (on: ``1``, ``true``,
     ``on``, ``yes``; off: ``0``, ``false``, ``off``, ``no``; unset or ``auto``, the default: one launch for a
     tensor of at most ``ONE_PASS_AUTO_ELEMENTS`` elements, :func:`one_pass_by_default`).
+
+    ``workspace``: a dict that the caller keeps between calls, for one-launch encodes: the stored tensors (all but
+    the summary) are taken from it when an earlier call left them there for the same shapes, dtypes, device, stream
+    and thread, instead of being allocated (seven allocations per call), and left there for the next call. So the
+    object returned is overwritten by the next encode given the same workspace: it must be read (by kernels queued
+    on the same stream) before that encode is queued, as a patched layer's attention reads its K and V. One set of
+    tensors is kept per workspace (the latest shapes); not used while a CUDA graph is being captured (the graph's
+    own memory is taken then).
     """
     if not scope.speculative:
         raise RuntimeError("encode_triton_deferred: scope is not a speculative deferred-check block")
@@ -677,19 +687,21 @@ def encode_triton_deferred(
     start = time.perf_counter()
     if one_pass is None:
         one_pass = one_pass_by_default(x)
-    ckv, summary = _encode(x, config, basis, torch.float16, True, deferred=True, one_pass=one_pass)
-    # Views of the summary only (slices of adjacent entries): queueing launches nothing.
+    ckv, summary = _encode(x, config, basis, torch.float16, True, deferred=True, one_pass=one_pass,
+                           workspace=workspace)
+    # The summary is kept once; each entry reads its own elements of it. Queueing launches nothing.
+    whole = scope.keep(summary)
     scope.queue(
-        f"{name} [{', '.join(map(str, x.shape))}] (Triton encoder)", {},
-        [(f"{name}: expected finite values, found NaN or Inf", summary[_NONFINITE : _NONFINITE + 1])], call=False,
+        _EncoderLabel(name, x.shape), {},
+        [(f"{name}: expected finite values, found NaN or Inf", (whole, _NONFINITE, _NONFINITE + 1))], call=False,
     )
     scope.queue_retry(f"{name}: coefficients beyond float16 or a block the certificate rejects (synchronous path)",
-                      summary[_BEYOND_FP16 : _UNCERTIFIED + 1], unusable)
+                      (whole, _BEYOND_FP16, _UNCERTIFIED + 1), unusable)
     if not residual:
-        scope.queue_retry(f"{name}: a residual where none was forecast", summary[_CODE_WORDS : _RAW_ELEMENTS + 1])
+        scope.queue_retry(f"{name}: a residual where none was forecast", (whole, _CODE_WORDS, _RAW_ELEMENTS + 1))
     if sizes is not None:
-        scope.queue_value(summary, lambda read: sizes(round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]),
-                                                      round(read[_LOWRANK_BLOCKS])))
+        scope.queue_value((whole, 0, _SUMMARY_SIZE), lambda read: sizes(
+            round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]), round(read[_LOWRANK_BLOCKS])))
     ckv._record_checked(residual, lowrank_share, held=True)  # also under inference mode (no version counters)
     largest_p = basis.largest_magnitude()
     if largest_p is not None:
@@ -700,6 +712,18 @@ def encode_triton_deferred(
                                                         max(2 * config.tau, 2.0**-126), 0.0))
     ckv.encode_seconds = time.perf_counter() - start
     return ckv
+
+
+class _EncoderLabel:
+    """What a deferred encode's queued check is called in an error: formatted only then."""
+
+    __slots__ = ("name", "shape")
+
+    def __init__(self, name: str, shape: torch.Size) -> None:
+        self.name, self.shape = name, shape
+
+    def __str__(self) -> str:
+        return f"{self.name} [{', '.join(map(str, self.shape))}] (Triton encoder)"
 
 
 # The largest tensor that a deferred encode runs in one launch by default. Measured on the H200 at 3c6805b
@@ -735,7 +759,7 @@ def _check_inputs(x: torch.Tensor, config: CompressionConfig, basis: Basis) -> N
 
 
 def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtype: torch.dtype,
-            verify: bool, deferred: bool = False, one_pass: bool = False):
+            verify: bool, deferred: bool = False, one_pass: bool = False, workspace: dict | None = None):
     """One pass of the four kernels with ``coeff_dtype`` coefficients; None when the result cannot be returned
     (float16 coefficients out of range, or a block failed the certificate). ``deferred``: no host read; returns
     ``(ckv, summary)`` with whole workspaces and the device-side summary (``encode_triton_deferred``);
@@ -755,7 +779,7 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     strides = x.stride()
     ieee = coeff_dtype != torch.float16
     if one_pass:
-        return _encode_one_pass(x, config, projection, coeff_dtype, tiling, constants)
+        return _encode_one_pass(x, config, projection, coeff_dtype, tiling, constants, workspace)
 
     # One zeroed workspace: the summary (int64) and three per-block reductions the tiles raise with atomics (the
     # block's largest residual, float32; whether its low-rank part fails; which code widths fail, bit w for w).
@@ -844,23 +868,45 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     return ckv
 
 
-def _encode_one_pass(x, config, projection, coeff_dtype, tiling, constants):
+def _one_pass_buffers(x, config, coeff_dtype, widest):
+    """The stored tensors a one-launch encode writes in full: ``(coeffs, mode, width, step, offset, codes, raw)``."""
+    batch, heads, n, d = x.shape
+    device = x.device
+    nb, bh = -(-n // config.block_size), batch * heads
+    return (
+        torch.empty(batch, heads, n, config.rank, dtype=coeff_dtype, device=device),
+        torch.empty(batch, heads, nb, dtype=torch.int8, device=device),
+        torch.empty(batch, heads, nb, dtype=torch.int8, device=device),
+        torch.empty(batch, heads, nb, dtype=torch.float32, device=device),
+        torch.empty(batch, heads, nb, dtype=torch.int64, device=device),
+        torch.empty(bh * n * widest, dtype=torch.int32, device=device),
+        torch.empty(bh * n * d, dtype=x.dtype, device=device),  # every element written (x or zero)
+    )
+
+
+def _encode_one_pass(x, config, projection, coeff_dtype, tiling, constants, workspace=None):
     """``_encode(..., deferred=True)`` in one launch (``_one_pass_kernel``, one program per block): the same
     stored values, each block's codes and exact values at the fixed place of its rows instead of packed one after
-    the other. Returns ``(ckv, summary)``."""
+    the other. Returns ``(ckv, summary)``. ``workspace``: see :func:`encode_triton_deferred`."""
     batch, heads, n, d = x.shape
     device = x.device
     r, block = config.rank, config.block_size
     nb, bh = -(-n // block), batch * heads
     d_pad, r_pad, widest, wpr_pad, gamma, tau_check, max_step = constants
     summary = torch.zeros(_SUMMARY_SIZE, dtype=torch.int64, device=device)
-    coeffs = torch.empty(batch, heads, n, r, dtype=coeff_dtype, device=device)
-    mode = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
-    width = torch.empty(batch, heads, nb, dtype=torch.int8, device=device)
-    step = torch.empty(batch, heads, nb, dtype=torch.float32, device=device)
-    offset = torch.empty(batch, heads, nb, dtype=torch.int64, device=device)
-    codes = torch.empty(bh * n * widest, dtype=torch.int32, device=device)
-    raw = torch.empty(bh * n * d, dtype=x.dtype, device=device)  # every element written (x or zero)
+    if workspace is None or _stream_capturing():
+        buffers = _one_pass_buffers(x, config, coeff_dtype, widest)
+    else:
+        # Every element that is read is written by the launch below (the code words a block does not use are
+        # neither), and the kernels that read them (the layer's attention and its checks) are queued on this
+        # stream before the next encode that reuses them.
+        stream = torch._C._cuda_getCurrentStream(device.index)[0] if device.type == "cuda" else 0
+        key = (tuple(x.shape), x.dtype, coeff_dtype, r, block, widest, device, stream, threading.get_ident())
+        buffers = workspace.get(key)
+        if buffers is None:
+            workspace.clear()  # one set per workspace: the latest shapes
+            buffers = workspace[key] = _one_pass_buffers(x, config, coeff_dtype, widest)
+    coeffs, mode, width, step, offset, codes, raw = buffers
     c_rows, _, cols = tiling["coefficients"]
     (warps,) = tiling["one_pass"]
     _one_pass_kernel[(nb, bh)](

@@ -113,10 +113,11 @@ class PatchedModule:
 
     @property
     def encode_seconds(self) -> float:
-        """Time spent compressing this module's K and V, over all its forwards. On CUDA it is the device time
-        between events recorded around the encoder calls (host time would include waiting for the work queued
-        before them); reading it waits for those events. On the CPU, the encoders' own wall time. Forwards replayed
-        from a CUDA graph (``kvbound.capture``) are not counted."""
+        """Time spent compressing this module's K and V. On CUDA it is the device time between events recorded
+        around the encoder calls (host time would include waiting for the work queued before them), over the
+        forwards run while the handle's ``time_encoding`` was on (off by default: the events cost about 20 us of
+        host time per layer); reading it waits for those events. On the CPU, the encoders' own wall time, over all
+        forwards. Forwards replayed from a CUDA graph (``kvbound.capture``) are not counted."""
         for start, end in self._encode_events:
             end.synchronize()
             self._encode_total += start.elapsed_time(end) / 1e3
@@ -186,9 +187,13 @@ class PatchHandle:
             ``one_pass``: the same values, fewer launches, more device time for large tensors); None (default):
             ``KVBOUND_ONE_PASS_ENCODE`` when set to on or off, else one launch for tensors of at most 6 Mi
             elements (``encode_triton.one_pass_by_default``).
+        time_encoding: record CUDA events around each layer's encoder calls, read by the patched modules'
+            ``encode_seconds`` (default False: on the GPU ``encode_seconds`` counts only forwards run with it on).
         operand_bytes: device memory held between forwards by the patched layers' kept weight casts and relative
             keys (``kvbound/models/_operands.py``; ``clear_operands()`` drops them, ``KVBOUND_OPERAND_CACHE=0``
-            stops keeping them).
+            stops keeping them), and by the one-launch speculative encoder's stored tensors, one set for K and one
+            for V at the latest shapes, which every layer's encode writes again (``encode_triton_deferred``'s
+            ``workspace``: seven allocations fewer per encode; about 1.5x the bytes of one layer's K and V).
     """
 
     def __init__(
@@ -214,6 +219,9 @@ class PatchHandle:
         self.speculative_retries = 0
         self.retry_reasons: list[list[str]] = []
         self.one_pass_encode: bool | None = None
+        self.time_encoding = False
+        # The one-launch speculative encoder's stored tensors, kept between layers and forwards (one set per role).
+        self._encode_workspaces: dict[str, dict] = {"k": {}, "v": {}}
         self._attention_ids: set[int] = set()
         # The model's forward wrapped in kvbound.deferred_checks (set by patch when it patched anything).
         self._root: nn.Module | None = None
@@ -307,7 +315,7 @@ class PatchHandle:
         if not self.compress:
             return k, v
         events = None
-        if k.is_cuda and not _checks._stream_capturing():  # (a CUDA graph's replays are not timed)
+        if self.time_encoding and k.is_cuda and not _checks._stream_capturing():  # (replays are not timed)
             stream = torch.cuda.current_stream(k.device)  # where the encoder's kernels go
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), stream)
             events[0].record(stream)
@@ -380,6 +388,7 @@ class PatchHandle:
         ckv = encode_triton_deferred(
             x, self.config, basis, scope, residual=residual, lowrank_share=share,
             name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable, one_pass=self.one_pass_encode,
+            workspace=self._encode_workspaces[role],
         )  # fmt: skip
         word_bytes, raw_bytes = ckv.codes.element_size(), ckv.raw.element_size()
         # Bytes of everything but the two workspaces, whose used lengths arrive with the block's read.
@@ -426,16 +435,24 @@ class PatchHandle:
             record._synchronous.clear()
 
     def clear_operands(self) -> None:
-        """Drop the weights' casts and the relative keys this handle keeps between forwards (``operand_bytes`` of
-        device memory). They are made again at the next forward. Needed only after a weight was written in place
-        through ``.data``, which PyTorch's version counter does not see; every other change of a weight
-        (``load_state_dict``, in-place writes, ``model.to``) is seen and its operands are made again."""
+        """Drop the weights' casts, the relative keys and the speculative encoder's workspaces this handle keeps
+        between forwards (``operand_bytes`` of device memory). They are made again at the next forward. Needed only
+        after a weight was written in place through ``.data``, which PyTorch's version counter does not see; every
+        other change of a weight (``load_state_dict``, in-place writes, ``model.to``) is seen and its operands are
+        made again."""
         self._operands.clear()
+        self._clear_workspaces()
+
+    def _clear_workspaces(self) -> None:
+        for workspace in self._encode_workspaces.values():
+            workspace.clear()
 
     @property
     def operand_bytes(self) -> int:
-        """Bytes of device memory held by the kept operands (``clear_operands``)."""
-        return self._operands.bytes
+        """Bytes of device memory held by the kept operands and the encoder's kept workspaces
+        (``clear_operands``)."""
+        kept = [t for workspace in self._encode_workspaces.values() for ts in workspace.values() for t in ts]
+        return self._operands.bytes + sum(t.numel() * t.element_size() for t in kept)
 
     # ---------------------------------------------------------------------------------------------- public
     @contextlib.contextmanager
@@ -519,6 +536,7 @@ class PatchHandle:
         self._features_runs.clear()
         self._features_run_rows.clear()
         self._operands.clear()
+        self._clear_workspaces()
         if problems:
             raise RuntimeError("kvbound.patch undo: " + "; ".join(problems))
 
