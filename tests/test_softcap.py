@@ -114,6 +114,21 @@ LARGE_CAPS = [
 @pytest.mark.parametrize("dtype, softcap", LARGE_CAPS, ids=lambda x: str(x).replace("torch.", ""))
 def test_attention_at_large_caps_matches_the_reference(dtype, softcap, compressed, device):
     """Within twice plain PyTorch attention's error in the same dtype, dense and compressed, causal, with a bias."""
+    _large_cap_case(dtype, softcap, compressed, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "compressed"])
+@pytest.mark.parametrize("softcap", [1.0e4, 1.0e6, 2.0**-60])
+def test_gpu_bfloat16_attention_at_large_caps_matches_the_reference(softcap, compressed):
+    """bfloat16 (whose products the interpreter cannot run) at caps above 8192, which take the series form, and at
+    the smallest caps."""
+    if softcap > 1.0:
+        assert softcap_form(softcap, torch.bfloat16) == SOFTCAP_SERIES
+    _large_cap_case(torch.bfloat16, softcap, compressed, "cuda")
+
+
+def _large_cap_case(dtype, softcap, compressed, device):
     g = torch.Generator().manual_seed(int(softcap) % 1000 + 7)
     q = torch.randn(1, 4, 37, 32, generator=g).to(device, dtype)
     k = structured(1, 2, 70, 32, dtype, 31).to(device)
