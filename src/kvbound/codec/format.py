@@ -290,7 +290,7 @@ class CompressedKV:
     @property
     def dense_nbytes(self) -> int:
         """Bytes of the input tensor in its own dtype."""
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def compression_ratio(self) -> float:

@@ -99,6 +99,9 @@ class PatchedModule:
     _forecast: dict[str, tuple[bool, float | None]] = field(default_factory=dict, repr=False)
     # "k" / "v" whose speculative encoding could not be kept (float16 range, certificate): encoded synchronously.
     _synchronous: set[str] = field(default_factory=set, repr=False)
+    # (role, shape, dtype, coefficient dtype, code words, raw elements) -> the byte counts of a speculative encoding
+    # but its used code words and raw values (PatchHandle._encode_speculative), for the latest shapes of each role
+    _sizes: dict[tuple, tuple[int, int, int, int, int]] = field(default_factory=dict, repr=False)
 
     def _learn(self, role: str, residual: bool, lowrank_share: float | None) -> None:
         seen = self._forecast.get(role, (False, None))[0]
@@ -390,10 +393,15 @@ class PatchHandle:
             name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable, one_pass=self.one_pass_encode,
             workspace=self._encode_workspaces[role],
         )  # fmt: skip
-        word_bytes, raw_bytes = ckv.codes.element_size(), ckv.raw.element_size()
-        # Bytes of everything but the two workspaces, whose used lengths arrive with the block's read.
-        fixed = ckv.nbytes - ckv.codes.numel() * word_bytes - ckv.raw.numel() * raw_bytes
-        dense, blocks = ckv.dense_nbytes, max(1, ckv.mode.numel())
+        key = (role, ckv.shape, ckv.dtype, ckv.coeffs.dtype, ckv.codes.numel(), ckv.raw.numel())
+        known = record._sizes.get(key)
+        if known is None:
+            word_bytes, raw_bytes = ckv.codes.element_size(), ckv.raw.element_size()
+            # Bytes of everything but the two workspaces, whose used lengths arrive with the block's read.
+            fixed = ckv.nbytes - ckv.codes.numel() * word_bytes - ckv.raw.numel() * raw_bytes
+            known = (fixed, word_bytes, raw_bytes, ckv.dense_nbytes, max(1, ckv.mode.numel()))
+            record._sizes = {key: known, **{k: v for k, v in record._sizes.items() if k[0] != role}}
+        fixed, word_bytes, raw_bytes, dense, blocks = known
         return ckv
 
     def _check_inference(self) -> None:
