@@ -94,7 +94,7 @@ before it (weights, inputs, the reference output). Diff: the output against the 
 (max abs; rel = L2 norm of the difference over the L2 norm of the reference). Encode ms:
 the patched modules' `encode_seconds` per forward (device time between CUDA events around the encoder calls;
 rows measured up to commit 363ab4c summed the encoders' host time, which includes waiting for the GPU work queued before
-each call, and overstate it). Since the handle's `time_encoding` switch (off by default), the timed forwards run
+each call, and overstate it). Since ff4bade (the handle's `time_encoding`, off by default) the timed forwards run
 without those events and the encode time comes from forwards of its own after them; before it, the events were
 recorded in the timed forwards too (about 20 us of host time per layer).
 """
