@@ -165,9 +165,8 @@ class DeferredChecks:
         count)`` pairs, ``count`` a tensor (any shape, any real dtype; or an ``(index, start, stop)`` triple,
         :meth:`keep`) whose sum must be zero, else ``ValueError(message.format(count=...))``. ``limit``: called with
         the tensors' largest magnitudes (name -> float) once they are known to be finite; a message it returns is
-        raised as ``ValueError``. ``call``: the
-        entry is an attention call, numbered among the block's calls in an error (``calls``); otherwise (an encoder,
-        a call's output) the error names it by ``label`` alone."""
+        raised as ``ValueError``. ``call``: the entry is an attention call, numbered among the block's calls in an
+        error (``calls``); otherwise (an encoder, a call's output) the error names it by ``label`` alone."""
         pairs = tensors.items() if isinstance(tensors, dict) else tensors
         present = [(name, t) for name, t in pairs if t.numel()]
         names = [name for name, _ in present]
@@ -189,19 +188,17 @@ class DeferredChecks:
         self, reason: str, flag: torch.Tensor, on_flag: Callable[[], None] | None = None
     ) -> None:
         """Queue ``flag`` (a tensor, any shape and real dtype, or an ``(index, start, stop)`` triple, :meth:`keep`):
-        any nonzero element at the block's end means the
-        block's results cannot be returned, and the end raises :class:`Retry` (after the NaN/Inf checks, which raise
-        first), having called ``on_flag`` (for example to stop speculating where the flag would be raised again).
-        Only in a speculative block."""
+        any nonzero element at the block's end means the block's results cannot be returned, and the end raises
+        :class:`Retry` (after the NaN/Inf checks, which raise first), having called ``on_flag`` (for example to stop
+        speculating where the flag would be raised again). Only in a speculative block."""
         if not self.speculative:
             raise RuntimeError("queue_retry: this deferred-check block is not speculative")
         self._retries.append((reason, self._keep(flag), on_flag))
 
     def queue_value(self, values: torch.Tensor, callback: Callable[[list[float]], None]) -> None:
         """Read ``values`` (any shape, or an ``(index, start, stop)`` triple, :meth:`keep`; integers up to 2**53 and
-        floats come back exact in float64) with the block's
-        checks and hand them to ``callback`` as a flat list of floats, once the block has ended without error and
-        without retry."""
+        floats come back exact in float64) with the block's checks and hand them to ``callback`` as a flat list of
+        floats, once the block has ended without error and without retry."""
         self._values.append((self._keep(values), callback))
 
     def stage(self, *, repeatable: bool = False) -> Callable[[], None]:
