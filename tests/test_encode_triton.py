@@ -40,13 +40,24 @@ def test_triton_encoder_matches_eager_within_bound(n, d, dtype, bits, tau):
     # Coefficients: one float16 ulp relative; near-cancelling sums (|c| ~ 3e-4 from terms ~ 1) differ by up to
     # 4.8e-7 absolute (measured), hence the absolute floor of 2**-20.
     torch.testing.assert_close(fast.coeffs.float(), slow.coeffs.float(), rtol=2**-10, atol=2**-20)
-    torch.testing.assert_close(fast.scale, slow.scale, rtol=1e-6, atol=0)  # measured up to 4.5e-7
-    step = fast.scale.repeat_interleave(config.block_size, -1)[..., :n, None]
+    # Steps: float32 rounding apart (measured up to 4.5e-7) in blocks whose float16 coefficients are the same. Where
+    # a coefficient rounded to the neighbouring float16 (the two sum its products in another order; seen with
+    # NumPy 2.4 under Triton 3.9's interpreter), the residuals, hence the block's largest and its step, move with
+    # it: there within the coefficients' own tolerance.
+    block = config.block_size
+    same_rows = (fast.coeffs == slow.coeffs).all(-1)
+    pad = fast.scale.shape[-1] * block - n
+    same = torch.nn.functional.pad(same_rows, (0, pad), value=True).unflatten(-1, (-1, block)).all(-1)
+    torch.testing.assert_close(fast.scale[same], slow.scale[same], rtol=1e-6, atol=0)
+    torch.testing.assert_close(fast.scale[~same], slow.scale[~same], rtol=2**-10, atol=0)
+    step = fast.scale.repeat_interleave(block, -1)[..., :n, None]
     apart = (y - slow.decompress()).abs()
     assert bool((apart <= step + 1e-6).all()), float((apart - step).max())
     # one step apart where a residual lies within float32 rounding of a code boundary: rare (measured 1 element of
-    # 38,400; a rounding offset of 0.15 step in the codes gives 12-14 %)
-    assert float((apart > 1e-5).double().mean()) <= 0.01
+    # 38,400; a rounding offset of 0.15 step in the codes gives 12-14 %); counted in blocks of equal coefficients
+    kept = same.repeat_interleave(block, -1)[..., :n, None].expand_as(apart)
+    if kept.any():
+        assert float((apart[kept] > 1e-5).double().mean()) <= 0.01
 
 
 def test_triton_encoder_requires_basis():
