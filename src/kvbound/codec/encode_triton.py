@@ -869,7 +869,7 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
 
 
 def _one_pass_buffers(x, config, coeff_dtype, widest):
-    """The stored tensors a one-launch encode writes in full: ``(coeffs, mode, width, step, offset, codes, raw)``."""
+    """The stored tensors a one-launch encode writes: ``(coeffs, mode, width, step, offset, codes, raw)``."""
     batch, heads, n, d = x.shape
     device = x.device
     nb, bh = -(-n // config.block_size), batch * heads
