@@ -555,6 +555,22 @@ def test_model_speedups_plot_divides_by_its_own_runs_unpatched_forward(tmp_path,
     assert plots.model_speedups(fixture_rows(), tmp_path / "none.png") is None
 
 
+def test_model_target_ratios_keep_the_digits_that_tell_a_miss_from_a_hit():
+    # two decimals, unless they round a ratio onto the other side of its target
+    assert tables._x(1.41, 1.3) == "1.41x" and tables._x(1.7964, 1.8) == "1.796x" and tables._x(1.8, 1.8) == "1.80x"
+    assert tables._x(1.2999, 1.3) == "1.300x" and tables._x(9.996, 10.0) == "9.996x"
+    assert tables._met(1.7964, 1.8) == "MISSED (99.8% of the target)" and tables._met(1.8, 1.8) == "met"
+    assert tables._met(1.2, 1.3) == "MISSED (92% of the target)" and tables._met(None, 1.3) == "not measured"
+    rows = [
+        _model("borzoi", 1, "unpatched", 40.58, 21.0, 3.0),
+        _model("borzoi", 1, "patch-dense", 15.33, 2.6, 2.5),
+        _model("borzoi", 1, "patch-compressed", 22.59, 9.8, 2.5),
+    ]
+    headers, table = tables.model_targets_table(rows)
+    row = dict(zip(headers, table[0], strict=True))
+    assert row["compressed K/V"] == "1.796x (MISSED (99.8% of the target))"
+    assert "borzoi batch 1 compressed forward: 1.796x < 1.8x" in tables.model_targets_summary(rows)
+
 def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_uncounted():
     day = {**ENV, "date": "2026-12-04T10:00:00Z", "commit": "ccccccc"}
     later = {**ENV, "date": "2026-12-04T12:00:00Z", "commit": "ddddddd", "gpu": "NVIDIA H100 80GB HBM3"}

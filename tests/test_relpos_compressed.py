@@ -270,6 +270,40 @@ def test_compressed_runs_match_the_relative_keys_and_float64(name, starts, monke
         assert torch.equal(before, after)
 
 
+def test_compressed_runs_in_the_split_launch_match_one_launch_and_float64(monkeypatch):
+    """Relative keys over runs in the split launch (asked for: the default no longer splits with relative positions):
+    both passes write their rows of the run table and read the same runs; the merged output is one launch's within
+    the 2x criterion against float64."""
+    from kvbound.kernels import attention_compressed as module
+    from test_relative_runs import _run_keys
+
+    starts = [0, 60, 100, 120, 125, 128, 129, 130, 131, 134, 140, 160, 200]
+    k_modes, v_modes, n, dk, dv, shared, dtype, _ = CASES["n130-all-kinds"]  # low-rank super-blocks and residual ones
+    ck = build(k_modes, n=n, d=dk, bits=4, block=16, dtype=dtype, shared=shared, seed=1)
+    cv = build(v_modes, n=n, d=dv, bits=4, block=16, dtype=dtype, shared=shared, seed=2)
+    h = len(k_modes)
+    q, _, u, w = _relative_inputs(h, n, dk, dtype, seed=n + dk)
+    keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(n)).to(dtype)
+    common = dict(scale=dk**-0.5, relative_content_bias=u, relative_position_bias=w)
+    passes, launch = [], module.launch_tuned
+
+    def spy(kernel, tuned, grid, args, constexprs, tune_key, config):
+        passes.append(constexprs["PASS"])
+        return launch(kernel, tuned, grid, args, constexprs, tune_key, config)
+
+    monkeypatch.setattr(module, "launch_tuned", spy)
+    monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK", raising=False)
+    one = attention(q, ck, cv, relative_keys=keys, relative_runs=starts, **common)
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    split = attention(q, ck, cv, relative_keys=keys, relative_runs=starts, **common)
+    assert passes == [0, 1, 2]
+    k_ref, v_ref = ck.decompress(), cv.decompress()
+    expected = relative_position_attention_reference(q, k_ref, v_ref, keys, u, w, scale=common["scale"])
+    plain = _port_style(q, k_ref.to(dtype), v_ref.to(dtype), keys, u, w, common["scale"])
+    err, err_one, err_plain = ((x.double() - expected).abs().max().item() for x in (split, one, plain))
+    assert err <= 2 * err_plain + FLOOR[dtype] and err_one <= 2 * err_plain + FLOOR[dtype]
+
+
 def test_compressed_runs_beyond_the_unrolled_span_take_the_relative_keys(monkeypatch):
     """More than 16 runs within one tile's distances: compressed K/V take the relative keys (expanded from one key
     per run), with the same output as given the full keys."""

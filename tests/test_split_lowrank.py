@@ -110,6 +110,35 @@ def test_split_relative_positions(monkeypatch):
     assert err <= 2 * one_err + 1e-6
 
 
+def test_the_default_does_not_split_with_relative_positions(monkeypatch):
+    """K/V whose low-rank share splits plain attention by default run relative-position attention in one launch
+    (the split measured slower inside the patched Borzoi); asked for, the split still runs and agrees."""
+    monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK", raising=False)
+    g = torch.Generator().manual_seed(31)
+    h, n, dk, dv = 2, 256, 32, 48
+    cfg = CompressionConfig(block_size=16, rank=8, bits=4)
+    k, v = structured(1, h, n, dk, torch.float32, 21), structured(1, h, n, dv, torch.float32, 22)
+    bases = [calibrate(structured(1, h, n, d, torch.float32, s, spikes=False), cfg) for d, s in ((dk, 21), (dv, 22))]
+    ck, cv = compress_kv(k, cfg, bases[0]), compress_kv(v, cfg, bases[1])
+    q = torch.randn(1, h, n, dk, generator=g)
+    table = torch.randn(h, 2 * n - 1, dk, generator=g) * 0.3
+    u, w = torch.randn(h, dk, generator=g) * 0.5, torch.randn(h, dk, generator=g) * 0.5
+    relative = dict(relative_keys=table, relative_content_bias=u, relative_position_bias=w)
+    passes = _launches(monkeypatch)
+    attention(q, ck, cv)
+    assert passes == [1, 2]  # plain attention on these K/V splits by default
+    default = attention(q, ck, cv, **relative)
+    assert passes[2:] == [0]
+    monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")
+    split = attention(q, ck, cv, **relative)
+    assert passes[3:] == [1, 2]
+    expected = relative_position_attention_reference(
+        q, ck.decompress(), cv.decompress(), table, u.reshape(1, h, 1, dk), w.reshape(1, h, 1, dk), scale=dk**-0.5
+    )
+    err, one_err = (float((x.double() - expected).abs().max()) for x in (split, default))
+    assert err <= 2 * one_err + 1e-6 and one_err < 1e-4
+
+
 def test_split_without_a_low_rank_run_and_without_a_residual(monkeypatch):
     """Every block coded: both passes still run (no host read decides it) and pass 1 adds nothing. Every block
     low rank: nothing to split, one launch."""

@@ -141,7 +141,7 @@ def _verdict(r: dict, ratio: float | None, target: tuple[float, str] | None) -> 
         return "-"
     if ratio is None:
         return "no cuDNN row"
-    return "met" if ratio >= target[0] else f"MISSED ({ratio / target[0]:.0%} of the target)"
+    return "met" if ratio >= target[0] else _missed_by(ratio, target[0])
 
 
 def targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -453,10 +453,23 @@ def _ok_ms(r: dict | None, column: str = "ms_p50") -> float | None:
     return r.get(column) if r is not None and r["status"] == "ok" and r.get(column) else None
 
 
+def _x(ratio: float, target: float) -> str:
+    """``ratio`` as ``1.23x``, with a third decimal where two would round it onto the other side of ``target``
+    (1.796 against 1.8 reads 1.796x, not 1.80x)."""
+    text = f"{ratio:.2f}x"
+    return text if (round(ratio, 2) >= target) == (ratio >= target) else f"{ratio:.3f}x"
+
+
+def _missed_by(ratio: float, target: float) -> str:
+    """``MISSED (92% of the target)``, with a decimal where a whole percent would round a miss up to 100%."""
+    share = ratio / target
+    return f"MISSED ({share:.0%} of the target)" if round(share, 2) < 1 else f"MISSED ({share:.1%} of the target)"
+
+
 def _met(ratio: float | None, target: float) -> str:
     if ratio is None:
         return "not measured"
-    return "met" if ratio >= target else f"MISSED ({ratio / target:.0%} of the target)"
+    return "met" if ratio >= target else _missed_by(ratio, target)
 
 
 def _latest_run_with(runs: list[dict[str, dict]], needed: tuple[str, ...],
@@ -548,23 +561,23 @@ def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                                 if r is not None)  # fmt: skip
         squeezed = "-"
         if "compressed" in e:
-            squeezed = f"{e['compressed']:.2f}x ({_met(e['compressed'], target)})"
+            squeezed = f"{_x(e['compressed'], target)} ({_met(e['compressed'], target)})"
             if e["compressed_older"]:
                 squeezed += f", {(e['compressed_row'].get('date') or '')[:10]}, not counted"
         if "compressed_graph" in e:
-            squeezed += f"; in CUDA graphs {e['compressed_graph']:.2f}x ({_met(e['compressed_graph'], target)})"
+            squeezed += f"; in CUDA graphs {_x(e['compressed_graph'], target)} ({_met(e['compressed_graph'], target)})"
         table.append([
             e["model"], str(e["batch"]), e["date"][:10] + (" (older)" if e["older"] else ""),
             "-" if u is None else f"{u['ms_p50']:.4g} / {p['ms_p50']:.4g}",
-            "-" if u is None else f"{e['forward']:.2f}x (>= {target}x)",
+            "-" if u is None else f"{_x(e['forward'], target)} (>= {target}x)",
             "-" if u is None else _met(e["forward"], target),
-            "-" if graph is None else f"{graph:.2f}x ({_met(graph, target)})", squeezed,
+            "-" if graph is None else f"{_x(graph, target)} ({_met(graph, target)})", squeezed,
             "-" if u is None or e["modules"] is None else
             f"{u['attention_ms_p50']:.4g} / {p['attention_ms_p50']:.4g}",
             "-" if e.get("modules") is None else f"{e['modules']:.1f}x",
             "-" if u is None else _met(e.get("modules"), MODEL_MODULE_TARGET),
             "-" if alt is None else f"{alt['provider']} ({alt['ms_p50']:.4g})",
-            "-" if alt is None else f"{e['versus']:.2f}x",
+            "-" if alt is None else _x(e["versus"], 1.0),
             "-" if alt is None else _met(e["versus"], 1.0),
             " / ".join(peaks), ", ".join(commits),
         ])  # fmt: skip
@@ -592,7 +605,8 @@ def model_targets_summary(rows: list[dict]) -> str:
             if ratio is not None and ratio >= target:
                 met += 1
             else:
-                missed.append(f"{where} {what}: " + ("not measured" if ratio is None else f"{ratio:.2f}x < {target}x"))
+                shown = "not measured" if ratio is None else f"{_x(ratio, target)} < {target}x"
+                missed.append(f"{where} {what}: {shown}")
     total = met + len(missed)
     text = f"**{met} of {total} model targets met** (each model's batches measured on its newest day of runs)."
     text += f" Missed: {'; '.join(missed)}." if missed else ""

@@ -2538,8 +2538,9 @@ def attention_compressed_fwd(
     (float32 partials, one rounding to q's dtype). True / False: always / never. None: the environment's
     ``KVBOUND_SPLIT_LOWRANK`` (``split_setting``); by default, split when at least ``SPLIT_MIN_SHARE`` of the
     super-blocks are low-rank only for K and V alike, as far as ``lowrank_share`` (the share of low-rank-only
-    blocks of K and of V, or a function returning it, called with ``residual``'s; -1.0: unknown) proves it. None
-    reads it off the modes in ``residual``'s host read when ``residual`` is None too; otherwise no split.
+    blocks of K and of V, or a function returning it, called with ``residual``'s; -1.0: unknown) proves it, and
+    never with relative positions. None reads it off the modes in ``residual``'s host read when ``residual`` is None
+    too; otherwise no split.
     ``bounded_max``: in a launch of low-rank tiles alone (no block with a residual, or the low-rank pass of a split)
     with a shared basis and no bias, soft-cap or relative positions, in bfloat16 or float32, replace the running
     row maximum by a bound on each row's logits from the rank-space query and the box of the head's key
@@ -2772,7 +2773,9 @@ def attention_compressed_fwd(
         launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
 
     if setting == "auto":
-        split = lowrank_share is not None and worth_splitting(k, v, lowrank_share)
+        # Not with relative positions: in Borzoi (batch 1 and 4, H100) the split was 0.2-1.4 % slower than one
+        # launch, eager and in CUDA graphs alike (kernels/README.md).
+        split = lowrank_share is not None and not positional and worth_splitting(k, v, lowrank_share)
     else:
         split = setting == "on"
     if not (split and (residual[0] or residual[1])):
