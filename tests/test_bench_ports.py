@@ -189,6 +189,10 @@ def test_tiny_ports_end_to_end(one_thread):
         assert compressed["diff_rel"] < 5e-2 and math.isfinite(compressed["diff_max_abs"])
         assert compressed["compression_ratio"] > 1 and compressed["calibration_ms"] > 0
         assert compressed["compress_ms"] > 0 and dense.get("compression_ratio") is None
+        for role in ("k", "v"):  # blocks per storage mode, counted in the encode-timing forwards
+            shares = [compressed[f"{role}_share_{name}"] for name in ports.MODE_NAMES]
+            assert all(0 <= x <= 1 for x in shares) and sum(shares) == pytest.approx(1.0), shares
+            assert dense.get(f"{role}_share_lowrank") is None
         assert compressed["note"].endswith("synchronous encoding")  # the CPU's eager encoder reads in every layer
     assert by[("alphagenome-tower-tiny", "unpatched")]["kv_heads"] == 1
 

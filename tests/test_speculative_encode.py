@@ -411,6 +411,48 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         assert not h._speculate()
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_record_modes_counts_each_layers_blocks_per_storage_mode(enformer, monkeypatch, speculative):
+    """``handle.record_modes``: each patched layer's K and V blocks per storage mode in the last forward run with it
+    on, as the encoded K/V that attention read hold them (synchronous and speculative encodes); off by default."""
+    import importlib
+
+    patch_module = importlib.import_module("kvbound.models.patch")
+    if speculative:  # the Triton encoder (interpreted), as on a GPU
+        monkeypatch.setattr(patch_module, "_encoder", lambda x, cfg, basis: "triton" if basis is not None else "eager")
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=0.05)
+    read = []
+    original = patch_module.PatchHandle._prepare_kv
+
+    def spy(self, record, k, v):
+        ck, cv = original(self, record, k, v)
+        if isinstance(ck, kvbound.CompressedKV):  # (calibration reads dense K/V)
+            counts = [torch.bincount(c.mode.reshape(-1).long(), minlength=4).tolist() for c in (ck, cv)]
+            read.append((record.name, counts))
+        return ck, cv
+
+    monkeypatch.setattr(patch_module.PatchHandle, "_prepare_kv", spy)
+    x = _sequence(40, 2)
+    with torch.no_grad(), patch_module.patch(enformer, config, backend="kvbound", calibrate_on=_sequence(40, 1)) as h:
+        h.speculative = speculative
+        assert not h.record_modes
+        enformer(x)
+        assert [r.mode_counts() for r in h.modules] == [None, None]  # off: nothing counted
+        h.record_modes = True
+        read.clear()
+        enformer(x)
+        h.record_modes = False
+        assert h.speculative_retries == 0 and len(read) == len(h.modules)
+        expected = dict(read)
+        counted = {r.name: r.mode_counts() for r in h.modules}
+        assert counted == {name: {"k": kv[0], "v": kv[1]} for name, kv in expected.items()}
+        # at this tau the first layer keeps residuals and the second is low rank only: the counts tell them apart
+        first, second = (counted[r.name] for r in h.modules)
+        assert first["k"][0] < sum(first["k"]) and second["k"] == [sum(second["k"]), 0, 0, 0]
+        enformer(x)  # off again: the counts stay those of the last forward run with it on
+        assert {r.name: r.mode_counts() for r in h.modules} == counted
+
+
 @pytest.mark.gpu
 def test_gpu_patched_forward_speculative_matches_synchronous(enformer):
     """On the GPU the patch picks the Triton encoder itself: a compressed forward reads the device once, and its

@@ -323,6 +323,25 @@ def compressed_ratio(records, describe: Callable[[nn.Module], tuple[int, int, in
     return dense / stored if stored else None
 
 
+MODE_NAMES = ("lowrank", "packed", "promoted", "raw")
+
+
+def mode_shares(records) -> dict[str, float]:
+    """``k_share_lowrank`` .. ``v_share_raw``: the share of all patched layers' K (V) blocks in each storage mode
+    (``CompressedKV.mode_fractions`` over the whole forward), from each layer's ``mode_counts()``; {} when no layer
+    recorded them."""
+    totals = {"k": [0] * len(MODE_NAMES), "v": [0] * len(MODE_NAMES)}
+    for record in records:
+        counts = record.mode_counts()
+        for role, values in (counts or {}).items():
+            totals[role] = [a + b for a, b in zip(totals[role], values, strict=True)]
+    shares = {}
+    for role, values in totals.items():
+        if sum(values):
+            shares.update({f"{role}_share_{name}": n / sum(values) for name, n in zip(MODE_NAMES, values, strict=True)})
+    return shares
+
+
 def _forward(spec: PortModel, model: Callable, inputs: Inputs, device: torch.device) -> torch.Tensor:
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         return spec.output(model(*inputs.args, **inputs.kwargs))
@@ -431,15 +450,17 @@ def _measure_variant(spec: PortModel, model: nn.Module, inputs: Inputs, referenc
     if handle is not None and handle.compress:
         # The encoders' device time in forwards of their own (events around each layer's encodes, which the timed
         # forwards above do without: handle.time_encoding is off by default).
+        # The same forwards count each layer's blocks per storage mode (handle.record_modes).
         encode_before = sum(r.encode_seconds for r in handle.modules)
-        handle.time_encoding = True
+        handle.time_encoding = handle.record_modes = True
         try:
             for _ in range(options.repeats):
                 _forward(spec, model, inputs, device)
         finally:
-            handle.time_encoding = False
+            handle.time_encoding = handle.record_modes = False
         encoded = sum(r.encode_seconds for r in handle.modules) - encode_before
         row["compress_ms"] = encoded / options.repeats * 1e3
+        row.update(mode_shares(handle.modules))
     attention = []
     with AttentionTimer(modules, device) as timer:
         for _ in range(options.repeats):

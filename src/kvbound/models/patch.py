@@ -65,6 +65,13 @@ def _training_matters(module: nn.Module) -> bool:
     )
 
 
+def _count_modes(mode: torch.Tensor) -> torch.Tensor:
+    """Blocks per storage mode (0 low rank, 1 packed, 2 promoted, 3 raw) as int64 ``[4]`` on ``mode``'s device, with
+    no host read (``torch.bincount`` on CUDA reads its input's maximum)."""
+    kinds = torch.arange(4, dtype=mode.dtype, device=mode.device)
+    return (mode.reshape(-1, 1) == kinds).sum(0)
+
+
 def _encoder(x: torch.Tensor, config: CompressionConfig, basis: Basis | None) -> str:
     """The Triton encoder on the GPU when it applies (a calibrated basis, rank >= 1), else the eager one."""
     return "triton" if x.is_cuda and basis is not None and config.rank > 0 else "eager"
@@ -102,6 +109,17 @@ class PatchedModule:
     # (role, shape, dtype, coefficient dtype, code words, raw elements) -> the byte counts of a speculative encoding
     # but its used code words and raw values (PatchHandle._encode_speculative), for the latest shapes of each role
     _sizes: dict[tuple, tuple[int, int, int, int, int]] = field(default_factory=dict, repr=False)
+    # "k" / "v" -> blocks per storage mode (int64 [4] on K/V's device) in the last forward encoded while the handle's
+    # record_modes was on
+    _mode_counts: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mode_counts(self) -> dict[str, list[int]] | None:
+        """Blocks of K and of V in each storage mode (``lowrank``, ``packed``, ``promoted``, ``raw``, as
+        ``CompressedKV.mode_fractions``) in the last forward encoded while the handle's ``record_modes`` was on, as
+        ``{"k": [...], "v": [...]}``; None when no such forward ran. Reading waits for that forward's device work."""
+        if not self._mode_counts:
+            return None
+        return {role: counts.tolist() for role, counts in self._mode_counts.items()}
 
     def _learn(self, role: str, residual: bool, lowrank_share: float | None) -> None:
         seen = self._forecast.get(role, (False, None))[0]
@@ -192,6 +210,9 @@ class PatchHandle:
             elements (``encode_triton.one_pass_by_default``).
         time_encoding: record CUDA events around each layer's encoder calls, read by the patched modules'
             ``encode_seconds`` (default False: on the GPU ``encode_seconds`` counts only forwards run with it on).
+        record_modes: count each layer's K and V blocks per storage mode in every forward (two small reductions
+            per tensor, no host read; not in CUDA-graph captures), read by the patched modules' ``mode_counts()``
+            (default False).
         operand_bytes: device memory held between forwards by the patched layers' kept weight casts and relative
             keys (``kvbound/models/_operands.py``; ``clear_operands()`` drops them, ``KVBOUND_OPERAND_CACHE=0``
             stops keeping them), and by the one-launch speculative encoder's stored tensors, one set for K and one
@@ -223,6 +244,7 @@ class PatchHandle:
         self.retry_reasons: list[list[str]] = []
         self.one_pass_encode: bool | None = None
         self.time_encoding = False
+        self.record_modes = False
         # The one-launch speculative encoder's stored tensors, kept between layers and forwards (one set per role).
         self._encode_workspaces: dict[str, dict] = {"k": {}, "v": {}}
         self._attention_ids: set[int] = set()
@@ -358,6 +380,8 @@ class PatchHandle:
             cv = encode_anchored(v, cv, cv, index, source=v, check_fresh=False)
             record.last_k_ratio = ck.compression_ratio
             record.last_v_ratio = cv.compression_ratio
+        if self.record_modes and not _checks._stream_capturing():
+            record._mode_counts = {"k": _count_modes(ck.mode), "v": _count_modes(cv.mode)}
         if events is not None:
             events[1].record(events[2])
             record._add_encode_events(events[0], events[1])
