@@ -571,6 +571,7 @@ def test_model_target_ratios_keep_the_digits_that_tell_a_miss_from_a_hit():
     assert row["compressed K/V"] == "1.796x (MISSED (99.8% of the target))"
     assert "borzoi batch 1 compressed forward: 1.796x < 1.8x" in tables.model_targets_summary(rows)
 
+
 def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_uncounted():
     day = {**ENV, "date": "2026-12-04T10:00:00Z", "commit": "ccccccc"}
     later = {**ENV, "date": "2026-12-04T12:00:00Z", "commit": "ddddddd", "gpu": "NVIDIA H100 80GB HBM3"}

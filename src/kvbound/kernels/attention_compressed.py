@@ -2773,7 +2773,7 @@ def attention_compressed_fwd(
         launch_tuned(_attention_compressed_fwd, _TUNED, grid, args, constexprs, tune_key, config)
 
     if setting == "auto":
-        # Not with relative positions: in Borzoi (batch 1 and 4, H100) the split was 0.2-1.4 % slower than one
+        # Not with relative positions: in Borzoi (batch 1 and 4, H100) the split was 0.1-1.5 % slower than one
         # launch, eager and in CUDA graphs alike (kernels/README.md).
         split = lowrank_share is not None and not positional and worth_splitting(k, v, lowrank_share)
     else:
