@@ -274,8 +274,8 @@ def test_compressed_runs_in_the_split_launch_match_one_launch_and_float64(monkey
     """Relative keys over runs in the split launch (asked for: the default no longer splits with relative positions):
     both passes write their rows of the run table and read the same runs; the merged output is one launch's within
     the 2x criterion against float64."""
-    from kvbound.kernels import attention_compressed as module
     from test_relative_runs import _run_keys
+    from test_split_lowrank import _launches
 
     starts = [0, 60, 100, 120, 125, 128, 129, 130, 131, 134, 140, 160, 200]
     k_modes, v_modes, n, dk, dv, shared, dtype, _ = CASES["n130-all-kinds"]  # low-rank super-blocks and residual ones
@@ -285,13 +285,7 @@ def test_compressed_runs_in_the_split_launch_match_one_launch_and_float64(monkey
     q, _, u, w = _relative_inputs(h, n, dk, dtype, seed=n + dk)
     keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(n)).to(dtype)
     common = dict(scale=dk**-0.5, relative_content_bias=u, relative_position_bias=w)
-    passes, launch = [], module.launch_tuned
-
-    def spy(kernel, tuned, grid, args, constexprs, tune_key, config):
-        passes.append(constexprs["PASS"])
-        return launch(kernel, tuned, grid, args, constexprs, tune_key, config)
-
-    monkeypatch.setattr(module, "launch_tuned", spy)
+    passes = _launches(monkeypatch)
     monkeypatch.delenv("KVBOUND_SPLIT_LOWRANK", raising=False)
     one = attention(q, ck, cv, relative_keys=keys, relative_runs=starts, **common)
     monkeypatch.setenv("KVBOUND_SPLIT_LOWRANK", "1")

@@ -337,8 +337,9 @@ def mode_shares(records) -> dict[str, float]:
             totals[role] = [a + b for a, b in zip(totals[role], values, strict=True)]
     shares = {}
     for role, values in totals.items():
-        if sum(values):
-            shares.update({f"{role}_share_{name}": n / sum(values) for name, n in zip(MODE_NAMES, values, strict=True)})
+        blocks = sum(values)
+        if blocks:
+            shares.update({f"{role}_share_{name}": n / blocks for name, n in zip(MODE_NAMES, values, strict=True)})
     return shares
 
 
