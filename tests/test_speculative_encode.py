@@ -411,15 +411,13 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
         assert not h._speculate()
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_record_modes_counts_each_layers_blocks_per_storage_mode(enformer, monkeypatch, speculative):
-    """``handle.record_modes``: each patched layer's K and V blocks per storage mode in the last forward run with it
-    on, as the encoded K/V that attention read hold them (synchronous and speculative encodes); off by default."""
+def _record_modes_run(model, x, sample, monkeypatch, speculative):
+    """Patch ``model``, run a forward with ``record_modes`` off, one with it on and one off again; returns each
+    layer's ``mode_counts()`` after the forward with it on, having checked them against the modes of the encoded
+    K/V that attention read and checked that forwards with it off neither count nor clear them."""
     import importlib
 
     patch_module = importlib.import_module("kvbound.models.patch")
-    if speculative:  # the Triton encoder (interpreted), as on a GPU
-        monkeypatch.setattr(patch_module, "_encoder", lambda x, cfg, basis: "triton" if basis is not None else "eager")
     config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=0.05)
     read = []
     original = patch_module.PatchHandle._prepare_kv
@@ -432,25 +430,49 @@ def test_record_modes_counts_each_layers_blocks_per_storage_mode(enformer, monke
         return ck, cv
 
     monkeypatch.setattr(patch_module.PatchHandle, "_prepare_kv", spy)
-    x = _sequence(40, 2)
-    with torch.no_grad(), patch_module.patch(enformer, config, backend="kvbound", calibrate_on=_sequence(40, 1)) as h:
+    with torch.no_grad(), patch_module.patch(model, config, backend="kvbound", calibrate_on=sample) as h:
         h.speculative = speculative
         assert not h.record_modes
-        enformer(x)
-        assert [r.mode_counts() for r in h.modules] == [None, None]  # off: nothing counted
+        model(x)
+        assert [r.mode_counts() for r in h.modules] == [None] * len(h.modules)  # off: nothing counted
         h.record_modes = True
         read.clear()
-        enformer(x)
+        model(x)
         h.record_modes = False
         assert h.speculative_retries == 0 and len(read) == len(h.modules)
         expected = dict(read)
         counted = {r.name: r.mode_counts() for r in h.modules}
         assert counted == {name: {"k": kv[0], "v": kv[1]} for name, kv in expected.items()}
-        # at this tau the first layer keeps residuals and the second is low rank only: the counts tell them apart
-        first, second = (counted[r.name] for r in h.modules)
-        assert first["k"][0] < sum(first["k"]) and second["k"] == [sum(second["k"]), 0, 0, 0]
-        enformer(x)  # off again: the counts stay those of the last forward run with it on
+        model(x)  # off again: the counts stay those of the last forward run with it on
         assert {r.name: r.mode_counts() for r in h.modules} == counted
+    return [counted[r.name] for r in h.modules]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_record_modes_counts_each_layers_blocks_per_storage_mode(enformer, monkeypatch, speculative):
+    """``handle.record_modes``: each patched layer's K and V blocks per storage mode in the last forward run with it
+    on, as the encoded K/V that attention read hold them (synchronous and speculative encodes); off by default."""
+    import importlib
+
+    if speculative:  # the Triton encoder (interpreted), as on a GPU
+        patch_module = importlib.import_module("kvbound.models.patch")
+        monkeypatch.setattr(patch_module, "_encoder", lambda x, cfg, basis: "triton" if basis is not None else "eager")
+    first, second = _record_modes_run(enformer, _sequence(40, 2), _sequence(40, 1), monkeypatch, speculative)
+    # at this tau the first layer keeps residuals and the second is low rank only: the counts tell them apart
+    assert first["k"][0] < sum(first["k"]) and second["k"] == [sum(second["k"]), 0, 0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [False, True])
+def test_gpu_record_modes_counts_each_layers_blocks_per_storage_mode(enformer, monkeypatch, speculative):
+    """The same on the GPU in bfloat16, with the encoder the patch picks there (Triton): the counts are the encoded
+    K/V's own, every block counted once."""
+    import copy
+
+    model = copy.deepcopy(enformer).cuda().to(torch.bfloat16)
+    x, sample = (_sequence(64, s).cuda().to(torch.bfloat16) for s in (2, 1))
+    counts = _record_modes_run(model, x, sample, monkeypatch, speculative)
+    assert len(counts) == 2 and all(sum(layer[role]) > 0 for layer in counts for role in ("k", "v"))
 
 
 @pytest.mark.gpu
