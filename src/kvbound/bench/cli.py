@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models suite: batch sizes (default per model: 1 and a larger one)")
     g.add_argument("--patch-backend", choices=("auto", "eager", "kvbound"), default="auto",
                    help="models suite: kvbound.patch backend (default auto: kvbound.attention on CUDA)")
+    g.add_argument("--fixed-widths", action="store_true",
+                   help="models suite: code every compressed layer at --bits (kvbound.patch(widen_codes=False)) "
+                        "instead of letting calibration widen AlphaGenome's codes")
     g.add_argument("--alternatives", action="store_true",
                    help="models suite: also time the ports with their attention core replaced by what a user could "
                         "assemble: Enformer and Borzoi by SDPA with a built position bias and by FlexAttention over a "
@@ -303,7 +306,8 @@ def _suite_rows(args, device, console):
             repeats=args.repeats if args.repeats is not None else (2 if device.type == "cpu" else 5),
             batches=tuple(args.batches) if args.batches else None, backend=args.patch_backend, seed=args.seed,
             alternatives=ALTERNATIVES if args.alternatives else (), graphs=args.graphs,
-            variants=tuple(args.variants) if args.variants else None, checkpoints=checkpoints or None)
+            variants=tuple(args.variants) if args.variants else None, checkpoints=checkpoints or None,
+            widen_codes=not args.fixed_widths)
         offered = set(model_variants(options))
         unknown = [v for v in args.variants or () if v not in offered]
         if unknown:

@@ -40,6 +40,7 @@ and the same with ``--only alphagenome --out results/models_h200_b.csv`` (two ru
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -261,6 +262,7 @@ class ModelOptions:
     graphs: bool = False  # also GRAPH_VARIANTS (CUDA only)
     variants: tuple[str, ...] | None = None  # only these of the variants above (None: all of them)
     checkpoints: dict[str, str] | None = None  # model name -> trained weights (kvbound.models.load) instead of random
+    widen_codes: bool = True  # kvbound.patch's widen_codes for the compressed variants
 
 
 class AttentionTimer:
@@ -374,7 +376,7 @@ def _release(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module], None], backend: str,
-             modules: list[nn.Module] | None = None):  # fmt: skip
+             modules: list[nn.Module] | None = None, widen_codes: bool = True):  # fmt: skip
     """The model patched as ``name`` (undone on exit) and the handle (None when unpatched, and for the
     alternatives of ``kvbound.bench.alternatives``, which replace the attention core of ``modules``)."""
     import kvbound
@@ -394,7 +396,8 @@ def _variant(name: str, model: nn.Module, config, calibrate: Callable[[nn.Module
         if name == "patch-dense":
             handle = kvbound.patch(model, compress=False, backend=backend)
         elif name == "patch-compressed":
-            handle = kvbound.patch(model, config, compress=True, calibrate_on=calibrate, backend=backend)
+            handle = kvbound.patch(model, config, compress=True, calibrate_on=calibrate, backend=backend,
+                                   widen_codes=widen_codes)
         else:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {name!r}")
     try:
@@ -570,7 +573,8 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                 row.update(config=config_label(config), rank=config.rank, bits=config.bits,
                            block_size=config.block_size, tau=config.tau, basis="calibrated")
             try:
-                with _variant(variant, model, config, calibrate, options.backend, modules) as handle:
+                with _variant(variant, model, config, calibrate, options.backend, modules,
+                              options.widen_codes) as handle:
                     if handle is not None:
                         row["layers"] = len(handle.modules)
                         if handle.skipped:
@@ -600,12 +604,31 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                         encoding = (f"speculative encoding ({_one_pass_label(handle)}), "
                                     f"{handle.speculative_retries} forward(s) run again{_retry_label(handle)}"
                                     if handle.speculative and device.type == "cuda" else "synchronous encoding")
-                        row["note"] = "; ".join(x for x in (row["note"], encoding) if x)[:500]
+                        row["note"] = "; ".join(x for x in (row["note"], width_label(handle), encoding) if x)[:500]
             except Exception as err:  # noqa: BLE001 - one variant's failure is recorded, the next still runs
                 row.update(status="error", reason=_error_reason(err))
             yield row
             _release(device)
         del inputs, reference
+
+
+def width_label(handle) -> str:
+    """The code widths the compressed layers use, for a row's note: ``"code widths K 8 (9 layers), V 8 (9 layers):
+    calibrated from 4"``; ``"code widths 4 (not calibrated: why)"`` where calibration chose none."""
+    from kvbound.models.patch import _RELATIVE_KINDS
+
+    chosen = [r for r in handle.modules if r.width_trials]
+    if not chosen:
+        why = ("widen_codes off" if not handle.widen_codes
+               else "relative positions" if all(r.kind in _RELATIVE_KINDS for r in handle.modules)
+               else "no calibration on the kvbound backend")
+        return f"code widths {handle.config.bits} (not calibrated: {why})"
+    parts = []
+    for role in ("k", "v"):
+        widths = collections.Counter(getattr(r, f"config_{role}").bits for r in chosen)
+        listed = ", ".join(f"{w} ({n} layer{'s' * (n != 1)})" for w, n in sorted(widths.items()))
+        parts.append(f"{role.upper()} {listed}")
+    return f"code widths {', '.join(parts)}: calibrated from {handle.config.bits}"
 
 
 def _retry_label(handle) -> str:

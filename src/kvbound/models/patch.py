@@ -13,7 +13,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ from kvbound.models._ports import (
 )
 from kvbound.models.relative import equal_row_runs
 
-__all__ = ["patch", "PatchHandle", "PatchedModule"]
+__all__ = ["patch", "PatchHandle", "PatchedModule", "calibrated_width"]
 
 _MISSING = object()
 # Every module currently patched, and by which handle (weak: an unreferenced model may be collected).
@@ -77,6 +77,52 @@ def _encoder(x: torch.Tensor, config: CompressionConfig, basis: Basis | None) ->
     return "triton" if x.is_cuda and basis is not None and config.rank > 0 else "eager"
 
 
+# Kinds whose attention runs the relative-position kernels, which decode every coded block in their general loop
+# (no uniform runs: kernels/attention_compressed.py, uniform_safe): a wider code only costs bytes there.
+_RELATIVE_KINDS = frozenset({"enformer", "borzoi"})
+# A wider code width is taken only when it stores at most this many times the bytes of config.bits.
+WIDEN_BYTES_LIMIT = 1.25
+
+
+def _width_candidates(bits: int) -> list[int]:
+    """``config.bits``, then the wider widths the kernel's uniform runs decode as bytes (4 and 8)."""
+    return [bits, *(w for w in (4, 8) if w > bits)]
+
+
+def calibrated_width(
+    samples: Sequence[torch.Tensor], config: CompressionConfig, basis: Basis | None
+) -> tuple[int, dict[int, tuple[int, float]]]:
+    """The code width for K or V of one layer, from its calibration samples (``[B, H, N, D]`` each).
+
+    Each candidate width ``w`` (``config.bits``, then 4 and 8 where wider) encodes the samples with
+    ``bits = w``; a block is on the fused kernel's fast path when it is low rank only or packed at ``w`` with ``w``
+    decoded as bytes (2, 4 or 8 bits, ``byte_planes``): blocks promoted to other widths, or kept exact, go through
+    its general decode loop, several times slower per tile (kernels/README.md, "Byte decode in plane order").
+    Among the widths that store at most ``WIDEN_BYTES_LIMIT`` times the bytes of ``config.bits``, the one with the
+    largest share of fast blocks is returned; ties go to the narrower. The bound ``tau`` is the same at every
+    width. Returns ``(width, {w: (stored bytes, fast share)})``."""
+    from kvbound.kernels.attention_compressed import byte_planes
+
+    found: dict[int, tuple[int, float]] = {}
+    for width in _width_candidates(config.bits):
+        trial = replace(config, bits=width)
+        stored = fast = blocks = 0
+        for x in samples:
+            ckv = compress_kv(x, trial, basis, impl=_encoder(x, trial, basis))
+            mode = ckv.mode.reshape(-1)
+            on_path = mode == 0
+            if byte_planes(width, x.shape[-1]):
+                on_path |= mode == 1
+            stored += ckv.nbytes
+            fast += int(on_path.sum())
+            blocks += mode.numel()
+        found[width] = (stored, fast / max(1, blocks))
+    base = found[config.bits][0]
+    allowed = [w for w in found if found[w][0] <= WIDEN_BYTES_LIMIT * base]
+    best = max(found[w][1] for w in allowed)
+    return min(w for w in allowed if found[w][1] == best), found
+
+
 @dataclass(eq=False)
 class PatchedModule:
     """One module a handle patched, and what its patched forward has done since."""
@@ -91,6 +137,13 @@ class PatchedModule:
     target: nn.Module | None = field(default=None, repr=False)
     basis_k: Basis | None = None
     basis_v: Basis | None = None
+    # The compression settings of this layer's K and V: the handle's config, with the code width calibrated
+    # (patch's ``widen_codes``); None before calibration (the handle's config).
+    config_k: CompressionConfig | None = None
+    config_v: CompressionConfig | None = None
+    # "k" / "v" -> {width: (stored bytes, share of blocks on the kernel's fast path)} of the calibration samples at
+    # each width tried (calibrated_width); empty when the width was not calibrated
+    width_trials: dict[str, dict[int, tuple[int, float]]] = field(default_factory=dict, repr=False)
     calls: int = 0
     last_k_ratio: float | None = None
     last_v_ratio: float | None = None
@@ -196,7 +249,9 @@ class PatchHandle:
             ``conv-bias``: the bias added in one pass, ``conv_bias_forward``), and Enformer's ``Residual`` around
             such a block (role ``conv-residual``: bias and residual added in one pass, ``conv_residual_forward``).
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
-        calibration_seconds: time spent in ``kvbound.calibrate`` over all layers (0 without ``calibrate_on``).
+        calibration_seconds: time spent in ``kvbound.calibrate`` and in choosing code widths
+            (``widen_codes``) over all layers (0 without ``calibrate_on``).
+        widen_codes: whether calibration chose each layer's code widths (see :func:`patch`).
         calibration_forward_seconds: time of the sample forward that captured K and V.
         speculative: encode K/V on the GPU without a host read per layer (default True; see :func:`patch`).
             Set it to False to read the encoder's results in every layer instead.
@@ -226,8 +281,10 @@ class PatchHandle:
         compress: bool,
         backend: str,
         query_chunk: int | None,
+        widen_codes: bool = True,
     ) -> None:
         self.config = config
+        self.widen_codes = widen_codes
         self.compress = compress
         self.backend = backend
         self.query_chunk = query_chunk
@@ -347,13 +404,15 @@ class PatchHandle:
         scope = _checks.active()
         speculative = scope is not None and scope.speculative and self._anchor_index is None
         encoded = []
-        for role, x, basis in (("k", k, record.basis_k), ("v", v, record.basis_v)):
-            impl = _encoder(x, self.config, basis)
+        for role, x, basis, config in (("k", k, record.basis_k, record.config_k), ("v", v, record.basis_v,
+                                                                                  record.config_v)):
+            config = self.config if config is None else config
+            impl = _encoder(x, config, basis)
             if speculative and impl == "triton" and role not in record._synchronous:
-                encoded.append(self._encode_speculative(record, role, x, basis, scope))
+                encoded.append(self._encode_speculative(record, role, x, basis, scope, config))
                 continue
             try:
-                ckv = compress_kv(x, self.config, basis, impl=impl)
+                ckv = compress_kv(x, config, basis, impl=impl)
             except ValueError as error:
                 if not str(error).startswith("x: expected finite values"):
                     raise
@@ -390,7 +449,8 @@ class PatchHandle:
         return ck, cv
 
     def _encode_speculative(
-        self, record: PatchedModule, role: str, x: torch.Tensor, basis: Basis, scope: _checks.DeferredChecks
+        self, record: PatchedModule, role: str, x: torch.Tensor, basis: Basis, scope: _checks.DeferredChecks,
+        config: CompressionConfig,
     ) -> CompressedKV:
         """``x`` through the Triton encoder without a host read (``encode_triton_deferred``), telling
         ``kvbound.attention`` what this layer's earlier forwards found: a residual somewhere (or nothing known yet,
@@ -413,7 +473,7 @@ class PatchHandle:
             record._learn(role, code_words + raw_elements > 0, lowrank_blocks / blocks)
 
         ckv = encode_triton_deferred(
-            x, self.config, basis, scope, residual=residual, lowrank_share=share,
+            x, config, basis, scope, residual=residual, lowrank_share=share,
             name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable, one_pass=self.one_pass_encode,
             workspace=self._encode_workspaces[role],
         )  # fmt: skip
@@ -586,6 +646,8 @@ class PatchHandle:
         for r in self.modules:
             ratio = "" if r.last_k_ratio is None else f", K {r.last_k_ratio:.2f}x V {r.last_v_ratio:.2f}x"
             basis = ", calibrated basis" if r.basis_k is not None else ""
+            if r.width_trials:
+                basis += f", codes K {r.config_k.bits} / V {r.config_v.bits} bits (calibrated)"
             lines.append(f"  {r.name} [{r.kind}] calls={r.calls}{basis}{ratio}")
         for r in self.helpers:
             what = {
@@ -788,6 +850,7 @@ def patch(
     filter_fn: Callable[[str, nn.Module], bool] | None = None,
     backend: str = "auto",
     query_chunk: int | None = None,
+    widen_codes: bool = True,
 ) -> PatchHandle:
     """Patch the Enformer, Borzoi and AlphaGenome attention modules of a loaded ``model`` in place.
 
@@ -819,6 +882,12 @@ def patch(
             ``"kvbound"`` (raises when unavailable, never falls back).
         query_chunk: query rows per attention call where calls are chunked (the eager backend, and the relative-
             position layers on either backend); default: float32 logits of a chunk under 128 MiB.
+        widen_codes: with ``calibrate_on``, on the kvbound backend, let calibration code a layer's K or V at a
+            wider width than ``config.bits`` (4 or 8 bits, :func:`calibrated_width`) where its sample shows that the
+            fused kernel then decodes more blocks on its fast path for at most 1.25x the stored bytes; not for the
+            relative-position layers (Enformer, Borzoi), whose kernel has no such path. The bound ``config.tau`` is
+            the same. The widths chosen are each module's ``config_k`` / ``config_v`` (``handle.summary()``
+            lists them). ``False``: ``config.bits`` everywhere.
 
     Returns:
         a :class:`PatchHandle`; ``handle.undo()`` (or leaving ``with patch(...)``) restores the model exactly.
@@ -855,10 +924,12 @@ def patch(
         raise TypeError(f"filter_fn: expected a callable (name, module) -> bool, got {type(filter_fn).__name__}")
     if not isinstance(compress, bool):
         raise TypeError(f"compress: expected bool, got {type(compress).__name__}")
+    if not isinstance(widen_codes, bool):
+        raise TypeError(f"widen_codes: expected bool, got {type(widen_codes).__name__}")
     if calibrate_on is not None and not compress:
         raise ValueError("calibrate_on: given with compress=False; calibration only serves compression")
 
-    handle = PatchHandle(config, compress, backend, query_chunk)
+    handle = PatchHandle(config, compress, backend, query_chunk, widen_codes)
     classes = [(port, port_class(port)) for port in PORTS]
     classes = [(port, cls) for port, cls in classes if cls is not None]
     unsupported = []
@@ -937,6 +1008,14 @@ def patch(
     return handle
 
 
+def _widens(handle: PatchHandle, record: PatchedModule) -> bool:
+    """Whether calibration picks this layer's code widths: ``widen_codes``, a layer whose kernel runs uniform runs
+    (not the relative-position ones), on the kvbound backend for the sample's device."""
+    if not handle.widen_codes or record.kind in _RELATIVE_KINDS or not record._captured_k:
+        return False
+    return resolve_backend(handle.backend, record._captured_k[0].device) == "kvbound"
+
+
 def _calibrate(model: nn.Module, handle: PatchHandle, sample) -> None:
     try:
         handle._capturing = True
@@ -955,6 +1034,13 @@ def _calibrate(model: nn.Module, handle: PatchHandle, sample) -> None:
             record.basis_k = calibrate(record._captured_k, handle.config)
             record.basis_v = calibrate(record._captured_v, handle.config)
             handle.calibration_seconds += record.basis_k.calibration_seconds + record.basis_v.calibration_seconds
+            if _widens(handle, record):
+                start = time.perf_counter()
+                for role, samples, basis in (("k", record._captured_k, record.basis_k),
+                                             ("v", record._captured_v, record.basis_v)):  # fmt: skip
+                    width, record.width_trials[role] = calibrated_width(samples, handle.config, basis)
+                    setattr(record, f"config_{role}", replace(handle.config, bits=width))
+                handle.calibration_seconds += time.perf_counter() - start
         if unseen:
             warnings.warn(
                 f"calibrate_on: the sample forward never reached {unseen}; those modules compress with per-block bases",
