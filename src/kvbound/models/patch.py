@@ -100,7 +100,9 @@ def calibrated_width(
     its general decode loop, several times slower per tile (kernels/README.md, "Byte decode in plane order").
     Among the widths that store at most ``WIDEN_BYTES_LIMIT`` times the bytes of ``config.bits``, the one with the
     largest share of fast blocks is returned; ties go to the narrower. The bound ``tau`` is the same at every
-    width. Returns ``(width, {w: (stored bytes, fast share)})``."""
+    width. The trials run the eager encoder (float64, on the samples' device), which stores the same modes and
+    widths as the Triton encoder, so that no encoder kernel is compiled for a width that is not kept. Returns
+    ``(width, {w: (stored bytes, fast share)})``."""
     from kvbound.kernels.attention_compressed import byte_planes
 
     found: dict[int, tuple[int, float]] = {}
@@ -108,7 +110,7 @@ def calibrated_width(
         trial = replace(config, bits=width)
         stored = fast = blocks = 0
         for x in samples:
-            ckv = compress_kv(x, trial, basis, impl=_encoder(x, trial, basis))
+            ckv = compress_kv(x, trial, basis, impl="eager")  # (no kernel compiled per trial width)
             mode = ckv.mode.reshape(-1)
             on_path = mode == 0
             if byte_planes(width, x.shape[-1]):
