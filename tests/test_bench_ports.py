@@ -110,6 +110,25 @@ def test_rows_for_a_model_without_port_modules(tmp_path):
     assert len(body) == 6 and dict(zip(headers, body[0], strict=True))["vs unpatched"] == "1.00x"
 
 
+def test_calibrations_freed_blocks_are_released_before_the_batchs_forwards(monkeypatch):
+    """The compressed variant calibrates on a batch-1 forward; the allocator's cache is emptied after it, before the
+    variant's forwards at the measured batch (which would otherwise be carved out of the freed batch-1 blocks)."""
+    events = []
+    original_forward = ports._forward
+
+    def forward(spec, model, inputs, device):
+        events.append(f"forward {inputs.args[0].shape[0]}")
+        return original_forward(spec, model, inputs, device)
+
+    monkeypatch.setattr(ports, "_forward", forward)
+    monkeypatch.setattr(ports, "_release", lambda device: events.append("release"))
+    options = ports.ModelOptions(warmup=0, repeats=1, batches=(3,), variants=("patch-compressed",))
+    rows = list(ports.model_rows((_toy_spec(),), torch.device("cpu"), SMOKE, options))
+    assert [r["status"] for r in rows] == ["ok"]
+    first = events.index("forward 1")  # the calibration forward
+    assert events[first + 1] == "release" and events[first + 2] == "forward 3"
+
+
 def test_graph_variants_are_unsupported_without_cuda():
     """``--graphs`` adds the three graph variants (unpatched, dense, compressed) after the three others; on the CPU
     they are ``unsupported`` rows that say why, and the other variants run as before."""

@@ -582,6 +582,10 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                                 f"{n}: {r}" for n, r in handle.skipped))[:500]
                         if handle.compress:
                             row["calibration_ms"] = handle.calibration_seconds * 1e3
+                            # The calibration forward ran at batch 1: its freed blocks go back to the device before
+                            # this batch's forwards, which would otherwise be carved out of them (an H100 ran out of
+                            # memory at AlphaGenome's batch 2 with 22.8 GiB reserved but unallocated).
+                            _release(device)
                     if variant == "unpatched":
                         try:
                             reference = _forward(spec, model, inputs, device)
