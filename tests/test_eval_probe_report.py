@@ -189,6 +189,9 @@ def test_fidelity_smoke_on_fixture_dna(tmp_path):
     assert all(row["weights"].endswith("weak evidence") and "fixture" in row["input"] for row in rows.values())
     dense, compressed = rows["patch-dense"], rows["patch-compressed"]
     assert int(compressed["patched_modules"]) == 2 and float(compressed["kv_ratio_mean"]) > 1.0
+    # the widths the layers used: Enformer's relative-position layers keep config.bits
+    assert compressed["code_widths"] == "code widths 4 (not calibrated: relative positions)"
+    assert dense["code_widths"] == ""
     # exact K/V through kvbound's attention is closer to the port than compressed K/V, and both are close
     assert float(dense["vs_unpatched_sqnr_db"]) > float(compressed["vs_unpatched_sqnr_db"]) > 20.0
     assert 0 < float(compressed["vs_dense_max_abs_error"]) and float(compressed["vs_dense_sqnr_db"]) > 20.0

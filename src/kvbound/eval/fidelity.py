@@ -100,7 +100,7 @@ def fidelity_rows(
     seed: int = 0,
 ) -> list[dict]:
     import kvbound
-    from kvbound.bench.ports import port_models
+    from kvbound.bench.ports import port_models, width_label
 
     rows = []
     for spec in port_models(cpu_smoke):
@@ -151,6 +151,7 @@ def fidelity_rows(
             try:
                 outputs[variant] = _forward(spec, model, evaluated, device)
                 ratios = [r for m in handle.modules for r in (m.last_k_ratio, m.last_v_ratio) if r is not None]
+                widths = width_label(handle) if handle.compress else ""
             finally:
                 handle.undo()
             row = {
@@ -160,6 +161,7 @@ def fidelity_rows(
                 "patched_modules": len(handle.modules),
                 "rank": config.rank if variant == "patch-compressed" else 0,
                 "bits": config.bits if variant == "patch-compressed" else 0,
+                "code_widths": widths,  # the widths the layers used (kvbound.patch's widen_codes)
                 "tau": config.tau if variant == "patch-compressed" else float("nan"),
                 "kv_ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
                 "seconds": round(time.perf_counter() - tic, 3),
