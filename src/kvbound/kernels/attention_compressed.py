@@ -557,9 +557,7 @@ def _value_residual(
         step = tl.load(V_scale + meta_index)
         width = tl.load(V_bits + meta_index).to(tl.int32)
         codes = _load_codes_tile(V_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES)
-        accumulator = tl.dot(
-            _to_operand(p * step, FP32), _to_operand(codes, FP32), accumulator, input_precision=PRECISION
-        )
+        accumulator += tl.dot(_to_operand(p, FP32), _to_operand(codes, FP32), input_precision=PRECISION) * step
     return accumulator
 
 
@@ -864,7 +862,7 @@ def _compressed_tile(
                 FP32,
                 V_PLANES,
             )
-            accumulator = tl.dot(_to_operand(p * v_step, FP32), codes_v, accumulator, input_precision=PRECISION)
+            accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
         elif V_RESIDUAL:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
             if v_mode != 0:
@@ -921,7 +919,7 @@ def _compressed_tile(
                 FP32,
                 V_PLANES,
             )
-            accumulator = tl.dot(_to_operand(p * v_step, FP32), codes_v, accumulator, input_precision=PRECISION)
+            accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
         elif V_RESIDUAL:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
             if PREDICATED:
@@ -943,9 +941,7 @@ def _compressed_tile(
                     DV_PAD,
                     V_PLANES,
                 )
-                accumulator = tl.dot(
-                    _to_operand(p * v_step, FP32), _to_operand(codes_v, FP32), accumulator, input_precision=PRECISION
-                )
+                accumulator += tl.dot(p_op, _to_operand(codes_v, FP32), input_precision=PRECISION) * v_step
                 if v_mode == 3:
                     accumulator = _value_residual(
                         accumulator,
