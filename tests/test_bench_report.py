@@ -388,6 +388,26 @@ def test_report_reads_only_legacy_files(tmp_path):
     assert "| 1x8x65536x64 | triton |" in text and "_(no timed rows)_" in text
 
 
+def test_csvs_under_kernel_dev_are_listed_and_never_read(tmp_path):
+    """A bench-schema CSV under ``kernel_dev/`` (a trial, perhaps of reverted code) is listed as a development
+    measurement and feeds no table, even where it is the newest run of its model."""
+    from kvbound.bench import records
+
+    row = {"mode": "model", "suite": "models", "provider": "unpatched", "shape": "alphagenome", "batch": 1,
+           "status": "ok", "ms_p50": 123.0, "commit": "abc1234", "gpu": "NVIDIA H100"}  # fmt: skip
+    results = tmp_path / "results"
+    records.write_rows(results / "kernel_dev" / "trial" / "models.csv", [row])
+    files = report.read_results(results)
+    assert [f.kind for f in files] == ["development"]
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(results), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "`results/kernel_dev/trial/models.csv` (1 rows): not read by this report (a development measurement" in text
+    assert "abc1234" not in text and "123" not in text.split("## Where these numbers come from")[0]
+    records.write_rows(results / "run" / "models.csv", [row])  # the same row outside kernel_dev is read
+    assert sorted(f.kind for f in report.read_results(results)) == ["bench", "development"]
+
+
 def _report_of_one_file(tmp_path, name: str, header: str, rows: list[str], kind: str) -> str:
     """BENCHMARKS.md rendered from one CSV ``name`` (``header`` and ``rows``), which must be read as ``kind``."""
     directory = tmp_path / "results" / "run"
