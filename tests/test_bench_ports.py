@@ -221,6 +221,38 @@ def test_cli_models_rejects_unknown_names(tmp_path):
     assert not (tmp_path / "m.csv").exists()
 
 
+@pytest.mark.parametrize(("flags", "widen"), [([], True), (["--fixed-widths"], False)])
+def test_cli_fixed_widths_turns_the_patchs_calibrated_widths_off(monkeypatch, flags, widen):
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(ports, "model_rows", lambda specs, device, config, options: seen.append(options) or iter(()))
+    args = cli.build_parser().parse_args(["--suite", "models", "--cpu-smoke", "--only", "enformer*", *flags])
+    cli._suite_rows(args, torch.device("cpu"), SimpleNamespace(print=print))
+    assert [o.widen_codes for o in seen] == [widen]
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_widen_codes_option_reaches_the_compressed_patch(monkeypatch, widen):
+    import kvbound
+
+    seen = []
+    original = kvbound.patch
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("compress"), kwargs.get("widen_codes")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kvbound, "patch", spy)
+    options = ports.ModelOptions(warmup=0, repeats=1, batches=(1,), widen_codes=widen)
+    rows = list(ports.model_rows((_toy_spec(),), torch.device("cpu"), SMOKE, options))
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert seen == [(False, None), (True, widen)]
+    compressed = next(r for r in rows if r["provider"] == "patch-compressed")
+    why = "no attention module patched" if widen else "widen_codes off"  # (a plain MLP: nothing to patch)
+    assert f"code widths 4 (not calibrated: {why})" in compressed["note"]
+
+
 def test_cli_models_flag_is_the_models_suite(tmp_path):
     args = cli.build_parser().parse_args(["--models", "--only", "enformer*"])
     assert args.suite == "models" and args.only == ["enformer*"]

@@ -196,6 +196,10 @@ def test_width_label_counts_layers_per_width():
                                          "from 4")
     handle.modules = [record(None, None)]
     assert ports.width_label(handle) == "code widths 4 (not calibrated: no calibration on the kvbound backend)"
+    handle.modules = [record(None, None, kind="borzoi"), record(None, None, kind="enformer")]
+    assert ports.width_label(handle) == "code widths 4 (not calibrated: relative positions)"
+    handle.modules = []
+    assert ports.width_label(handle) == "code widths 4 (not calibrated: no attention module patched)"
     handle.widen_codes = False
     assert ports.width_label(handle) == "code widths 4 (not calibrated: widen_codes off)"
     assert math.isclose(WIDEN_BYTES_LIMIT, 1.25)

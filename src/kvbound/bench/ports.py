@@ -624,6 +624,7 @@ def width_label(handle) -> str:
     chosen = [r for r in handle.modules if r.width_trials]
     if not chosen:
         why = ("widen_codes off" if not handle.widen_codes
+               else "no attention module patched" if not handle.modules
                else "relative positions" if all(r.kind in _RELATIVE_KINDS for r in handle.modules)
                else "no calibration on the kvbound backend")
         return f"code widths {handle.config.bits} (not calibrated: {why})"
