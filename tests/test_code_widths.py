@@ -95,20 +95,6 @@ def test_three_bit_codes_move_to_four_bits_for_the_same_bytes():
 
 
 # ------------------------------------------------------------------------------------------------ in a patch
-def _tower():
-    pytest.importorskip("alphagenome_pytorch", reason=_MISSING.format("alphagenome_pytorch"))
-    from alphagenome_pytorch.model import TransformerTower
-
-    torch.manual_seed(0)
-    tower = TransformerTower(64)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for m in tower.modules():
-            if hasattr(m, "running_var"):
-                m.running_var.uniform_(0.5, 2.0)
-    return tower.eval(), torch.randn(1, 32, 64, generator=g), torch.randn(1, 32, 64, generator=g)
-
-
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -118,7 +104,9 @@ def test_patch_widens_alphagenomes_promoted_codes_and_keeps_the_bound(monkeypatc
     encoded K/V that attention reads are packed at 8 bits with every element within tau, and the output agrees
     with the fixed-width patch's as closely as both agree with the unpatched tower. ``widen_codes=False`` keeps
     4 bits, the eager backend chooses nothing."""
-    tower, sample, x = _tower()
+    from test_speculative_encode import _small_alphagenome_tower  # tests/ is on sys.path (rootdir conftest)
+
+    tower, sample, x = _small_alphagenome_tower()
     config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=2.0**-5)
     seen = []
     original = patch_module.PatchHandle._prepare_kv

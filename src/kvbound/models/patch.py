@@ -253,8 +253,8 @@ class PatchHandle:
         skipped: ``(name, reason)`` for modules that look like a port's attention but were left alone.
         calibration_seconds: time spent in ``kvbound.calibrate`` and in choosing code widths
             (``widen_codes``) over all layers (0 without ``calibrate_on``).
-        widen_codes: whether calibration chose each layer's code widths (see :func:`patch`).
         calibration_forward_seconds: time of the sample forward that captured K and V.
+        widen_codes: whether calibration chose each layer's code widths (see :func:`patch`).
         speculative: encode K/V on the GPU without a host read per layer (default True; see :func:`patch`).
             Set it to False to read the encoder's results in every layer instead.
         speculative_retries: forwards that ran a second time because a speculative encoding could not be kept.
