@@ -95,6 +95,22 @@ def test_three_bit_codes_move_to_four_bits_for_the_same_bytes():
 
 
 # ------------------------------------------------------------------------------------------------ in a patch
+def _encoded_kv(monkeypatch, each) -> list:
+    """A list that collects ``each(dense, encoded)`` for the K and then the V of every compressed attention call
+    of patched modules (the encoded K/V that attention reads)."""
+    seen = []
+    original = patch_module.PatchHandle._prepare_kv
+
+    def spy(self, record, k, v):
+        ck, cv = original(self, record, k, v)
+        if isinstance(ck, kvbound.CompressedKV):  # (calibration reads dense K/V)
+            seen.extend(each(dense, ckv) for dense, ckv in ((k, ck), (v, cv)))
+        return ck, cv
+
+    monkeypatch.setattr(patch_module.PatchHandle, "_prepare_kv", spy)
+    return seen
+
+
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -102,25 +118,18 @@ def _first(out):
 def test_patch_widens_alphagenomes_promoted_codes_and_keeps_the_bound(monkeypatch):
     """AlphaGenome's tower at tau = 1/32 (LayerNorm'd K/V, unit scale): calibration codes K and V at 8 bits, the
     encoded K/V that attention reads are packed at 8 bits with every element within tau, and the output agrees
-    with the fixed-width patch's as closely as both agree with the unpatched tower. ``widen_codes=False`` keeps
-    4 bits, the eager backend chooses nothing."""
+    with the fixed-width patch's to within 5 % (relative L2), as each does with the unpatched tower.
+    ``widen_codes=False`` keeps 4 bits, the eager backend chooses nothing."""
     from test_speculative_encode import _small_alphagenome_tower  # tests/ is on sys.path (rootdir conftest)
 
     tower, sample, x = _small_alphagenome_tower()
     config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=2.0**-5)
-    seen = []
-    original = patch_module.PatchHandle._prepare_kv
 
-    def spy(self, record, k, v):
-        ck, cv = original(self, record, k, v)
-        if isinstance(ck, kvbound.CompressedKV):
-            for dense, ckv in ((k, ck), (v, cv)):
-                error = (ckv.decompress().double() - dense.double()).abs().max().item()
-                seen.append((ckv.config.bits, torch.bincount(ckv.mode.reshape(-1).long(), minlength=4).tolist(),
-                             error))
-        return ck, cv
+    def each(dense, ckv):
+        error = (ckv.decompress().double() - dense.double()).abs().max().item()
+        return ckv.config.bits, torch.bincount(ckv.mode.reshape(-1).long(), minlength=4).tolist(), error
 
-    monkeypatch.setattr(patch_module.PatchHandle, "_prepare_kv", spy)
+    seen = _encoded_kv(monkeypatch, each)
     with torch.no_grad():
         reference = _first(tower(x))
         outs = {}
@@ -148,6 +157,31 @@ def test_patch_widens_alphagenomes_promoted_codes_and_keeps_the_bound(monkeypatc
     assert (outs[True] - outs[False]).norm().item() < 5e-2 * scale
     with torch.no_grad(), kvbound.patch(tower, config, backend="eager", calibrate_on=sample) as h:
         assert all(r.config_k is None and not r.width_trials for r in h.modules)
+
+
+def test_widened_widths_reach_the_speculative_encoder_and_the_variants_encoding(monkeypatch):
+    """With the Triton encoder (interpreted here, as on a GPU) the speculative encodes and the anchored encodes of
+    ``handle.variants`` use each layer's calibrated width: K/V packed at 8 bits, outputs equal to the synchronous
+    encoder's."""
+    from test_speculative_encode import _small_alphagenome_tower  # tests/ is on sys.path (rootdir conftest)
+
+    monkeypatch.setattr(patch_module, "_encoder", lambda x, cfg, basis: "triton" if basis is not None else "eager")
+    tower, sample, x = _small_alphagenome_tower()
+    config = kvbound.CompressionConfig(block_size=16, rank=4, bits=4, tau=2.0**-5)
+    seen = _encoded_kv(monkeypatch, lambda dense, ckv: ckv.config.bits)
+    with torch.no_grad(), kvbound.patch(tower, config, backend="kvbound", calibrate_on=sample) as h:
+        assert {(r.config_k.bits, r.config_v.bits) for r in h.modules} == {(8, 8)}
+        h.speculative = False
+        sync = _first(tower(x))
+        h.speculative = True
+        seen.clear()
+        spec = _first(tower(x))
+        assert seen == [8] * 18 and h.speculative_retries == 0
+        torch.testing.assert_close(spec, sync, rtol=0, atol=0)
+        seen.clear()
+        with h.variants([-1, 0]):  # a reference and one variant of it, the variant encoded against it
+            _first(tower(torch.cat([x, x + 0.01 * sample])))
+        assert seen == [8] * 18
 
 
 def test_relative_position_layers_keep_config_bits():
@@ -182,8 +216,11 @@ def test_width_label_counts_layers_per_width():
     handle = SimpleNamespace(config=config, widen_codes=True, modules=[record(8, 8), record(8, 4), record(8, 8)])
     assert ports.width_label(handle) == ("code widths K 8 (3 layers), V 4 (1 layer), 8 (2 layers): calibrated "
                                          "from 4")
+    handle.modules.append(record(None, None))  # a layer the calibration sample never reached
+    assert ports.width_label(handle).endswith("calibrated from 4; 1 other layer at 4")
     handle.modules = [record(None, None)]
-    assert ports.width_label(handle) == "code widths 4 (not calibrated: no calibration on the kvbound backend)"
+    assert ports.width_label(handle) == ("code widths 4 (not calibrated: no calibrate_on, or a backend or GPU "
+                                         "without the kernel's uniform loop)")
     handle.modules = [record(None, None, kind="borzoi"), record(None, None, kind="enformer")]
     assert ports.width_label(handle) == "code widths 4 (not calibrated: relative positions)"
     handle.modules = []

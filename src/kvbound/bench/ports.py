@@ -619,21 +619,23 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
 def width_label(handle) -> str:
     """The code widths the compressed layers use, for a row's note: ``"code widths K 8 (9 layers), V 8 (9 layers):
     calibrated from 4"``; ``"code widths 4 (not calibrated: why)"`` where calibration chose none."""
-    from kvbound.models.patch import _RELATIVE_KINDS
+    from kvbound.models.patch import RELATIVE_KINDS
 
     chosen = [r for r in handle.modules if r.width_trials]
     if not chosen:
         why = ("widen_codes off" if not handle.widen_codes
                else "no attention module patched" if not handle.modules
-               else "relative positions" if all(r.kind in _RELATIVE_KINDS for r in handle.modules)
-               else "no calibration on the kvbound backend")
+               else "relative positions" if all(r.kind in RELATIVE_KINDS for r in handle.modules)
+               else "no calibrate_on, or a backend or GPU without the kernel's uniform loop")
         return f"code widths {handle.config.bits} (not calibrated: {why})"
     parts = []
     for role in ("k", "v"):
         widths = collections.Counter(getattr(r, f"config_{role}").bits for r in chosen)
         listed = ", ".join(f"{w} ({n} layer{'s' * (n != 1)})" for w, n in sorted(widths.items()))
         parts.append(f"{role.upper()} {listed}")
-    return f"code widths {', '.join(parts)}: calibrated from {handle.config.bits}"
+    rest = len(handle.modules) - len(chosen)
+    others = f"; {rest} other layer{'s' * (rest != 1)} at {handle.config.bits}" if rest else ""
+    return f"code widths {', '.join(parts)}: calibrated from {handle.config.bits}{others}"
 
 
 def _retry_label(handle) -> str:

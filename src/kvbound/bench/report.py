@@ -182,8 +182,10 @@ recorded in every row:
 
 @dataclass
 class ResultFile:
-    """One CSV under the results folder: ``kind`` is ``bench`` (``rows`` typed by ``records.read_rows``),
-    ``legacy-encoder`` or ``legacy-public-api`` (``raw`` string rows of a former side script) or ``unknown``."""
+    """One CSV under the results folder: ``kind`` is ``bench`` (``rows`` typed by ``records.read_rows``), one of
+    the side scripts' schemas (``trained-kv``, ``largest-batch``, ``relative-ncu``, ``forward-timeline``,
+    ``fused-norm``; ``raw`` string rows), ``legacy-encoder`` or ``legacy-public-api`` (a former side script's),
+    ``development`` (under ``kernel_dev/``: listed, never read) or ``unknown``."""
 
     path: Path
     kind: str

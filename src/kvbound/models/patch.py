@@ -79,7 +79,7 @@ def _encoder(x: torch.Tensor, config: CompressionConfig, basis: Basis | None) ->
 
 # Kinds whose attention runs the relative-position kernels, which decode every coded block in their general loop
 # (no uniform runs: kernels/attention_compressed.py, uniform_safe): a wider code only costs bytes there.
-_RELATIVE_KINDS = frozenset({"enformer", "borzoi"})
+RELATIVE_KINDS = frozenset({"enformer", "borzoi"})
 # A wider code width is taken only when it stores at most this many times the bytes of config.bits.
 WIDEN_BYTES_LIMIT = 1.25
 
@@ -139,8 +139,8 @@ class PatchedModule:
     target: nn.Module | None = field(default=None, repr=False)
     basis_k: Basis | None = None
     basis_v: Basis | None = None
-    # The compression settings of this layer's K and V: the handle's config, with the code width calibrated
-    # (patch's ``widen_codes``); None before calibration (the handle's config).
+    # The compression settings of this layer's K and V: the handle's config with the code width calibrated (patch's
+    # ``widen_codes``); None where no width was calibrated (the handle's config is used).
     config_k: CompressionConfig | None = None
     config_v: CompressionConfig | None = None
     # "k" / "v" -> {width: (stored bytes, share of blocks on the kernel's fast path)} of the calibration samples at
@@ -884,12 +884,13 @@ def patch(
             ``"kvbound"`` (raises when unavailable, never falls back).
         query_chunk: query rows per attention call where calls are chunked (the eager backend, and the relative-
             position layers on either backend); default: float32 logits of a chunk under 128 MiB.
-        widen_codes: with ``calibrate_on``, on the kvbound backend, let calibration code a layer's K or V at a
-            wider width than ``config.bits`` (4 or 8 bits, :func:`calibrated_width`) where its sample shows that the
-            fused kernel then decodes more blocks on its fast path for at most 1.25x the stored bytes; not for the
-            relative-position layers (Enformer, Borzoi), whose kernel has no such path. The bound ``config.tau`` is
-            the same. The widths chosen are each module's ``config_k`` / ``config_v`` (``handle.summary()``
-            lists them). ``False``: ``config.bits`` everywhere.
+        widen_codes: with ``calibrate_on``, on the kvbound backend on a GPU with tensor descriptors (sm_90 or
+            newer), let calibration code a layer's K or V at a wider width than ``config.bits`` (4 or 8 bits,
+            :func:`calibrated_width`) where its sample shows that the fused kernel then decodes more blocks on its
+            fast path for at most 1.25x the stored bytes; not for the relative-position layers (Enformer, Borzoi),
+            whose kernel has no such path, nor on older GPUs, where the kernel compiles none. The bound
+            ``config.tau`` is the same. The widths chosen are each module's ``config_k`` / ``config_v``
+            (``handle.summary()`` lists them). ``False``: ``config.bits`` everywhere.
 
     Returns:
         a :class:`PatchHandle`; ``handle.undo()`` (or leaving ``with patch(...)``) restores the model exactly.
@@ -1012,10 +1013,16 @@ def patch(
 
 def _widens(handle: PatchHandle, record: PatchedModule) -> bool:
     """Whether calibration picks this layer's code widths: ``widen_codes``, a layer whose kernel runs uniform runs
-    (not the relative-position ones), on the kvbound backend for the sample's device."""
-    if not handle.widen_codes or record.kind in _RELATIVE_KINDS or not record._captured_k:
+    (not the relative-position ones), on the kvbound backend for the sample's device, where that kernel compiles
+    them: a GPU with tensor descriptors (sm_90 or newer; ``uniform_safe``) or Triton's interpreter."""
+    from kvbound.kernels._common import _KERNELS_INTERPRETED, _has_tensor_descriptors
+
+    if not handle.widen_codes or record.kind in RELATIVE_KINDS or not record._captured_k:
         return False
-    return resolve_backend(handle.backend, record._captured_k[0].device) == "kvbound"
+    device = record._captured_k[0].device
+    if resolve_backend(handle.backend, device) != "kvbound":
+        return False
+    return _KERNELS_INTERPRETED or _has_tensor_descriptors(device)
 
 
 def _calibrate(model: nn.Module, handle: PatchHandle, sample) -> None:
