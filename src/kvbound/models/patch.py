@@ -1015,14 +1015,15 @@ def _widens(handle: PatchHandle, record: PatchedModule) -> bool:
     """Whether calibration picks this layer's code widths: ``widen_codes``, a layer whose kernel runs uniform runs
     (not the relative-position ones), on the kvbound backend for the sample's device, where that kernel compiles
     them: a GPU with tensor descriptors (sm_90 or newer; ``uniform_safe``) or Triton's interpreter."""
-    from kvbound.kernels._common import _KERNELS_INTERPRETED, _has_tensor_descriptors
+    from kvbound.kernels._common import _has_tensor_descriptors
+    from kvbound.kernels.attention_compressed import uniform_safe
 
-    if not handle.widen_codes or record.kind in RELATIVE_KINDS or not record._captured_k:
+    if not handle.widen_codes or not record._captured_k:
         return False
     device = record._captured_k[0].device
     if resolve_backend(handle.backend, device) != "kvbound":
         return False
-    return _KERNELS_INTERPRETED or _has_tensor_descriptors(device)
+    return uniform_safe(_has_tensor_descriptors(device), None, relative=record.kind in RELATIVE_KINDS)
 
 
 def _calibrate(model: nn.Module, handle: PatchHandle, sample) -> None:
