@@ -1265,6 +1265,7 @@ COMPRESSED_TUNE_KEY = [
     "FAST_BITS_V",
     "K_PLANES",
     "V_PLANES",
+    "GENERAL_RUNS",
     "HAS_BIAS",
     "BIAS_TILE",
     "SOFTCAP",
@@ -1369,6 +1370,7 @@ def _attention_compressed_fwd(
     K_PLANES: tl.constexpr,
     V_PLANES: tl.constexpr,
     RUN_KINDS: tl.constexpr,
+    GENERAL_RUNS: tl.constexpr,
     PASS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -1396,6 +1398,7 @@ def _attention_compressed_fwd(
         )
     tl.static_assert(BOUNDED or not V_PACKED, "packed V coefficients belong to a bounded launch")
     tl.static_assert(PASS != 1 or not (K_RESIDUAL or V_RESIDUAL), "pass 1 is compiled without residual code")
+    tl.static_assert(GENERAL_RUNS or RUN_KINDS == 3, "without general runs every residual run is a uniform one")
     if RELATIVE:
         tl.static_assert(GROUP == 1, "relative positions need one query head per K/V head")
     tl.static_assert(
@@ -1875,98 +1878,103 @@ def _attention_compressed_fwd(
                                 V_PLANES,
                             )
                         )
-                for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
-                    run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
-                    run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
-                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
-                        _attention_compressed_inner(
-                            accumulator,
-                            accumulator_max,
-                            rank_accumulator,
-                            running_sum,
-                            running_max,
-                            q_op,
-                            q_res_mult,
-                            query_rank,
-                            query_rank_lo,
-                            query_rank_mult,
-                            K_coeff_head,
-                            k_coeff_desc,
-                            K_basis,
-                            K_mode,
-                            K_scale,
-                            K_bits,
-                            K_offset,
-                            K_codes,
-                            K_raw,
-                            V_coeff_head,
-                            v_coeff_desc,
-                            V_basis,
-                            V_mode,
-                            V_scale,
-                            V_bits,
-                            V_offset,
-                            V_codes,
-                            V_raw,
-                            stride_kcn,
-                            stride_kcr,
-                            stride_vcn,
-                            stride_vcr,
-                            k_meta_base,
-                            v_meta_base,
-                            bias_rows,
-                            stride_bk,
-                            row_query,
-                            row_valid,
-                            run_lo * SUPER_BLOCK,
-                            run_hi * SUPER_BLOCK,
-                            N_K,
-                            bias_mult,
-                            softcap_log2,
-                            HEAD_DIM_K,
-                            HEAD_DIM_V,
-                            DK_PAD,
-                            DV_PAD,
-                            RANK_K,
-                            RANK_V * (1 + V_PACKED),
-                            RK_PAD,
-                            RV_PAD,
-                            BLOCK_SIZE_K,
-                            BLOCK_SIZE_V,
-                            K_PER_BLOCK,
-                            V_PER_BLOCK,
-                            K_RESIDUAL,
-                            V_RESIDUAL,
-                            SPLIT_RANK,
-                            BLOCK_M,
-                            BLOCK_N,
-                            HAS_BIAS,
-                            SOFTCAP,
-                            CAUSAL,
-                            False,
-                            FP32,
-                            PRECISION,
-                            USE_TMA,
-                            PREDICATED_RESIDUAL,
-                            BIAS_TILE,
-                            FIXED_MAX or (BOUNDED and attempt == 0),
-                            q_position,
-                            relative_head,
-                            stride_rh_row,
-                            stride_rh_d,
-                            row_start,
-                            N_Q,
-                            n_relative,
-                            logit_mult,
-                            RELATIVE,
-                            0,
-                            0,
-                            K_PLANES,
-                            V_PLANES,
+                if GENERAL_RUNS:
+                    # General runs (other widths, raw blocks); compiled out when no block of the call needs them.
+                    for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
+                        run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
+                        run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
+                        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                            _attention_compressed_inner(
+                                accumulator,
+                                accumulator_max,
+                                rank_accumulator,
+                                running_sum,
+                                running_max,
+                                q_op,
+                                q_res_mult,
+                                query_rank,
+                                query_rank_lo,
+                                query_rank_mult,
+                                K_coeff_head,
+                                k_coeff_desc,
+                                K_basis,
+                                K_mode,
+                                K_scale,
+                                K_bits,
+                                K_offset,
+                                K_codes,
+                                K_raw,
+                                V_coeff_head,
+                                v_coeff_desc,
+                                V_basis,
+                                V_mode,
+                                V_scale,
+                                V_bits,
+                                V_offset,
+                                V_codes,
+                                V_raw,
+                                stride_kcn,
+                                stride_kcr,
+                                stride_vcn,
+                                stride_vcr,
+                                k_meta_base,
+                                v_meta_base,
+                                bias_rows,
+                                stride_bk,
+                                row_query,
+                                row_valid,
+                                run_lo * SUPER_BLOCK,
+                                run_hi * SUPER_BLOCK,
+                                N_K,
+                                bias_mult,
+                                softcap_log2,
+                                HEAD_DIM_K,
+                                HEAD_DIM_V,
+                                DK_PAD,
+                                DV_PAD,
+                                RANK_K,
+                                RANK_V * (1 + V_PACKED),
+                                RK_PAD,
+                                RV_PAD,
+                                BLOCK_SIZE_K,
+                                BLOCK_SIZE_V,
+                                K_PER_BLOCK,
+                                V_PER_BLOCK,
+                                K_RESIDUAL,
+                                V_RESIDUAL,
+                                SPLIT_RANK,
+                                BLOCK_M,
+                                BLOCK_N,
+                                HAS_BIAS,
+                                SOFTCAP,
+                                CAUSAL,
+                                False,
+                                FP32,
+                                PRECISION,
+                                USE_TMA,
+                                PREDICATED_RESIDUAL,
+                                BIAS_TILE,
+                                FIXED_MAX or (BOUNDED and attempt == 0),
+                                q_position,
+                                relative_head,
+                                stride_rh_row,
+                                stride_rh_d,
+                                row_start,
+                                N_Q,
+                                n_relative,
+                                logit_mult,
+                                RELATIVE,
+                                0,
+                                0,
+                                K_PLANES,
+                                V_PLANES,
+                            )
                         )
-                    )
             if PASS != 1:
-                # the masked tail (the residual-capable launch's when the work is split)
+                # the masked tail (the residual-capable launch's when the work is split); with no general run in
+                # the call every residual block in it is one the uniform decode reads
+                TAIL_BITS_K: tl.constexpr = 0 if GENERAL_RUNS else FAST_BITS_K
+                TAIL_BITS_V: tl.constexpr = 0 if GENERAL_RUNS else FAST_BITS_V
                 accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
                     accumulator,
                     accumulator_max,
@@ -2047,8 +2055,8 @@ def _attention_compressed_fwd(
                     n_relative,
                     logit_mult,
                     RELATIVE,
-                    0,
-                    0,
+                    TAIL_BITS_K,
+                    TAIL_BITS_V,
                     K_PLANES,
                     V_PLANES,
                 )
@@ -2506,6 +2514,7 @@ def attention_compressed_fwd(
     pack_values: bool | None = None,
     relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     run_table: torch.Tensor | None = None,
+    general_runs: bool | Callable[[], bool] = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2725,6 +2734,13 @@ def attention_compressed_fwd(
     planes_k, planes_v = byte_planes(fast_k, head_dim_k), byte_planes(fast_v, head_dim_v)
     constexprs["K_PLANES"], constexprs["V_PLANES"] = planes_k, planes_v
     constexprs["RUN_KINDS"] = 3 if fast_k or fast_v else 2
+    if callable(general_runs):
+        general_runs = general_runs()
+    # Without general runs (the caller's promise that no block of K or V needs the general loop) that loop is not
+    # compiled; only where every residual operand has uniform runs (fast_k / fast_v).
+    constexprs["GENERAL_RUNS"] = bool(general_runs) or not (
+        (fast_k or not residual[0]) and (fast_v or not residual[1]) and (fast_k or fast_v)
+    )
     if residual[0] or residual[1]:
         runs, run_counts = block_runs(
             k,
