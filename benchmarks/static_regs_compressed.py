@@ -41,8 +41,8 @@ SHAPES = {
     "d128": (8, 8, 128, 128, 16384, 0, None),
 }
 TILES = ("128x64x8x3", "64x64x4x3", "128x64x8x2")
-FIELDS = ["shape", "layout", "general_runs", "tile", "status", "registers", "stack_bytes", "shared_bytes", "shared_static_bytes",
-          "sass_instructions", "ldl", "stl", "hgmma", "constexprs", "reason", "triton", "commit"]  # fmt: skip
+FIELDS = ["shape", "layout", "general_runs", "tile", "status", "registers", "stack_bytes", "shared_bytes",
+          "shared_static_bytes", "sass_instructions", "ldl", "stl", "hgmma", "constexprs", "reason", "triton", "commit"]  # fmt: skip
 
 
 def _operand(layout: str, heads: int, n: int, d: int, seed: int) -> CompressedOperand:
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commit = args.commit
         if commit == "unknown":
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
     except OSError:
         pass
     args.out.parent.mkdir(parents=True, exist_ok=True)
