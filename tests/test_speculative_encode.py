@@ -16,6 +16,7 @@ import kvbound  # noqa: E402
 from kvbound import _checks  # noqa: E402
 from kvbound.codec.encode_triton import encode_triton_deferred  # noqa: E402
 from kvbound.codec.format import MODE_LOWRANK  # noqa: E402
+from kvbound.kernels.attention_compressed import general_blocks  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- the block
@@ -207,7 +208,8 @@ def test_deferred_encoder_matches_the_synchronous_one(outlier, one_pass):
         assert spec._checked_residual() is True and spec._checked_lowrank_share() is None
         assert sizes == []  # nothing read before the block ends
         decoded = spec.decompress()
-    assert sizes == [(sync.codes.numel(), sync.raw.numel(), int((sync.mode == MODE_LOWRANK).sum()))]
+    general = int(general_blocks(spec.mode, spec.bits, spec.offset, config.bits, x.shape[-1]).sum())
+    assert sizes == [(sync.codes.numel(), sync.raw.numel(), int((sync.mode == MODE_LOWRANK).sum()), general)]
     assert (sizes[0][0] + sizes[0][1] > 0) is bool((sync.mode != MODE_LOWRANK).any())
     for field in ("coeffs", "mode", "scale", "bits"):
         assert torch.equal(getattr(spec, field), getattr(sync, field)), field
@@ -358,7 +360,7 @@ def test_patched_forward_encodes_speculatively_and_retries_a_wrong_forecast(enfo
 
         # A forecast "no residual" that is wrong: the forward runs again, synchronously, and gives the same output.
         for r in h.modules:
-            r._forecast["k"] = (False, 1.0)
+            r._forecast["k"] = (False, 1.0, False)
         reads.clear()
         again = model(x)["human"]
         assert reads == [True, False] and h.speculative_retries == 1

@@ -51,3 +51,24 @@ def test_a_tile_past_the_shared_memory_of_an_sm_is_an_error_row(tmp_path):
     assert proc.returncode == 1
     (row,) = list(csv.DictReader(out.open()))
     assert row["status"] == "error" and int(row["shared_bytes"]) > 232448 and "cannot launch" in row["reason"]
+
+
+_COMPRESSED_PATH = Path(__file__).parents[1] / "benchmarks" / "static_regs_compressed.py"
+
+
+def test_compressed_kernel_without_general_runs_compiles_smaller_for_sm90(tmp_path):
+    """AlphaGenome's shape with K and V packed at 8 bits: the kernel without its general-run loop is smaller and
+    keeps less on the stack (spilled registers) than the one with it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "regs.csv"
+    proc = subprocess.run([sys.executable, str(_COMPRESSED_PATH), str(out), "--tiles", "128x64x8x3", "--commit",
+                           "abc1234"], capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with_general, without = list(csv.DictReader(out.open()))
+    assert (with_general["general_runs"], without["general_runs"]) == ("on", "off")
+    for row in (with_general, without):
+        assert row["status"] == "ok" and row["commit"] == "abc1234" and int(row["hgmma"]) > 0
+        assert "FAST_BITS_K=8 FAST_BITS_V=8" in row["constexprs"] and "USE_TMA=True" in row["constexprs"]
+    assert "GENERAL_RUNS=True" in with_general["constexprs"] and "GENERAL_RUNS=False" in without["constexprs"]
+    assert int(without["sass_instructions"]) < int(with_general["sass_instructions"])
+    assert int(without["stack_bytes"]) < int(with_general["stack_bytes"])

@@ -198,14 +198,15 @@ def attention(
             q, k, v, bias4, bias_tile, float(scale), causal, softcap, *relative, runs, run_span
         )
     elif compressed:
-        known, shares, largest, but_raw = (-1, -1), (-1.0, -1.0), (-1.0, -1.0), (-1.0, -1.0)
+        known, shares, general = (-1, -1), (-1.0, -1.0), (-1, -1)
+        largest, but_raw = (-1.0, -1.0), (-1.0, -1.0)
         # Under a profiler the op runs (the trace names it), with the objects' records as in plain eager mode.
         recorded = _plain_eager((q, bias4, *relative, *k._tensors().values(), *v._tensors().values()), profiled=True)
         plain = recorded and not torch.autograd.profiler._is_profiler_enabled
         if recorded:
-            known_k, share_k = _recorded_residual(k, "k")
-            known_v, share_v = _recorded_residual(v, "v")
-            known, shares = (known_k, known_v), (share_k, share_v)
+            known_k, share_k, general_k = _recorded_residual(k, "k")
+            known_v, share_v, general_v = _recorded_residual(v, "v")
+            known, shares, general = (known_k, known_v), (share_k, share_v), (general_k, general_v)
             largest = tuple(-1.0 if m is None else m for m in (k._checked_magnitude(), v._checked_magnitude()))
             but_raw = tuple(-1.0 if m is None else m for m in (k._magnitude_but_raw(), v._magnitude_but_raw()))
         # In plain eager mode the op's implementation is called directly, as for dense K/V (see _plain_eager).
@@ -244,6 +245,8 @@ def attention(
             v_residual=known[1],
             k_lowrank_share=shares[0],
             v_lowrank_share=shares[1],
+            k_general=general[0],
+            v_general=general[1],
             relative_runs=runs,
             relative_run_span=run_span,
             k_largest=largest[0],
@@ -299,17 +302,21 @@ def _check_device(device: torch.device, q: torch.Tensor, name: str) -> None:
 _CHECKED_FIELDS = ("coeffs", "basis", "scale", "raw")
 
 
-def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
-    """``(1 / 0, share)``: ``ckv``'s stored tensors are finite and some / no block holds a residual, and the share
-    of its blocks that use low rank only (-1.0 where unknown), as recorded on the object
-    (``CompressedKV._record_checked``) and unchanged since. The first call on an object without a record checks
-    it here (one host synchronisation, under ``kvbound.deferred_checks()`` too) and records the result, so calls
-    that reuse compressed K/V, and K/V fresh from the Triton encoder (which records what it certified), skip the
-    check. ``(-1, -1.0)``: no record can be kept (inference tensors); the op checks on every call."""
+def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float, int]:
+    """``(1 / 0, share, general)``: ``ckv``'s stored tensors are finite and some / no block holds a residual, the
+    share of its blocks that use low rank only (-1.0 where unknown), and whether some block needs the compressed
+    kernel's general loop (1 / 0; -1 where unknown: ``kernels.attention_compressed.general_blocks``), as recorded
+    on the object (``CompressedKV._record_checked``) and unchanged since. The first call on an object without a
+    record checks it here (one host synchronisation, under ``kvbound.deferred_checks()`` too) and records the
+    result, so calls that reuse compressed K/V, and K/V fresh from the Triton encoder (which records what it
+    certified), skip the check. ``(-1, -1.0, -1)``: no record can be kept (inference tensors); the op checks on
+    every call."""
+    from kvbound.kernels.attention_compressed import general_blocks
+
     residual = ckv._checked_residual()
     if residual is None:
         if ckv._stamps() is None:  # nothing could be recorded: the op checks these with the call's other checks
-            return -1, -1.0
+            return -1, -1.0, -1
         # The layout (modes, widths, every block's reads inside codes and raw), once per object and version, in the
         # same read as the finite values: the kernels index codes and raw by the stored offsets. A failed block
         # check is then named by check_layout (a second read, on that path only).
@@ -318,19 +325,21 @@ def _recorded_residual(ckv: CompressedKV, name: str) -> tuple[int, float]:
                                   ckv.config.bits, ckv.codes.numel(), ckv.raw.numel())  # fmt: skip
         layout = f"{name}: expected the layout of kvbound.CompressedKV, got {{count}} failed block checks"
         tensors = {f"{name}.{field}": getattr(ckv, field) for field in _CHECKED_FIELDS}
+        general = general_blocks(ckv.mode, ckv.bits, ckv.offset, ckv.config.bits, ckv.shape[3])
         peaks: dict[str, float] = {}
         try:  # with flags: never deferred
-            (share,) = _queue_checks(tensors, flags=(ckv.mode,), conditions=((layout, count),),
-                                     limit=_keep_peaks(peaks))()  # fmt: skip
+            share, no_general = _queue_checks(tensors, flags=(ckv.mode, general), conditions=((layout, count),),
+                                              limit=_keep_peaks(peaks))()  # fmt: skip
         except ValueError as err:
             if str(err).startswith(layout.split("{")[0]):
                 check_layout(ckv, name, packed=False)
             raise
-        ckv._record_checked(share < 1, share)
+        ckv._record_checked(share < 1, share, general=no_general < 1)
         ckv._record_magnitude(decoded_magnitude(ckv.rank, *(peaks.get(f"{name}.{f}", 0.0) for f in _CHECKED_FIELDS)))
-        return int(share < 1), share
+        return int(share < 1), share, int(no_general < 1)
     share = ckv._checked_lowrank_share()
-    return int(residual), -1.0 if share is None else share
+    general = ckv._checked_general()
+    return int(residual), -1.0 if share is None else share, -1 if general is None else int(general)
 
 
 def _keep_peaks(into: dict[str, float]) -> _checks.Limit:
@@ -933,6 +942,8 @@ def _attention_compressed(
     v_residual: int = -1,
     k_lowrank_share: float = -1.0,
     v_lowrank_share: float = -1.0,
+    k_general: int = -1,
+    v_general: int = -1,
     relative_runs: torch.Tensor | None = None,
     relative_run_span: int = 0,
     k_largest: float = -1.0,
@@ -943,7 +954,9 @@ def _attention_compressed(
     """``k_residual`` / ``v_residual``: -1, check that operand's stored tensors for NaN/Inf and read whether any
     block holds a residual (which kernel variant runs) and the share of low-rank-only blocks (whether the work is
     split over two launches); 1 / 0, already checked (``_recorded_residual``): with / without residual blocks, and
-    ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split).
+    ``k_lowrank_share`` / ``v_lowrank_share`` the share recorded then (-1.0: unknown, no split), and ``k_general`` /
+    ``v_general`` whether some block needs the kernel's general loop (1 / 0; -1: unknown, read with the call's checks
+    where it checks that operand, else taken as 1: the kernel correct for any blocks).
     ``relative_runs`` / ``relative_run_span``: as for ``_attention_dense``; the kernel reads the runs where no tile
     spans more than ``attention_compressed.COMPRESSED_RUN_SPAN`` of them (``relative_run_span`` from 1 to that), and
     the relative keys (expanded when given one per run) for a span of 0 (more); the runs are checked either way.
@@ -952,7 +965,12 @@ def _attention_compressed(
     ``k_largest_but_raw`` / ``v_largest_but_raw``: where that is -1.0, a bound on the decoded magnitudes outside the
     exact values (``CompressedKV._magnitude_but_raw``, the speculative encoder's); the exact values' largest
     magnitude is then read with the call's checks (-1.0: none; the operand is not held to float32's range)."""
-    from kvbound.kernels.attention_compressed import COMPRESSED_RUN_SPAN, CompressedOperand, attention_compressed_fwd
+    from kvbound.kernels.attention_compressed import (
+        COMPRESSED_RUN_SPAN,
+        CompressedOperand,
+        attention_compressed_fwd,
+        general_blocks,
+    )
 
     n_k = k_coeffs.shape[2]
     n_q = q.shape[2]
@@ -981,7 +999,7 @@ def _attention_compressed(
         if known < 0:
             tensors.update({f"{name}.{field}": t for field, t in zip(_CHECKED_FIELDS, stored, strict=True)})
             mode, bits, offset, codes, block, packed_bits = layout
-            flags.append(mode)
+            flags += [mode, general_blocks(mode, bits, offset, packed_bits, stored[1].shape[-1])]
             # No checked record (inference tensors, or the op dispatched): the layout with this call's checks, read
             # before the kernel runs (flags are never deferred), so that no block is read outside codes or raw.
             count = layout_violations(mode, bits, offset, n_k, stored[1].shape[-1], block, packed_bits, codes.numel(),
@@ -1003,16 +1021,18 @@ def _attention_compressed(
         limit=limit,
     )
 
-    read_once: list[list[tuple[bool, float]]] = []
+    read_once: list[list[tuple[bool, float, bool]]] = []
 
-    def checked() -> list[tuple[bool, float]]:
+    def checked() -> list[tuple[bool, float, bool]]:
         if not read_once:
             found, values = iter(read()), []
-            for known, share in ((k_residual, k_lowrank_share), (v_residual, v_lowrank_share)):
+            for known, share, general in ((k_residual, k_lowrank_share, k_general),
+                                          (v_residual, v_lowrank_share, v_general)):  # fmt: skip
                 if known < 0:
                     share = next(found)
                     known = share < 1
-                values.append((bool(known), share))
+                    general = int(next(found) < 1)
+                values.append((bool(known), share, general != 0))
             read_once.append(values)
         return read_once[0]
 
@@ -1058,8 +1078,9 @@ def _attention_compressed(
         scale,
         causal,
         softcap,
-        residual=lambda: [residual for residual, _ in checked()],
-        lowrank_share=lambda: [share for _, share in checked()],
+        residual=lambda: [residual for residual, _, _ in checked()],
+        lowrank_share=lambda: [share for _, share, _ in checked()],
+        general_runs=lambda: any(residual and general for residual, _, general in checked()),
         bias_tile=bias_tile,
         relative=relative,
         relative_runs=runs,

@@ -58,6 +58,7 @@ from kvbound.codec.format import (
 )
 from kvbound.config import CompressionConfig
 from kvbound.kernels._common import cdiv, next_power_of_2, switch_setting
+from kvbound.kernels.attention_compressed import fast_width, general_loop
 
 __all__ = ["certify_triton", "encode_triton", "encode_triton_deferred"]
 
@@ -264,19 +265,27 @@ def _choose(res_max, lowrank_fail, fail, max_step, BITS: tl.constexpr):
 
 
 @triton.jit
+def _general_block(mode, width, offset, BITS: tl.constexpr):
+    """Blocks with a residual that the compressed kernel's uniform runs cannot read: exact, coded at another width
+    than ``BITS``, or codes starting at a word offset that is not a multiple of 4 (the byte decode's 16 bytes)."""
+    return (mode != 0) & ((mode == 3) | (width != BITS) | ((offset % 4) != 0))
+
+@triton.jit
 def _layout_kernel(
     res_ptr, lowrank_fail_ptr, fail_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, summary_ptr,
     TOTAL, NB, N, D, max_step,
     BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Per block (order b, h, k): mode, code width and step from the reductions of the two kernels above
-    (``_choose``), then the offsets in ``codes``/``raw``, both totals (summary[0], summary[1]) and the number of
-    low-rank blocks (summary[5]).
+    (``_choose``), then the offsets in ``codes``/``raw``, both totals (summary[0], summary[1]), the number of
+    low-rank blocks (summary[5]) and of blocks with a residual that are not coded at ``BITS`` bits from a word offset
+    that is a multiple of 4 (summary[6]: those the compressed kernel's uniform runs cannot read).
 
     One program scans all blocks CHUNK at a time: the running totals carry from chunk to chunk."""
     code_total = tl.full((), 0, tl.int64)
     raw_total = tl.full((), 0, tl.int64)
     lowrank_total = tl.full((), 0, tl.int64)
+    general_total = tl.full((), 0, tl.int64)
     for start in range(0, TOTAL, CHUNK):
         index = start + tl.arange(0, CHUNK)
         ok = index < TOTAL
@@ -299,9 +308,12 @@ def _layout_kernel(
         code_total += tl.sum(code_words, 0)
         raw_total += tl.sum(raw_elems, 0)
         lowrank_total += tl.sum((ok & (mode == 0)).to(tl.int64), 0)
+        general_total += tl.sum((ok & _general_block(mode, width, offset, BITS)).to(tl.int64), 0)
     tl.store(summary_ptr, code_total)
     tl.store(summary_ptr + 1, raw_total)
     tl.store(summary_ptr + 5, lowrank_total)
+    tl.store(summary_ptr + 6, general_total)
+
 
 
 @triton.jit
@@ -492,6 +504,8 @@ def _one_pass_kernel(
     tl.atomic_max(summary_ptr + 2, nonfinite.to(tl.int64), mask=nonfinite > 0)
     tl.atomic_max(summary_ptr + 3, beyond_fp16.to(tl.int64), mask=beyond_fp16 > 0)
     tl.atomic_add(summary_ptr + 5, (mode == 0).to(tl.int64), mask=mode == 0)
+    general = _general_block(mode, width, offset, BITS)
+    tl.atomic_add(summary_ptr + 6, general.to(tl.int64), mask=general)
     tl.debug_barrier()  # an exact block's coefficients are zeroed over the ones stored above
     rows_w = tl.arange(0, W_ROWS)
     cols = tl.arange(0, D_PAD)
@@ -594,9 +608,9 @@ def _tiling(block: int, d_pad: int) -> dict[str, tuple[int, ...]]:
 
 
 # summary[i]: what the single host read of an encode returns (int64 each).
-_CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED, _LOWRANK_BLOCKS = range(6)
+_CODE_WORDS, _RAW_ELEMENTS, _NONFINITE, _BEYOND_FP16, _UNCERTIFIED, _LOWRANK_BLOCKS, _GENERAL_BLOCKS = range(7)
 _FLOAT16_MAX = float(torch.finfo(torch.float16).max)
-_SUMMARY_SIZE = 6
+_SUMMARY_SIZE = 7
 # Exact blocks are rare; a workspace for an eighth of the tensor covers them without a second read.
 _RAW_WORKSPACE_FRACTION = 8
 _LAYOUT_CHUNK = 1024
@@ -639,8 +653,9 @@ def encode_triton_deferred(
     *,
     residual: bool = True,
     lowrank_share: float | None = None,
+    general: bool = True,
     name: str = "x",
-    sizes: Callable[[int, int, int], None] | None = None,
+    sizes: Callable[[int, int, int, int], None] | None = None,
     unusable: Callable[[], None] | None = None,
     one_pass: bool | None = None,
     workspace: dict | None = None,
@@ -651,20 +666,24 @@ def encode_triton_deferred(
     queued on ``scope`` instead:
 
     - NaN/Inf in ``x``: a condition, raised as ``ValueError`` naming ``name`` when the block ends;
-    - coefficients beyond float16, a block the certificate rejects, and a residual where ``residual`` said there
-      is none: retry flags. Each means the object returned here may not be used (it would break the bound or be
+    - coefficients beyond float16, a block the certificate rejects, a residual where ``residual`` said there
+      is none, and a block for the compressed kernel's general loop where ``general`` said there is none: retry
+      flags. Each means the object returned here may not be used (it would break the bound or be
       read by the wrong kernel variant); the block's end raises ``Retry`` and its forward runs again with the
       ordinary encoder. ``unusable()`` is called first when the cause is one of the first two, which the same input
       raises again every time: the caller can stop speculating for this tensor;
-    - ``sizes(code_words, raw_elements, lowrank_blocks)``: called after a block that ended cleanly.
+    - ``sizes(code_words, raw_elements, lowrank_blocks, general_blocks)``: called after a block that ended cleanly
+      (``general_blocks``: blocks with a residual not coded at ``config.bits`` from a 16-byte boundary).
 
     The returned object keeps the encoder's workspaces whole (every block at the widest code and room for the whole
     tensor stored exactly: about 1.5x ``x``'s bytes for 16-bit inputs, 1.25x for 32-bit ones), since their used
     lengths are on the device; the exact values' workspace is zeroed past what the encoder writes, so that a check
     of the stored tensors finds only what was written. It is meant to be read by ``kvbound.attention`` inside the
-    block and dropped, not kept or saved. It records ``residual`` and ``lowrank_share`` as the kernel-variant facts that
-    ``kvbound.attention`` reads without a check (``residual=True`` is always safe: the residual-capable kernel reads
-    low-rank blocks too). The stored tensors' NaN/Inf check is the queued condition.
+    block and dropped, not kept or saved. It records ``residual``, ``lowrank_share`` and ``general`` as the
+    kernel-variant facts that ``kvbound.attention`` reads without a check (``residual=True`` and ``general=True`` are
+    always safe: the residual-capable kernel reads low-rank blocks too, the kernel with general runs every block;
+    ``general`` is taken as True where ``config.bits`` is not a width the uniform runs decode). The stored tensors'
+    NaN/Inf check is the queued condition.
 
     ``one_pass``: the whole encoder in one launch, one program per block (``_one_pass_kernel``) instead of five
     launches over tiles of rows, where the host's launches rather than the device's work set the pace (a small
@@ -684,6 +703,7 @@ def encode_triton_deferred(
     if not scope.speculative:
         raise RuntimeError("encode_triton_deferred: scope is not a speculative deferred-check block")
     _check_inputs(x, config, basis)
+    general = general or not fast_width(config.bits, x.shape[-1])
     start = time.perf_counter()
     if one_pass is None:
         one_pass = one_pass_by_default(x)
@@ -699,10 +719,15 @@ def encode_triton_deferred(
                       (whole, _BEYOND_FP16, _UNCERTIFIED + 1), unusable)
     if not residual:
         scope.queue_retry(f"{name}: a residual where none was forecast", (whole, _CODE_WORDS, _RAW_ELEMENTS + 1))
+    elif not general:
+        scope.queue_retry(f"{name}: a block for the attention kernel's general loop where none was forecast",
+                          (whole, _GENERAL_BLOCKS, _GENERAL_BLOCKS + 1))  # fmt: skip
     if sizes is not None:
         scope.queue_value((whole, 0, _SUMMARY_SIZE), lambda read: sizes(
-            round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]), round(read[_LOWRANK_BLOCKS])))
-    ckv._record_checked(residual, lowrank_share, held=True)  # also under inference mode (no version counters)
+            round(read[_CODE_WORDS]), round(read[_RAW_ELEMENTS]), round(read[_LOWRANK_BLOCKS]),
+            round(read[_GENERAL_BLOCKS])))
+    # also under inference mode (no version counters)
+    ckv._record_checked(residual, lowrank_share, held=True, general=general)
     largest_p = basis.largest_magnitude()
     if largest_p is not None:
         # What kvbound.attention may assume of the decoded values without reading them: coefficients stored in
@@ -836,7 +861,9 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
     # the decoded values' magnitudes, which kvbound.attention checks against float32's range).
     peak = torch.linalg.vector_norm(x, float("inf")).reshape(1)  # exact: one of x's magnitudes
     read = torch.cat([summary.to(torch.float64), peak.to(torch.float64)]).tolist()
-    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank = (int(v) for v in read[:_SUMMARY_SIZE])
+    code_words, raw_elements, nonfinite, beyond_fp16, uncertified, lowrank, general = (
+        int(v) for v in read[:_SUMMARY_SIZE]
+    )
     largest = read[_SUMMARY_SIZE]
     if nonfinite:
         check_finite_values(x, "x")
@@ -862,7 +889,9 @@ def _encode(x: torch.Tensor, config: CompressionConfig, basis: Basis, coeff_dtyp
         # Every coefficient is finite (the flag is raised by NaN too), hence so is the basis (each of its elements
         # enters some coefficient, and 0 * Inf is NaN); steps come from finite residuals, raw values from x. Some
         # block holds a residual exactly when there are codes or raw values. kvbound.attention reuses this record.
-        ckv._record_checked(code_words > 0 or raw_elements > 0, lowrank / max(1, mode.numel()))
+        residual = code_words > 0 or raw_elements > 0
+        ckv._record_checked(residual, lowrank / max(1, mode.numel()),
+                            general=general_loop(general, residual, config.bits, d))  # fmt: skip
         if verify:  # every decoded element is within tau of x's
             ckv._record_magnitude(largest + config.tau)
     return ckv

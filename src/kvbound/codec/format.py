@@ -200,19 +200,24 @@ class CompressedKV:
         except (RuntimeError, NotImplementedError):
             return None
 
-    def _record_checked(self, residual: bool, lowrank_share: float | None = None, *, held: bool = False) -> None:
+    def _record_checked(
+        self, residual: bool, lowrank_share: float | None = None, *, held: bool = False, general: bool | None = None
+    ) -> None:
         """Record that the stored tensors, as they are now, are finite and that the blocks do (``residual``) or do
-        not all use low rank only, and (``lowrank_share``, when known) which share of them does. ``kvbound.attention``
-        then skips both checks (the call's host synchronisation) until any stored tensor is replaced or modified in
-        place (its version counter moves). ``held``: the object never leaves the code that made it (the speculative
-        encoder's, read by the same forward's attention call): the record holds without version counters, which
-        inference tensors do not have."""
+        not all use low rank only, and (``lowrank_share``, when known) which share of them does, and (``general``,
+        when known) whether some block needs the compressed kernel's general loop
+        (``kernels.attention_compressed.general_blocks``). ``kvbound.attention`` then skips these checks (the call's
+        host synchronisation) until any stored tensor is replaced or modified in place (its version counter moves).
+        ``held``: the object never leaves the code that made it (the speculative encoder's, read by the same
+        forward's attention call): the record holds without version counters, which inference tensors do not
+        have."""
         share = None if lowrank_share is None else float(lowrank_share)
+        general = None if general is None else bool(general)
         if held:
-            self._checked = ("held", bool(residual), share)
+            self._checked = ("held", bool(residual), share, general)
             return
         stamps = self._stamps()
-        self._checked = None if stamps is None else (stamps, bool(residual), share)
+        self._checked = None if stamps is None else (stamps, bool(residual), share, general)
 
     def _record_magnitude(self, largest: float) -> None:
         """Record a bound on the largest magnitude of the decoded values, as the stored tensors are now
@@ -256,13 +261,19 @@ class CompressedKV:
         record = self._current_record()
         return None if record is None else record[1]
 
-    def _current_record(self) -> tuple[bool, float | None] | None:
-        if not isinstance(self._checked, tuple) or len(self._checked) != 3:
+    def _checked_general(self) -> bool | None:
+        """Whether some block needs the general loop, as ``_record_checked`` recorded it, if recorded and every
+        stored tensor is unchanged since; else None."""
+        record = self._current_record()
+        return None if record is None else record[2]
+
+    def _current_record(self) -> tuple[bool, float | None, bool | None] | None:
+        if not isinstance(self._checked, tuple) or len(self._checked) != 4:
             return None
-        stamps, residual, share = self._checked
+        stamps, residual, share, general = self._checked
         if stamps == "held":
-            return residual, share
-        return (residual, share) if self._stamps() == stamps else None
+            return residual, share, general
+        return (residual, share, general) if self._stamps() == stamps else None
 
     # ----------------------------------------------------------------------------------------------- bytes
     def _metadata(self) -> dict[str, str]:

@@ -158,7 +158,7 @@ class PatchedModule:
     _captured_v: list[torch.Tensor] = field(default_factory=list, repr=False)
     # "k" / "v" -> (some block held a residual in some forward so far, low-rank-only share in the last one): what
     # the speculative encoder tells kvbound.attention in the next forward (PatchHandle._encode_speculative).
-    _forecast: dict[str, tuple[bool, float | None]] = field(default_factory=dict, repr=False)
+    _forecast: dict[str, tuple[bool, float | None, bool]] = field(default_factory=dict, repr=False)
     # "k" / "v" whose speculative encoding could not be kept (float16 range, certificate): encoded synchronously.
     _synchronous: set[str] = field(default_factory=set, repr=False)
     # (role, shape, dtype, coefficient dtype, code words, raw elements) -> the byte counts of a speculative encoding
@@ -176,9 +176,11 @@ class PatchedModule:
             return None
         return {role: counts.tolist() for role, counts in self._mode_counts.items()}
 
-    def _learn(self, role: str, residual: bool, lowrank_share: float | None) -> None:
-        seen = self._forecast.get(role, (False, None))[0]
-        self._forecast[role] = (seen or residual, lowrank_share)
+    def _learn(self, role: str, residual: bool, lowrank_share: float | None, general: bool | None) -> None:
+        """What a forward found of this role's tensor: a residual (kept once seen), the low-rank-only share, and a
+        block for the attention kernel's general loop (kept once seen; None, unknown, counts as seen)."""
+        seen, _, seen_general = self._forecast.get(role, (False, None, False))
+        self._forecast[role] = (seen or residual, lowrank_share, seen_general or general is None or general)
 
     def _add_encode_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         # fold the pairs already completed (no wait), so that a long inference loop keeps few events alive
@@ -423,7 +425,7 @@ class PatchHandle:
             residual = ckv._checked_residual()
             if residual is None:  # no record (inference tensors): both encoders store codes and raw at exact sizes
                 residual = ckv.codes.numel() > 0 or ckv.raw.numel() > 0
-            record._learn(role, residual, ckv._checked_lowrank_share())
+            record._learn(role, residual, ckv._checked_lowrank_share(), ckv._checked_general())
             if self._anchor_index is None:  # (speculative encodings set theirs when the forward's read arrives)
                 setattr(record, f"last_{role}_ratio", ckv.compression_ratio)
             encoded.append(ckv)
@@ -456,26 +458,30 @@ class PatchHandle:
     ) -> CompressedKV:
         """``x`` through the Triton encoder without a host read (``encode_triton_deferred``), telling
         ``kvbound.attention`` what this layer's earlier forwards found: a residual somewhere (or nothing known yet,
-        the first forward: the residual-capable kernel, always correct) and the last low-rank-only share. A
-        residual where none was forecast is a retry flag (the forward runs again, synchronously, and the forecast
-        learns it). So are coefficients beyond float16 and a block the float64 certificate rejects; as the same
+        the first forward: the residual-capable kernel, always correct), the last low-rank-only share, and whether
+        some block needs the attention kernel's general loop (else the kernel is compiled without it). A residual, or
+        a general-loop block, where none was forecast is a retry flag (the forward runs again, synchronously, and the
+        forecast learns it). So are coefficients beyond float16 and a block the float64 certificate rejects; as the same
         input would raise them again, this layer's tensor is then encoded synchronously in later forwards
         (``PatchedModule._synchronous``). The compression ratio and the forecast are updated from the sizes read
         when the forward ends."""
         from kvbound.codec.encode_triton import encode_triton_deferred
+        from kvbound.kernels.attention_compressed import general_loop
 
-        residual, share = record._forecast.get(role, (True, None))
+        residual, share, general = record._forecast.get(role, (True, None, True))
 
         def unusable() -> None:  # the same input would raise it again: this tensor stops speculating
             record._synchronous.add(role)
 
-        def sizes(code_words: int, raw_elements: int, lowrank_blocks: int) -> None:
+        def sizes(code_words: int, raw_elements: int, lowrank_blocks: int, general_blocks: int) -> None:
             stored = fixed + code_words * word_bytes + raw_elements * raw_bytes
             setattr(record, f"last_{role}_ratio", dense / stored)
-            record._learn(role, code_words + raw_elements > 0, lowrank_blocks / blocks)
+            found = code_words + raw_elements > 0
+            record._learn(role, found, lowrank_blocks / blocks, general_loop(general_blocks, found, config.bits,
+                                                                             x.shape[-1]))  # fmt: skip
 
         ckv = encode_triton_deferred(
-            x, config, basis, scope, residual=residual, lowrank_share=share,
+            x, config, basis, scope, residual=residual, lowrank_share=share, general=general,
             name=f"{record.name} {role.upper()}", sizes=sizes, unusable=unusable, one_pass=self.one_pass_encode,
             workspace=self._encode_workspaces[role],
         )  # fmt: skip
