@@ -292,7 +292,7 @@ def test_gpu_captured_compressed_forward_runs_eagerly_after_a_retry(monkeypatch)
     for record in handle.modules:  # what the calibration forward taught
         record._forecast.clear()
     learn = PatchedModule._learn
-    monkeypatch.setattr(PatchedModule, "_learn", lambda self, role, residual, share: learn(self, role, False, 1.0))
+    monkeypatch.setattr(PatchedModule, "_learn", lambda self, role, *found: learn(self, role, False, 1.0, False))
     x = _dna(1, 256, 2)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         captured = kvbound.capture(model, _dna(1, 256, 1))
