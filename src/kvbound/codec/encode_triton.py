@@ -270,6 +270,7 @@ def _general_block(mode, width, offset, BITS: tl.constexpr):
     than ``BITS``, or codes starting at a word offset that is not a multiple of 4 (the byte decode's 16 bytes)."""
     return (mode != 0) & ((mode == 3) | (width != BITS) | ((offset % 4) != 0))
 
+
 @triton.jit
 def _layout_kernel(
     res_ptr, lowrank_fail_ptr, fail_ptr, mode_ptr, width_ptr, step_ptr, offset_ptr, summary_ptr,
@@ -313,7 +314,6 @@ def _layout_kernel(
     tl.store(summary_ptr + 1, raw_total)
     tl.store(summary_ptr + 5, lowrank_total)
     tl.store(summary_ptr + 6, general_total)
-
 
 
 @triton.jit
