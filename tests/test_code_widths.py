@@ -228,3 +228,18 @@ def test_width_label_counts_layers_per_width():
     handle.widen_codes = False
     assert ports.width_label(handle) == "code widths 4 (not calibrated: widen_codes off)"
     assert math.isclose(WIDEN_BYTES_LIMIT, 1.25)
+
+
+def test_general_loop_label_counts_layers_whose_forecasts_need_no_general_loop():
+    def record(k, v, kind="alphagenome"):
+        return SimpleNamespace(kind=kind, _forecast={"k": k, "v": v} if k else {})
+
+    none, needs, low_rank = (True, 0.0, False), (True, 0.0, True), (False, 1.0, True)
+    handle = SimpleNamespace(modules=[record(none, none), record(none, needs), record(low_rank, none),
+                                      record(low_rank, low_rank), record(needs, needs, kind="borzoi")])  # fmt: skip
+    # a layer with no residual at all runs no residual code: not counted as without the general loop
+    assert ports.general_loop_label(handle) == "no block for the kernel's general loop in 2 of 4 layers"
+    handle.modules = [record(None, None), record(needs, needs, kind="enformer")]  # nothing run, or relative only
+    assert ports.general_loop_label(handle) == ""
+    handle.modules = [record(none, low_rank)]
+    assert ports.general_loop_label(handle) == "no block for the kernel's general loop in 1 of 1 layer"

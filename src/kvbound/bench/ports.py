@@ -608,7 +608,8 @@ def _model_batches(spec, model, modules, describe, batches, device, config, opti
                         encoding = (f"speculative encoding ({_one_pass_label(handle)}), "
                                     f"{handle.speculative_retries} forward(s) run again{_retry_label(handle)}"
                                     if handle.speculative and device.type == "cuda" else "synchronous encoding")
-                        row["note"] = "; ".join(x for x in (row["note"], width_label(handle), encoding) if x)[:500]
+                        note = (row["note"], width_label(handle), general_loop_label(handle), encoding)
+                        row["note"] = "; ".join(x for x in note if x)[:500]
             except Exception as err:  # noqa: BLE001 - one variant's failure is recorded, the next still runs
                 row.update(status="error", reason=_error_reason(err))
             yield row
@@ -636,6 +637,25 @@ def width_label(handle) -> str:
     rest = len(handle.modules) - len(chosen)
     others = f"; {rest} other layer{'s' * (rest != 1)} at {handle.config.bits}" if rest else ""
     return f"code widths {', '.join(parts)}: calibrated from {handle.config.bits}{others}"
+
+
+def general_loop_label(handle) -> str:
+    """For a row's note: in how many layers outside relative positions (whose kernel always keeps it) the last
+    forward found no block for the compressed kernel's general loop in K or V, where some block has a residual, as
+    the layers' forecasts learnt it (``"no block for the kernel's general loop in 9 of 9 layers"``: those layers ran
+    the kernel compiled without that loop); '' where no such layer has run."""
+    from kvbound.models.patch import RELATIVE_KINDS
+
+    layers = [r for r in handle.modules if r.kind not in RELATIVE_KINDS and getattr(r, "_forecast", None)]
+    if not layers:
+        return ""
+
+    def without(record) -> bool:
+        found = [record._forecast.get(role, (True, None, True)) for role in ("k", "v")]
+        return any(residual for residual, _, _ in found) and not any(res and gen for res, _, gen in found)
+
+    count = sum(without(r) for r in layers)
+    return f"no block for the kernel's general loop in {count} of {len(layers)} layer{'s' * (len(layers) != 1)}"
 
 
 def _retry_label(handle) -> str:
