@@ -2509,10 +2509,9 @@ def _uniform_bits(operand: CompressedOperand, head_dim: int, uniform: bool | Non
     """The operand's uniform-run width under the launcher's ``uniform`` policy (0: no uniform runs)."""
     if uniform is False:
         return 0
-    width = uniform_width(_packed_bits(operand), head_dim)
-    if uniform is None and not byte_planes(width, head_dim):
-        return 0
-    return width
+    if uniform is None:
+        return fast_width(_packed_bits(operand), head_dim)
+    return uniform_width(_packed_bits(operand), head_dim)
 
 
 # Winning configurations by tuning key (COMPRESSED_TUNE_KEY's values and the dtypes that vary): after the first
