@@ -1,5 +1,6 @@
-"""The compressed kernel with and without its general-run loop, on K/V whose residual blocks are all packed at the
-configured byte width (the uniform loop's data), beside kvbound's dense kernel on the decompressed K/V.
+"""The compressed kernel with and without its general-run loop, with its value columns in one padded part or in two
+(``dv_parts``), on K/V whose residual blocks are all packed at the configured byte width (the uniform loop's data),
+beside kvbound's dense kernel on the decompressed K/V.
 
     python benchmarks/general_runs_ab.py OUT.csv [--cases alphagenome-packed8 ...] [--commit SHA]
     python benchmarks/general_runs_ab.py OUT.csv --cpu-smoke      # tiny shapes in Triton's interpreter, no timing
@@ -8,7 +9,9 @@ K and V are built in the storage format (``benchmarks/residual_diag.py``'s ``bui
 at 8 or 4 bits, random codes over their whole range, coefficients on an orthonormal rank-8 basis). Providers:
 ``general`` (``attention_compressed_fwd`` as it compiles for any data: uniform runs, general runs, the masked
 tail's general decode), ``uniform-only`` (``general_runs=False``: no general loop, the tail decodes as the uniform
-runs do) and ``dense`` (``attention_dense_fwd`` on ``decompress()``'d K/V). Every output is compared with
+runs do), each also as ``...+dv-split`` (``dv_split=True``: dv 192 as 128 + 64 columns; the others pass
+``dv_split=False``, one part of 256), and ``dense`` (``attention_dense_fwd`` on ``decompress()``'d K/V, its default
+value parts). Every output is compared with
 ``reference_attention`` (float64) on the first 128 query rows, against twice plain bf16 attention's error on the
 decompressed K/V plus a floor; only then timed (``triton.testing.do_bench``, median, p20, p80). Tiles are pinned
 (one per case and compiled variant) and compiled first by child processes in parallel, so the measuring process
@@ -49,6 +52,7 @@ SMOKE = {
     "d64-packed4": ("packed4", 2, 2, 32, 32, 256, 0, None, ("32x16x4x1",)),
 }
 DENSE_TILE = "128x64x8x3"
+PROVIDERS = ("general", "uniform-only", "general+dv-split", "uniform-only+dv-split")
 ROWS = 128
 FLOOR = 2e-3
 FIELDS = ["case", "provider", "tile", "status", "err", "tolerance", "ms_p20", "ms_p50", "ms_p80", "first_call_s",
@@ -89,9 +93,11 @@ def call(provider: str, x: dict, tile_text: str):
         return lambda: attention_dense_fwd(x["q"], k, v, x["bias"], x["scale"], False, x["softcap"],
                                            config=tile(tile_text), bias_tile=x["bias_tile"])[0]  # fmt: skip
     k_op, v_op = CompressedOperand.from_compressed(x["ck"]), CompressedOperand.from_compressed(x["cv"])
+    loop, _, parts = provider.partition("+")
     return lambda: attention_compressed_fwd(
         x["q"], k_op, v_op, x["bias"], x["scale"], False, x["softcap"], residual=(True, True),
-        config=tile(tile_text), bias_tile=x["bias_tile"], split=False, general_runs=provider == "general",
+        config=tile(tile_text), bias_tile=x["bias_tile"], split=False, general_runs=loop == "general",
+        dv_split=parts == "dv-split",
     )[0]  # fmt: skip
 
 
@@ -121,7 +127,7 @@ def variants(cases: list[str], smoke: bool) -> list[tuple[str, str, str]]:
     out = []
     for case in cases:
         for t in table[case][8]:
-            out += [(case, "general", t), (case, "uniform-only", t)]
+            out += [(case, provider, t) for provider in PROVIDERS]
         out.append((case, "dense", table[case][8][0] if smoke else DENSE_TILE))
     return out
 

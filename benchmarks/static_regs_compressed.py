@@ -1,7 +1,7 @@
 """Registers and spills of the compressed kernel's residual variants for sm_90, compiled on any machine (no GPU).
 
     python benchmarks/static_regs_compressed.py OUT.csv [--layouts packed8 packed4] [--tiles 128x64x8x3 ...]
-        [--general on off] [--shape alphagenome]
+        [--general on off] [--dv-split on off] [--shape alphagenome]
 
 Each (shape, layout, general runs, tile) goes through the launcher ``attention_compressed_fwd`` with CPU tensors
 built in the storage format (``benchmarks/residual_diag.py``'s layouts: every block packed at 8 or 4 bits), the
@@ -9,7 +9,8 @@ tile pinned and the residual flags given, and is compiled for sm_90 instead of l
 ``benchmarks/static_regs.py`` does for the dense kernel (the same hook, the same ``cuobjdump`` counts).
 ``--general off`` compiles the kernel without its general-run loop and with the uniform decode in its masked
 tail (``general_runs=False``: what a call whose residual blocks are all packed at the configured byte width
-gets). Shapes: ``alphagenome`` (8 query heads on one K/V head, dk 128, dv 192, the 16 x 16 tile bias, soft-cap 5,
+gets). ``--dv-split on`` holds the value columns in two parts (``dv_parts``: dv 192 as 128 + 64), ``off`` in one
+padded part (256). Shapes: ``alphagenome`` (8 query heads on one K/V head, dk 128, dv 192, the 16 x 16 tile bias, soft-cap 5,
 N = 8192), ``d64`` and ``d128`` (one query head per K/V head, dk = dv, no bias). Read the ``triton`` column before
 comparing with GPU runs (register allocation depends on the Triton version; the GPU machine runs 3.6.0)."""
 
@@ -41,7 +42,7 @@ SHAPES = {
     "d128": (8, 8, 128, 128, 16384, 0, None),
 }
 TILES = ("128x64x8x3", "64x64x4x3", "128x64x8x2")
-FIELDS = ["shape", "layout", "general_runs", "tile", "status", "registers", "stack_bytes", "shared_bytes",
+FIELDS = ["shape", "layout", "general_runs", "dv_split", "tile", "status", "registers", "stack_bytes", "shared_bytes",
           "shared_static_bytes", "sass_instructions", "ldl", "stl", "hgmma", "constexprs", "reason", "triton", "commit"]  # fmt: skip
 
 
@@ -52,7 +53,7 @@ def _operand(layout: str, heads: int, n: int, d: int, seed: int) -> CompressedOp
     return CompressedOperand.from_compressed(ckv)
 
 
-def compile_one(compiled: list, shape: str, layout: str, general: bool, tile: str) -> dict:
+def compile_one(compiled: list, shape: str, layout: str, general: bool, tile: str, dv_split: bool = False) -> dict:
     hq, hkv, dk, dv, n, bias_tile, softcap = SHAPES[shape]
     k = _operand(layout, hkv, n, dk, 1)
     v = _operand(layout, hkv, n, dv, 2)
@@ -60,12 +61,13 @@ def compile_one(compiled: list, shape: str, layout: str, general: bool, tile: st
     bias = torch.zeros(1, hq, n // bias_tile, n // bias_tile) if bias_tile else None
     compiled.clear()
     attention_compressed_fwd(q, k, v, bias, dk**-0.5, False, softcap, residual=(True, True), config=parse_tile(tile),
-                             bias_tile=bias_tile or 1, split=False, general_runs=general)  # fmt: skip
+                             bias_tile=bias_tile or 1, split=False, general_runs=general, dv_split=dv_split)  # fmt: skip
     kernels = [(kernel, named) for kernel, named in compiled if kernel.name == "_attention_compressed_fwd"]
     if len(kernels) != 1:
         raise RuntimeError(f"expected one compiled attention kernel for this launch, got {len(kernels)}")
     kernel, named = kernels[0]
-    keys = ("FAST_BITS_K", "FAST_BITS_V", "K_PLANES", "V_PLANES", "RUN_KINDS", "GENERAL_RUNS", "USE_TMA", "FIXED_MAX")
+    keys = ("FAST_BITS_K", "FAST_BITS_V", "K_PLANES", "V_PLANES", "RUN_KINDS", "GENERAL_RUNS", "DV_PAD", "DV_HI",
+            "USE_TMA", "FIXED_MAX")  # fmt: skip
     row = {**cubin_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
            "constexprs": " ".join(f"{key}={named.get(key)}" for key in keys)}  # fmt: skip
     if row["shared_bytes"] > SHARED_LIMIT:
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", nargs="+", default=["alphagenome"], choices=list(SHAPES))
     p.add_argument("--layouts", nargs="+", default=["packed8"], choices=["packed8", "packed4"])
     p.add_argument("--general", nargs="+", default=["on", "off"], choices=["on", "off"])
+    p.add_argument("--dv-split", nargs="+", default=["off", "on"], choices=["on", "off"])
     p.add_argument("--tiles", nargs="+", default=list(TILES))
     p.add_argument("--commit", default="unknown")
     args = p.parse_args(argv)
@@ -100,17 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shape:
             for layout in args.layouts:
                 for general in args.general:
-                    for tile in args.tiles:
-                        base = {"shape": shape, "layout": layout, "general_runs": general, "tile": tile,
-                                "triton": triton.__version__, "commit": commit}  # fmt: skip
-                        try:
-                            row = {"status": "ok", **compile_one(compiled, shape, layout, general == "on", tile)}
-                        except Exception as err:  # one failed compile is a row, not the end of the sweep
-                            row = {"status": "error", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
-                        writer.writerow({**base, **row})
-                        f.flush()
-                        print(" ".join(f"{k}={v}" for k, v in {**base, **row}.items() if k not in ("triton", "commit")),
-                              flush=True)  # fmt: skip
+                    for dv_split in args.dv_split:
+                        for tile in args.tiles:
+                            base = {"shape": shape, "layout": layout, "general_runs": general, "dv_split": dv_split,
+                                    "tile": tile, "triton": triton.__version__, "commit": commit}  # fmt: skip
+                            try:
+                                row = {"status": "ok", **compile_one(compiled, shape, layout, general == "on", tile,
+                                                                     dv_split == "on")}  # fmt: skip
+                            except Exception as err:  # one failed compile is a row, not the end of the sweep
+                                row = {"status": "error", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
+                            writer.writerow({**base, **row})
+                            f.flush()
+                            print(" ".join(f"{k}={v}" for k, v in {**base, **row}.items()
+                                           if k not in ("triton", "commit")), flush=True)  # fmt: skip
     return 0
 
 

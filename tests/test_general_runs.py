@@ -180,7 +180,7 @@ def test_ab_script_cpu_smoke_checks_every_variant_against_float64(tmp_path):
     assert [(r["case"], r["provider"]) for r in rows] == [
         (case, provider)
         for case in ("alphagenome-packed8", "d64-packed4")
-        for provider in ("general", "uniform-only", "dense")
+        for provider in ("general", "uniform-only", "general+dv-split", "uniform-only+dv-split", "dense")
     ]
     for row in rows:
         assert row["status"] == "ok" and float(row["err"]) <= float(row["tolerance"]) and row["ms_p50"] == ""

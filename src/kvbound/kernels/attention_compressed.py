@@ -84,7 +84,7 @@ from kvbound.kernels._common import (
     tma_ready,
     write_run_table,
 )
-from kvbound.kernels.attention_dense import MAX_RUN_SPAN, relative_window
+from kvbound.kernels.attention_dense import MAX_RUN_SPAN, dv_parts, dv_split_default, relative_window
 
 __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"]
 
@@ -140,13 +140,18 @@ def _rank_logits(query_rank, query_rank_lo, coeffs, FP32: tl.constexpr, SPLIT: t
 
 @triton.jit
 def _load_basis_twice(
-    basis_ptr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
+    basis_ptr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    COL0: tl.constexpr = 0,
 ):
     """The projection ``P`` stacked on itself, [RANK_PAD, D_PAD] with rows ``r`` and ``RANK + r`` both ``P[r]``
     (zero from ``2 RANK`` on): the basis of packed coefficients ``[hi | lo]`` (``rank_accumulator`` then holds
-    ``P hi`` and ``P lo`` side by side and one product with this sums them)."""
+    ``P hi`` and ``P lo`` side by side and one product with this sums them). Columns ``[COL0, COL0 + D_PAD)``."""
     offs_r = tl.arange(0, RANK_PAD)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = COL0 + tl.arange(0, D_PAD)
     ptrs = basis_ptr + ((offs_r % RANK) * HEAD_DIM)[:, None] + offs_d[None, :]
     return tl.load(ptrs, mask=(offs_r < 2 * RANK)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
@@ -183,15 +188,16 @@ def _load_coeff_tile(
 
 
 @triton.jit
-def _columns(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PLANES: tl.constexpr):
-    """The head-dimension column that operand column ``c`` holds, [D_PAD]. ``PLANES`` <= 1: natural order.
+def _columns(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PLANES: tl.constexpr, COL0: tl.constexpr = 0):
+    """The head-dimension column that operand column ``c`` holds, for ``c`` in ``[COL0, COL0 + D_PAD)`` (a part of the
+    value columns, ``dv_parts``; 0 and the whole padded width otherwise). ``PLANES`` <= 1: natural order.
     ``PLANES`` = p > 1 (codes of 8 / p bits, p to a byte): plane order, column ``c = i * (HEAD_DIM / p) + j``
     holds head dimension ``j * p + i``, so that the codes of one operand column run through consecutive bytes
     (``_load_codes_bytes``). Columns at or beyond ``HEAD_DIM`` keep their index (every load masks them). Dot
     products over the head dimension do not depend on its order; the kernel uses one order per operand (K
     side: queries, K basis, K codes and raw tiles; V side: V basis, codes, raw tiles, the Dv-wide accumulator
     and the output columns)."""
-    offs = tl.arange(0, D_PAD)
+    offs = COL0 + tl.arange(0, D_PAD)
     if PLANES <= 1:
         return offs
     else:
@@ -207,11 +213,12 @@ def _load_basis(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PLANES: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
 ):
     """One projection ``P`` [RANK_PAD, D_PAD] (row-major [RANK, HEAD_DIM] in memory; zero padding), its
-    columns in ``_columns`` order."""
+    columns in ``_columns`` order from ``COL0``."""
     offs_r = tl.arange(0, RANK_PAD)
-    offs_d = _columns(HEAD_DIM, D_PAD, PLANES)
+    offs_d = _columns(HEAD_DIM, D_PAD, PLANES, COL0)
     ptrs = basis_ptr + (offs_r * HEAD_DIM)[:, None] + offs_d[None, :]
     return tl.load(ptrs, mask=(offs_r < RANK)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
@@ -227,14 +234,15 @@ def _load_codes_tile(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PLANES: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
 ):
     """Integer residual codes q [BLOCK_N, D_PAD] (int32, zero outside the stored rows/columns, columns in
-    ``_columns`` order) of block rows ``first_row + offs_n``; the block's ``width``-bit codes start at word
-    ``word_offset``. The width is a run-time value (blocks are promoted individually); the column-to-word map
+    ``_columns`` order from ``COL0``) of block rows ``first_row + offs_n``; the block's ``width``-bit codes start at
+    word ``word_offset``. The width is a run-time value (blocks are promoted individually); the column-to-word map
     is a D-long vector, so a run-time width costs nothing per element."""
     per_word = 32 // width
     words_per_row = (HEAD_DIM + per_word - 1) // per_word
-    offs_d = _columns(HEAD_DIM, D_PAD, PLANES)
+    offs_d = _columns(HEAD_DIM, D_PAD, PLANES, COL0)
     column_word = offs_d // per_word
     column_shift = (offs_d - column_word * per_word) * width
     keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -269,9 +277,10 @@ def _load_codes_uniform(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     FP32: tl.constexpr,
+    COL0: tl.constexpr = 0,
 ):
     """Residual codes q [BLOCK_N, D_PAD] as exact float16 (float32 if ``FP32``) operands of block rows
-    ``first_row + offs_n``, for a compile-time width.
+    ``first_row + offs_n`` (columns ``COL0`` on), for a compile-time width.
 
     Element (n, d) is read from word ``d // PER_WORD`` of its row and shifted by ``(d % PER_WORD) * WIDTH``: the
     tile is loaded directly in its final shape (neighbouring columns read the same word, served by one cache
@@ -282,11 +291,11 @@ def _load_codes_uniform(
     tile shape; kernels/README.md)."""
     PER_WORD: tl.constexpr = 32 // WIDTH
     WORDS: tl.constexpr = (HEAD_DIM + PER_WORD - 1) // PER_WORD
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = COL0 + tl.arange(0, D_PAD)
     column_word = offs_d // PER_WORD
     column_shift = (offs_d % PER_WORD) * WIDTH
     ptrs = codes_ptr + word_offset + ((first_row + offs_n) * WORDS)[:, None] + column_word[None, :]
-    if HEAD_DIM == D_PAD:
+    if COL0 + D_PAD <= HEAD_DIM:
         words = tl.load(ptrs, mask=rows_ok[:, None], other=0)
     else:
         words = tl.load(ptrs, mask=rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
@@ -304,10 +313,11 @@ def _load_codes_bytes(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     FP32: tl.constexpr,
+    COL0: tl.constexpr = 0,
 ):
     """Residual codes q [BLOCK_N, D_PAD] as exact float16 (float32 if ``FP32``) operands in plane order
-    (``_columns`` with ``8 // WIDTH`` planes) for a compile-time width of 2, 4 or 8 bits whose rows fill whole
-    words (``HEAD_DIM`` a multiple of ``32 // WIDTH``).
+    (``_columns`` with ``8 // WIDTH`` planes, from column ``COL0``) for a compile-time width of 2, 4 or 8 bits whose
+    rows fill whole words (``HEAD_DIM`` a multiple of ``32 // WIDTH``).
 
     In memory (little-endian words) head dimension ``d`` of a row is bits ``(d % p) * WIDTH`` of byte ``d // p``
     (``p = 8 // WIDTH`` codes per byte). In plane order operand column ``c = i * (HEAD_DIM / p) + j`` is
@@ -318,15 +328,15 @@ def _load_codes_bytes(
     zero step or a zero operand column by every caller)."""
     PER_BYTE: tl.constexpr = 8 // WIDTH
     PLANE: tl.constexpr = HEAD_DIM // PER_BYTE  # columns per plane, and bytes per row
-    offs_c = tl.arange(0, D_PAD)
+    offs_c = COL0 + tl.arange(0, D_PAD)
     byte_column = offs_c % PLANE
-    if (PLANE & (PLANE - 1)) == 0:
+    if (PLANE & (PLANE - 1)) == 0 and COL0 % PLANE == 0:
         byte_column = tl.max_contiguous(tl.multiple_of(byte_column, PLANE), PLANE)
     shift = (offs_c // PLANE) * WIDTH
     base = tl.multiple_of(word_offset * 4, 16)
     byte_ptr = codes_ptr.to(tl.pointer_type(tl.uint8)) + base
     ptrs = byte_ptr + ((first_row + offs_n) * PLANE)[:, None] + byte_column[None, :]
-    if HEAD_DIM == D_PAD:
+    if COL0 + D_PAD <= HEAD_DIM:
         raw = tl.load(ptrs, mask=rows_ok[:, None], other=0)
     else:
         raw = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0)
@@ -382,6 +392,7 @@ def _uniform_residual_tile(
     D_PAD: tl.constexpr,
     FP32: tl.constexpr,
     PLANES: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
 ):
     """``(codes, step)`` of a tile in a uniform run (every block ``MODE_LOWRANK`` or packed at ``WIDTH`` bits,
     see ``block_runs``), with no branch: a low-rank block (offset -1, scale 0) loads nothing and yields step 0,
@@ -392,9 +403,13 @@ def _uniform_residual_tile(
     # Compare a broadcast copy: a scalar-and-vector boolean mask trips Triton's interpreter.
     rows = row_ok & ((tl.zeros_like(offs_n) + offset) >= 0)
     if PLANES >= 1:
-        codes = _load_codes_bytes(Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32)
+        codes = _load_codes_bytes(
+            Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32, COL0
+        )
     else:
-        codes = _load_codes_uniform(Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32)
+        codes = _load_codes_uniform(
+            Codes, tl.maximum(offset, 0), first_row, offs_n, rows, WIDTH, HEAD_DIM, D_PAD, FP32, COL0
+        )
     return codes, tl.where(offset >= 0, step, 0.0)
 
 
@@ -408,10 +423,11 @@ def _load_raw_tile(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PLANES: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
 ):
-    """Exactly stored values [BLOCK_N, D_PAD] (input dtype, columns in ``_columns`` order) of block rows
-    ``first_row + offs_n``."""
-    offs_d = _columns(HEAD_DIM, D_PAD, PLANES)
+    """Exactly stored values [BLOCK_N, D_PAD] (input dtype, columns in ``_columns`` order from ``COL0``) of block
+    rows ``first_row + offs_n``."""
+    offs_d = _columns(HEAD_DIM, D_PAD, PLANES, COL0)
     keep = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     ptrs = raw_ptr + element_offset + ((first_row + offs_n) * HEAD_DIM)[:, None] + offs_d[None, :]
     return tl.load(ptrs, mask=keep, other=0.0)
@@ -510,6 +526,7 @@ def _packed_residual_tile(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PLANES: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
 ):
     """Codes of a packed tile as ``(codes, step)``, predicated instead of branched: a tile of another mode
     loads nothing and yields zero codes and step 0 (its stored scale). Straight-line loads can be prefetched
@@ -521,7 +538,7 @@ def _packed_residual_tile(
     # Compare a broadcast copy of the mode: a scalar-and-vector boolean mask trips Triton's interpreter.
     mode_rows = tl.zeros_like(offs_n) + mode
     rows = row_ok & ((mode_rows == 1) | (mode_rows == 2))
-    codes = _load_codes_tile(Codes, offset, width, first_row, offs_n, rows, HEAD_DIM, D_PAD, PLANES)
+    codes = _load_codes_tile(Codes, offset, width, first_row, offs_n, rows, HEAD_DIM, D_PAD, PLANES, COL0)
     return codes, tl.where(is_packed, step, 0.0)
 
 
@@ -544,20 +561,97 @@ def _value_residual(
     FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     PLANES: tl.constexpr = 0,
+    COL0: tl.constexpr = 0,
 ):
     """``accumulator += p @ R_tile`` for a V tile whose mode is not low-rank (accumulator columns in
-    ``_columns`` order)."""
+    ``_columns`` order, ``[COL0, COL0 + DV_PAD)``)."""
     offset = tl.load(V_offset + meta_index)
     if mode == 3:
-        raw = _load_raw_tile(V_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES)
+        raw = _load_raw_tile(V_raw, offset, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES, COL0)
         if FP32:
             raw = raw.to(tl.float32)
         accumulator = tl.dot(p.to(raw.dtype), raw, accumulator, input_precision=PRECISION)
     else:
         step = tl.load(V_scale + meta_index)
         width = tl.load(V_bits + meta_index).to(tl.int32)
-        codes = _load_codes_tile(V_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES)
+        codes = _load_codes_tile(V_codes, offset, width, first_row, offs_n, row_ok, HEAD_DIM_V, DV_PAD, PLANES, COL0)
         accumulator += tl.dot(_to_operand(p, FP32), _to_operand(codes, FP32), input_precision=PRECISION) * step
+    return accumulator
+
+
+@triton.jit
+def _basis_product(
+    accumulator,
+    partial_op,
+    part_mult,
+    basis_ptr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PLANES: tl.constexpr,
+    COL0: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``accumulator += (partial_op * part_mult) @ P[:, cols]`` for the value columns ``[COL0, COL0 + D_PAD)`` of the
+    projection at ``basis_ptr`` (``partial_op``: float32, or float16 rows scaled by ``1 / part_mult``)."""
+    basis = _load_basis(basis_ptr, RANK, RANK_PAD, HEAD_DIM, D_PAD, PLANES, COL0)
+    if FP32:
+        return tl.dot(partial_op, basis.to(tl.float32), accumulator, input_precision=PRECISION)
+    else:
+        return accumulator + tl.dot(partial_op, basis) * part_mult[:, None]
+
+
+@triton.jit
+def _value_residual_part(
+    accumulator,
+    p,
+    p_op,
+    mode,
+    meta_index,
+    V_scale,
+    V_bits,
+    V_offset,
+    V_codes,
+    V_raw,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UNIFORM_BITS: tl.constexpr,
+    PREDICATED: tl.constexpr,
+    PLANES: tl.constexpr,
+    COL0: tl.constexpr,
+):
+    """``accumulator += p @ R_tile`` over the value columns ``[COL0, COL0 + D_PAD)`` (one part, ``dv_parts``): a tile of
+    a uniform run (``UNIFORM_BITS``: branch-free, a low-rank block adds zero), a predicated one (``PREDICATED``:
+    packed codes loaded masked by ``mode``, an exact tile added after), or a tile whose ``mode`` is not low rank."""
+    if UNIFORM_BITS > 0:
+        codes_v, v_step = _uniform_residual_tile(
+            V_scale, V_offset, V_codes, meta_index, first_row, offs_n, row_ok, UNIFORM_BITS, HEAD_DIM_V, D_PAD, FP32,
+            PLANES, COL0,
+        )  # fmt: skip
+        accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
+    elif PREDICATED:
+        codes_v, v_step = _packed_residual_tile(
+            V_scale, V_bits, V_offset, V_codes, mode, meta_index, first_row, offs_n, row_ok, HEAD_DIM_V, D_PAD, PLANES,
+            COL0,
+        )  # fmt: skip
+        accumulator += tl.dot(p_op, _to_operand(codes_v, FP32), input_precision=PRECISION) * v_step
+        if mode == 3:
+            accumulator = _value_residual(
+                accumulator, p, mode, meta_index, V_scale, V_bits, V_offset, V_codes, V_raw, first_row, offs_n,
+                row_ok, HEAD_DIM_V, D_PAD, FP32, PRECISION, PLANES, COL0,
+            )  # fmt: skip
+    else:
+        accumulator = _value_residual(
+            accumulator, p, mode, meta_index, V_scale, V_bits, V_offset, V_codes, V_raw, first_row, offs_n, row_ok,
+            HEAD_DIM_V, D_PAD, FP32, PRECISION, PLANES, COL0,
+        )  # fmt: skip
     return accumulator
 
 
@@ -566,6 +660,7 @@ def _value_residual(
 def _compressed_tile(
     start_n,
     accumulator,
+    accumulator_hi,
     accumulator_max,
     rank_accumulator,
     running_sum,
@@ -646,6 +741,7 @@ def _compressed_tile(
     V_UNIFORM_BITS: tl.constexpr = 0,
     K_PLANES: tl.constexpr = 0,
     V_PLANES: tl.constexpr = 0,
+    DV_HI: tl.constexpr = 0,
 ):
     """One key tile: logits through the basis (+ residual), online softmax, values in rank space (+ residual).
     ``K_RESIDUAL``/``V_RESIDUAL`` False compile the tile without any residual code."""
@@ -830,170 +926,98 @@ def _compressed_tile(
         p_op = p.to(tl.bfloat16)
     else:
         p_op = _to_operand(p, FP32)
+    v_first = start_n % BLOCK_SIZE_V
     if V_PER_BLOCK:
         if not FIXED_MAX:
             accumulator = accumulator * alpha[:, None]
+            if DV_HI > 0:
+                accumulator_hi = accumulator_hi * alpha[:, None]
         if RANK_V > 0:
             coeffs_v = _load_coeff_tile(
                 V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
             )
-            basis_v = _load_basis(
-                V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES
-            )
+            v_block_basis = V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V)
             partial = tl.dot(p_op, _to_operand(coeffs_v, FP32), input_precision=PRECISION)
             if FP32:
-                accumulator = tl.dot(partial, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
+                partial_op = partial
+                part_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
             else:
                 part_mult, part_inv = row_normaliser(partial)
-                partial16 = (partial * part_inv[:, None]).to(tl.float16)
-                accumulator += tl.dot(partial16, basis_v) * part_mult[:, None]
-        if V_RESIDUAL and V_UNIFORM_BITS > 0:
-            codes_v, v_step = _uniform_residual_tile(
-                V_scale,
-                V_offset,
-                V_codes,
-                v_meta,
-                start_n % BLOCK_SIZE_V,
-                offs_n,
-                row_ok,
-                V_UNIFORM_BITS,
-                HEAD_DIM_V,
-                DV_PAD,
-                FP32,
-                V_PLANES,
-            )
-            accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
-        elif V_RESIDUAL:
-            v_mode = tl.load(V_mode + v_meta).to(tl.int32)
-            if v_mode != 0:
-                accumulator = _value_residual(
-                    accumulator,
-                    p,
-                    v_mode,
-                    v_meta,
-                    V_scale,
-                    V_bits,
-                    V_offset,
-                    V_codes,
-                    V_raw,
-                    start_n % BLOCK_SIZE_V,
-                    offs_n,
-                    row_ok,
-                    HEAD_DIM_V,
-                    DV_PAD,
-                    FP32,
-                    PRECISION,
-                    V_PLANES,
-                )
-    else:
-        if RANK_V > 0:
-            # With a packed pair (bounded launches) RANK_V here is twice the rank: [hi | lo] side by side.
-            coeffs_v = _load_coeff_tile(
-                V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK,
-                USE_TMA,
+                partial_op = (partial * part_inv[:, None]).to(tl.float16)
+            accumulator = _basis_product(
+                accumulator, partial_op, part_mult, v_block_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES, 0,
+                FP32, PRECISION,
             )  # fmt: skip
-            if not FIXED_MAX:
-                rank_accumulator = rank_accumulator * alpha[:, None]
-            if V_coeff_head.dtype.element_ty == tl.bfloat16:
-                rank_accumulator = tl.dot(p_op, coeffs_v, rank_accumulator)
-            else:
-                rank_accumulator = tl.dot(
-                    p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION
-                )
-        if V_RESIDUAL and V_UNIFORM_BITS > 0:
-            if not FIXED_MAX:
-                safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
-                accumulator_max = safe_max
-            codes_v, v_step = _uniform_residual_tile(
-                V_scale,
-                V_offset,
-                V_codes,
-                v_meta,
-                start_n % BLOCK_SIZE_V,
-                offs_n,
-                row_ok,
-                V_UNIFORM_BITS,
-                HEAD_DIM_V,
-                DV_PAD,
-                FP32,
-                V_PLANES,
-            )
-            accumulator += tl.dot(p_op, codes_v, input_precision=PRECISION) * v_step
-        elif V_RESIDUAL:
+            if DV_HI > 0:
+                accumulator_hi = _basis_product(
+                    accumulator_hi, partial_op, part_mult, v_block_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_HI, V_PLANES,
+                    DV_PAD, FP32, PRECISION,
+                )  # fmt: skip
+    elif RANK_V > 0:
+        # With a packed pair (bounded launches) RANK_V here is twice the rank: [hi | lo] side by side.
+        coeffs_v = _load_coeff_tile(
+            V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK,
+            USE_TMA,
+        )  # fmt: skip
+        if not FIXED_MAX:
+            rank_accumulator = rank_accumulator * alpha[:, None]
+        if V_coeff_head.dtype.element_ty == tl.bfloat16:
+            rank_accumulator = tl.dot(p_op, coeffs_v, rank_accumulator)
+        else:
+            rank_accumulator = tl.dot(p_op, _to_operand(coeffs_v, FP32), rank_accumulator, input_precision=PRECISION)
+    if V_RESIDUAL:
+        # Every tile of a uniform run, and every tile under PREDICATED with a shared basis, adds its (possibly zero)
+        # residual; otherwise only tiles whose mode is not low rank. With a shared basis the Dv-wide accumulator is
+        # brought up to the current maximum only here (deferred rescaling); per-block bases rescaled it above.
+        EVERY_TILE: tl.constexpr = V_UNIFORM_BITS > 0 or (PREDICATED and not V_PER_BLOCK)
+        if V_UNIFORM_BITS > 0:
+            v_mode = 1  # unused: uniform tiles need no mode
+        else:
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
-            if PREDICATED:
-                if not FIXED_MAX:
+        if EVERY_TILE:
+            if not V_PER_BLOCK and not FIXED_MAX:
+                safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+                catch_up = tl.math.exp2(accumulator_max - safe_max)
+                accumulator = accumulator * catch_up[:, None]
+                if DV_HI > 0:
+                    accumulator_hi = accumulator_hi * catch_up[:, None]
+                accumulator_max = safe_max
+            accumulator = _value_residual_part(
+                accumulator, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first, offs_n,
+                row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION, V_UNIFORM_BITS, PREDICATED and not V_PER_BLOCK,
+                V_PLANES, 0,
+            )  # fmt: skip
+            if DV_HI > 0:
+                accumulator_hi = _value_residual_part(
+                    accumulator_hi, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first,
+                    offs_n, row_ok, HEAD_DIM_V, DV_HI, FP32, PRECISION, V_UNIFORM_BITS,
+                    PREDICATED and not V_PER_BLOCK, V_PLANES, DV_PAD,
+                )  # fmt: skip
+        else:
+            if v_mode != 0:
+                if not V_PER_BLOCK and not FIXED_MAX:
                     safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                    accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+                    catch_up = tl.math.exp2(accumulator_max - safe_max)
+                    accumulator = accumulator * catch_up[:, None]
+                    if DV_HI > 0:
+                        accumulator_hi = accumulator_hi * catch_up[:, None]
                     accumulator_max = safe_max
-                codes_v, v_step = _packed_residual_tile(
-                    V_scale,
-                    V_bits,
-                    V_offset,
-                    V_codes,
-                    v_mode,
-                    v_meta,
-                    start_n % BLOCK_SIZE_V,
-                    offs_n,
-                    row_ok,
-                    HEAD_DIM_V,
-                    DV_PAD,
-                    V_PLANES,
-                )
-                accumulator += tl.dot(p_op, _to_operand(codes_v, FP32), input_precision=PRECISION) * v_step
-                if v_mode == 3:
-                    accumulator = _value_residual(
-                        accumulator,
-                        p,
-                        v_mode,
-                        v_meta,
-                        V_scale,
-                        V_bits,
-                        V_offset,
-                        V_codes,
-                        V_raw,
-                        start_n % BLOCK_SIZE_V,
-                        offs_n,
-                        row_ok,
-                        HEAD_DIM_V,
-                        DV_PAD,
-                        FP32,
-                        PRECISION,
-                        V_PLANES,
-                    )
-            else:
-                if v_mode != 0:
-                    if not FIXED_MAX:
-                        # Bring the Dv-wide accumulator up to the current maximum only now (deferred rescaling).
-                        safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                        accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
-                        accumulator_max = safe_max
-                    accumulator = _value_residual(
-                        accumulator,
-                        p,
-                        v_mode,
-                        v_meta,
-                        V_scale,
-                        V_bits,
-                        V_offset,
-                        V_codes,
-                        V_raw,
-                        start_n % BLOCK_SIZE_V,
-                        offs_n,
-                        row_ok,
-                        HEAD_DIM_V,
-                        DV_PAD,
-                        FP32,
-                        PRECISION,
-                        V_PLANES,
-                    )
-    return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
+                accumulator = _value_residual_part(
+                    accumulator, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first,
+                    offs_n, row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION, 0, False, V_PLANES, 0,
+                )  # fmt: skip
+                if DV_HI > 0:
+                    accumulator_hi = _value_residual_part(
+                        accumulator_hi, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw,
+                        v_first, offs_n, row_ok, HEAD_DIM_V, DV_HI, FP32, PRECISION, 0, False, V_PLANES, DV_PAD,
+                    )  # fmt: skip
+    return accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max
 
 
 @triton.jit
 def _attention_compressed_inner(
     accumulator,
+    accumulator_hi,
     accumulator_max,
     rank_accumulator,
     running_sum,
@@ -1076,14 +1100,16 @@ def _attention_compressed_inner(
     V_UNIFORM_BITS: tl.constexpr = 0,
     K_PLANES: tl.constexpr = 0,
     V_PLANES: tl.constexpr = 0,
+    DV_HI: tl.constexpr = 0,
 ):
     """Key tiles at offsets ``lo, lo + BLOCK_N, ... < hi`` (a plain range: the software pipeliner prefetches
     the next tiles' coefficients while this one computes)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _compressed_tile(
+        accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max = _compressed_tile(
             start_n,
             accumulator,
+            accumulator_hi,
             accumulator_max,
             rank_accumulator,
             running_sum,
@@ -1164,8 +1190,9 @@ def _attention_compressed_inner(
             V_UNIFORM_BITS,
             K_PLANES,
             V_PLANES,
+            DV_HI,
         )
-    return accumulator, accumulator_max, rank_accumulator, running_sum, running_max
+    return accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max
 
 
 # ----------------------------------------------------------------------------------------------- autotune
@@ -1205,7 +1232,7 @@ def compressed_configs(interpret: bool) -> list[triton.Config]:
 def _prune_compressed_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_size = min(args["BLOCK_SIZE_K"], args["BLOCK_SIZE_V"])
-    dv_pad = args["DV_PAD"]
+    dv_pad = args["DV_PAD"] + args.get("DV_HI", 0)  # both parts' width (dv_parts)
     residual = args["K_RESIDUAL"] or args["V_RESIDUAL"]
     # The widest key tile (up to 64) that divides the codec block; every block size is a power of two >= 16.
     block_n = min(64, block_size)
@@ -1249,6 +1276,7 @@ COMPRESSED_TUNE_KEY = [
     "TUNE_N_K",
     "HEAD_DIM_K",
     "HEAD_DIM_V",
+    "DV_HI",
     "GROUP",
     "RANK_K",
     "RANK_V",
@@ -1352,6 +1380,7 @@ def _attention_compressed_fwd(
     HEAD_DIM_V: tl.constexpr,
     DK_PAD: tl.constexpr,
     DV_PAD: tl.constexpr,
+    DV_HI: tl.constexpr,
     RANK_K: tl.constexpr,
     RANK_V: tl.constexpr,
     RK_PAD: tl.constexpr,
@@ -1415,7 +1444,9 @@ def _attention_compressed_fwd(
     row_query = rows // GROUP
     row_head = (kv_head * GROUP + rows % GROUP).to(tl.int64)
     row_valid = row_query < N_Q
-    # Output columns in the V side's order (``_columns``): the Dv-wide accumulator holds them so.
+    # Output columns in the V side's order (``_columns``): the Dv-wide accumulator holds them so. With DV_HI > 0 the
+    # value columns are two parts (``dv_parts``): ``[0, DV_PAD)`` in ``accumulator``, ``[DV_PAD, DV_PAD + DV_HI)`` in
+    # ``accumulator_hi`` (else an unused placeholder); every value product, rescaling and store is done per part.
     offs_dv = _columns(HEAD_DIM_V, DV_PAD, V_PLANES)
 
     # ---- queries: q_op is the operand of every product with K factors/codes ----
@@ -1546,6 +1577,7 @@ def _attention_compressed_fwd(
     accumulator_max = start_max
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    accumulator_hi = tl.zeros([BLOCK_M, DV_HI], dtype=tl.float32) if DV_HI > 0 else accumulator
     rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
     # With BOUNDED a second attempt, with the running maximum, runs for a program in which some row's sum ended
     # below BOUND_RETRY_SUM: its bound overshot the true maximum by so much that terms of P could be lost.
@@ -1566,6 +1598,8 @@ def _attention_compressed_fwd(
                 accumulator_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
             accumulator = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+            if DV_HI > 0:
+                accumulator_hi = tl.zeros([BLOCK_M, DV_HI], dtype=tl.float32)
             rank_accumulator = tl.zeros([BLOCK_M, RV_PAD], dtype=tl.float32)
 
             # ---- key loops. Each head's super-blocks (SUPER_BLOCK keys, the larger codec block) form runs of
@@ -1594,9 +1628,10 @@ def _attention_compressed_fwd(
                 for run in range(0, tl.load(counts_row)):
                     run_lo = tl.load(runs_row + run)
                     run_hi = tl.minimum(tl.load(runs_row + NUM_SUPER + run), full_super)
-                    accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                    accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max = (
                         _attention_compressed_inner(
                             accumulator,
+                            accumulator_hi,
                             accumulator_max,
                             rank_accumulator,
                             running_sum,
@@ -1679,94 +1714,99 @@ def _attention_compressed_fwd(
                             0,
                             K_PLANES,
                             V_PLANES,
+                            DV_HI,
                         )
                     )
             elif PASS == 0:
                 # Nothing to skip: one plain loop over every full super-block.
-                accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-                    accumulator,
-                    accumulator_max,
-                    rank_accumulator,
-                    running_sum,
-                    running_max,
-                    q_op,
-                    q_res_mult,
-                    query_rank,
-                    query_rank_lo,
-                    query_rank_mult,
-                    K_coeff_head,
-                    k_coeff_desc,
-                    K_basis,
-                    K_mode,
-                    K_scale,
-                    K_bits,
-                    K_offset,
-                    K_codes,
-                    K_raw,
-                    V_coeff_head,
-                    v_coeff_desc,
-                    V_basis,
-                    V_mode,
-                    V_scale,
-                    V_bits,
-                    V_offset,
-                    V_codes,
-                    V_raw,
-                    stride_kcn,
-                    stride_kcr,
-                    stride_vcn,
-                    stride_vcr,
-                    k_meta_base,
-                    v_meta_base,
-                    bias_rows,
-                    stride_bk,
-                    row_query,
-                    row_valid,
-                    0,
-                    full_super * SUPER_BLOCK,
-                    N_K,
-                    bias_mult,
-                    softcap_log2,
-                    HEAD_DIM_K,
-                    HEAD_DIM_V,
-                    DK_PAD,
-                    DV_PAD,
-                    RANK_K,
-                    RANK_V * (1 + V_PACKED),
-                    RK_PAD,
-                    RV_PAD,
-                    BLOCK_SIZE_K,
-                    BLOCK_SIZE_V,
-                    K_PER_BLOCK,
-                    V_PER_BLOCK,
-                    False,
-                    False,
-                    SPLIT_RANK,
-                    BLOCK_M,
-                    BLOCK_N,
-                    HAS_BIAS,
-                    SOFTCAP,
-                    CAUSAL,
-                    False,
-                    FP32,
-                    PRECISION,
-                    USE_TMA,
-                    False,
-                    BIAS_TILE,
-                    FIXED_MAX or (BOUNDED and attempt == 0),
-                    q_position,
-                    relative_head,
-                    stride_rh_row,
-                    stride_rh_d,
-                    row_start,
-                    N_Q,
-                    n_relative,
-                    logit_mult,
-                    RELATIVE,
-                    0,
-                    0,
-                    K_PLANES,
-                    V_PLANES,
+                accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max = (
+                    _attention_compressed_inner(
+                        accumulator,
+                        accumulator_hi,
+                        accumulator_max,
+                        rank_accumulator,
+                        running_sum,
+                        running_max,
+                        q_op,
+                        q_res_mult,
+                        query_rank,
+                        query_rank_lo,
+                        query_rank_mult,
+                        K_coeff_head,
+                        k_coeff_desc,
+                        K_basis,
+                        K_mode,
+                        K_scale,
+                        K_bits,
+                        K_offset,
+                        K_codes,
+                        K_raw,
+                        V_coeff_head,
+                        v_coeff_desc,
+                        V_basis,
+                        V_mode,
+                        V_scale,
+                        V_bits,
+                        V_offset,
+                        V_codes,
+                        V_raw,
+                        stride_kcn,
+                        stride_kcr,
+                        stride_vcn,
+                        stride_vcr,
+                        k_meta_base,
+                        v_meta_base,
+                        bias_rows,
+                        stride_bk,
+                        row_query,
+                        row_valid,
+                        0,
+                        full_super * SUPER_BLOCK,
+                        N_K,
+                        bias_mult,
+                        softcap_log2,
+                        HEAD_DIM_K,
+                        HEAD_DIM_V,
+                        DK_PAD,
+                        DV_PAD,
+                        RANK_K,
+                        RANK_V * (1 + V_PACKED),
+                        RK_PAD,
+                        RV_PAD,
+                        BLOCK_SIZE_K,
+                        BLOCK_SIZE_V,
+                        K_PER_BLOCK,
+                        V_PER_BLOCK,
+                        False,
+                        False,
+                        SPLIT_RANK,
+                        BLOCK_M,
+                        BLOCK_N,
+                        HAS_BIAS,
+                        SOFTCAP,
+                        CAUSAL,
+                        False,
+                        FP32,
+                        PRECISION,
+                        USE_TMA,
+                        False,
+                        BIAS_TILE,
+                        FIXED_MAX or (BOUNDED and attempt == 0),
+                        q_position,
+                        relative_head,
+                        stride_rh_row,
+                        stride_rh_d,
+                        row_start,
+                        N_Q,
+                        n_relative,
+                        logit_mult,
+                        RELATIVE,
+                        0,
+                        0,
+                        K_PLANES,
+                        V_PLANES,
+                        DV_HI,
+                    )
                 )
             if K_RESIDUAL or V_RESIDUAL:
                 if K_RESIDUAL and not K_PER_BLOCK:
@@ -1791,9 +1831,10 @@ def _attention_compressed_fwd(
                     for run in range(0, tl.load(counts_row + 1)):
                         run_lo = tl.load(runs_row + 2 * NUM_SUPER + run)
                         run_hi = tl.minimum(tl.load(runs_row + 3 * NUM_SUPER + run), full_super)
-                        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                        accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max = (
                             _attention_compressed_inner(
                                 accumulator,
+                                accumulator_hi,
                                 accumulator_max,
                                 rank_accumulator,
                                 running_sum,
@@ -1876,6 +1917,7 @@ def _attention_compressed_fwd(
                                 FAST_BITS_V,
                                 K_PLANES,
                                 V_PLANES,
+                                DV_HI,
                             )
                         )
                 if GENERAL_RUNS:
@@ -1883,9 +1925,10 @@ def _attention_compressed_fwd(
                     for run in range(0, tl.load(counts_row + (RUN_KINDS - 1))):
                         run_lo = tl.load(runs_row + (2 * RUN_KINDS - 2) * NUM_SUPER + run)
                         run_hi = tl.minimum(tl.load(runs_row + (2 * RUN_KINDS - 1) * NUM_SUPER + run), full_super)
-                        accumulator, accumulator_max, rank_accumulator, running_sum, running_max = (
+                        accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max = (
                             _attention_compressed_inner(
                                 accumulator,
+                                accumulator_hi,
                                 accumulator_max,
                                 rank_accumulator,
                                 running_sum,
@@ -1968,6 +2011,7 @@ def _attention_compressed_fwd(
                                 0,
                                 K_PLANES,
                                 V_PLANES,
+                                DV_HI,
                             )
                         )
             if PASS != 1:
@@ -1975,124 +2019,153 @@ def _attention_compressed_fwd(
                 # the call every residual block in it is one the uniform decode reads
                 TAIL_BITS_K: tl.constexpr = 0 if GENERAL_RUNS else FAST_BITS_K
                 TAIL_BITS_V: tl.constexpr = 0 if GENERAL_RUNS else FAST_BITS_V
-                accumulator, accumulator_max, rank_accumulator, running_sum, running_max = _attention_compressed_inner(
-                    accumulator,
-                    accumulator_max,
-                    rank_accumulator,
-                    running_sum,
-                    running_max,
-                    q_op,
-                    q_res_mult,
-                    query_rank,
-                    query_rank_lo,
-                    query_rank_mult,
-                    K_coeff_head,
-                    k_coeff_desc,
-                    K_basis,
-                    K_mode,
-                    K_scale,
-                    K_bits,
-                    K_offset,
-                    K_codes,
-                    K_raw,
-                    V_coeff_head,
-                    v_coeff_desc,
-                    V_basis,
-                    V_mode,
-                    V_scale,
-                    V_bits,
-                    V_offset,
-                    V_codes,
-                    V_raw,
-                    stride_kcn,
-                    stride_kcr,
-                    stride_vcn,
-                    stride_vcr,
-                    k_meta_base,
-                    v_meta_base,
-                    bias_rows,
-                    stride_bk,
-                    row_query,
-                    row_valid,
-                    full_super * SUPER_BLOCK,
-                    end,
-                    N_K,
-                    bias_mult,
-                    softcap_log2,
-                    HEAD_DIM_K,
-                    HEAD_DIM_V,
-                    DK_PAD,
-                    DV_PAD,
-                    RANK_K,
-                    RANK_V * (1 + V_PACKED),
-                    RK_PAD,
-                    RV_PAD,
-                    BLOCK_SIZE_K,
-                    BLOCK_SIZE_V,
-                    K_PER_BLOCK,
-                    V_PER_BLOCK,
-                    K_RESIDUAL,
-                    V_RESIDUAL,
-                    SPLIT_RANK,
-                    BLOCK_M,
-                    BLOCK_N,
-                    HAS_BIAS,
-                    SOFTCAP,
-                    CAUSAL,
-                    True,
-                    FP32,
-                    PRECISION,
-                    USE_TMA,
-                    False,
-                    BIAS_TILE,
-                    FIXED_MAX or (BOUNDED and attempt == 0),
-                    q_position,
-                    relative_head,
-                    stride_rh_row,
-                    stride_rh_d,
-                    row_start,
-                    N_Q,
-                    n_relative,
-                    logit_mult,
-                    RELATIVE,
-                    TAIL_BITS_K,
-                    TAIL_BITS_V,
-                    K_PLANES,
-                    V_PLANES,
+                accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max = (
+                    _attention_compressed_inner(
+                        accumulator,
+                        accumulator_hi,
+                        accumulator_max,
+                        rank_accumulator,
+                        running_sum,
+                        running_max,
+                        q_op,
+                        q_res_mult,
+                        query_rank,
+                        query_rank_lo,
+                        query_rank_mult,
+                        K_coeff_head,
+                        k_coeff_desc,
+                        K_basis,
+                        K_mode,
+                        K_scale,
+                        K_bits,
+                        K_offset,
+                        K_codes,
+                        K_raw,
+                        V_coeff_head,
+                        v_coeff_desc,
+                        V_basis,
+                        V_mode,
+                        V_scale,
+                        V_bits,
+                        V_offset,
+                        V_codes,
+                        V_raw,
+                        stride_kcn,
+                        stride_kcr,
+                        stride_vcn,
+                        stride_vcr,
+                        k_meta_base,
+                        v_meta_base,
+                        bias_rows,
+                        stride_bk,
+                        row_query,
+                        row_valid,
+                        full_super * SUPER_BLOCK,
+                        end,
+                        N_K,
+                        bias_mult,
+                        softcap_log2,
+                        HEAD_DIM_K,
+                        HEAD_DIM_V,
+                        DK_PAD,
+                        DV_PAD,
+                        RANK_K,
+                        RANK_V * (1 + V_PACKED),
+                        RK_PAD,
+                        RV_PAD,
+                        BLOCK_SIZE_K,
+                        BLOCK_SIZE_V,
+                        K_PER_BLOCK,
+                        V_PER_BLOCK,
+                        K_RESIDUAL,
+                        V_RESIDUAL,
+                        SPLIT_RANK,
+                        BLOCK_M,
+                        BLOCK_N,
+                        HAS_BIAS,
+                        SOFTCAP,
+                        CAUSAL,
+                        True,
+                        FP32,
+                        PRECISION,
+                        USE_TMA,
+                        False,
+                        BIAS_TILE,
+                        FIXED_MAX or (BOUNDED and attempt == 0),
+                        q_position,
+                        relative_head,
+                        stride_rh_row,
+                        stride_rh_d,
+                        row_start,
+                        N_Q,
+                        n_relative,
+                        logit_mult,
+                        RELATIVE,
+                        TAIL_BITS_K,
+                        TAIL_BITS_V,
+                        K_PLANES,
+                        V_PLANES,
+                        DV_HI,
+                    )
                 )
 
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
     if not V_PER_BLOCK:
         if not FIXED_MAX:
             safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-            accumulator = accumulator * tl.math.exp2(accumulator_max - safe_max)[:, None]
+            catch_up = tl.math.exp2(accumulator_max - safe_max)
+            accumulator = accumulator * catch_up[:, None]
+            if DV_HI > 0:
+                accumulator_hi = accumulator_hi * catch_up[:, None]
         if RANK_V > 0:
-            if V_PACKED:
-                tl.static_assert(V_PLANES <= 1 and 2 * RANK_V <= RV_PAD)
-                basis_v = _load_basis_twice(
-                    V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD
-                )
-            else:
-                basis_v = _load_basis(
-                    V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD,
-                    V_PLANES,
-                )  # fmt: skip
+            v_head_basis = V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V)
             if FP32:
-                accumulator = tl.dot(rank_accumulator, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
+                rank_op = rank_accumulator
+                rank_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
             else:
                 rank_mult, rank_inv = row_normaliser(rank_accumulator)
-                rank16 = (rank_accumulator * rank_inv[:, None]).to(tl.float16)
-                accumulator += tl.dot(rank16, basis_v) * rank_mult[:, None]
+                rank_op = (rank_accumulator * rank_inv[:, None]).to(tl.float16)
+            if V_PACKED:
+                tl.static_assert(V_PLANES <= 1 and 2 * RANK_V <= RV_PAD)
+                basis_v = _load_basis_twice(v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD)
+                if FP32:
+                    accumulator = tl.dot(rank_op, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
+                else:
+                    accumulator += tl.dot(rank_op, basis_v) * rank_mult[:, None]
+                if DV_HI > 0:
+                    basis_hi = _load_basis_twice(v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_HI, DV_PAD)
+                    if FP32:
+                        accumulator_hi = tl.dot(
+                            rank_op, basis_hi.to(tl.float32), accumulator_hi, input_precision=PRECISION
+                        )
+                    else:
+                        accumulator_hi += tl.dot(rank_op, basis_hi) * rank_mult[:, None]
+            else:
+                accumulator = _basis_product(
+                    accumulator, rank_op, rank_mult, v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES, 0,
+                    FP32, PRECISION,
+                )  # fmt: skip
+                if DV_HI > 0:
+                    accumulator_hi = _basis_product(
+                        accumulator_hi, rank_op, rank_mult, v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_HI,
+                        V_PLANES, DV_PAD, FP32, PRECISION,
+                    )  # fmt: skip
     if FIXED_MAX:
         running_max = tl.where(running_sum > 0.0, running_max, float("-inf"))
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
-    out = accumulator / running_sum[:, None]
     out_rows = Out + batch * stride_ob + row_head * stride_oh + row_query.to(tl.int64) * stride_on
     tl.store(
         out_rows[:, None] + (offs_dv * stride_od)[None, :],
-        out.to(Out.dtype.element_ty),
+        (accumulator / running_sum[:, None]).to(Out.dtype.element_ty),
         mask=row_valid[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
     )
+    if DV_HI > 0:
+        offs_dv_hi = _columns(HEAD_DIM_V, DV_HI, V_PLANES, DV_PAD)
+        tl.store(
+            out_rows[:, None] + (offs_dv_hi * stride_od)[None, :],
+            (accumulator_hi / running_sum[:, None]).to(Out.dtype.element_ty),
+            mask=row_valid[:, None] & (offs_dv_hi < HEAD_DIM_V)[None, :],
+        )
     lse = (running_max + tl.math.log2(running_sum)) * LN2
     tl.store(Lse + (batch * (H_KV * GROUP) + row_head) * N_Q + row_query, lse, mask=row_valid)
 
@@ -2543,6 +2616,7 @@ def attention_compressed_fwd(
     relative_runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     run_table: torch.Tensor | None = None,
     general_runs: bool | Callable[[], bool] = True,
+    dv_split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the compressed kernel (inputs validated by ``kvbound.attention``). ``bias`` and ``bias_tile`` as
     in the dense launcher. Returns ``(out, lse)`` as the dense launcher does.
@@ -2601,6 +2675,10 @@ def attention_compressed_fwd(
     every operand with a residual has uniform runs: fewer registers spilled in the uniform loop (sm_90, Triton 3.6,
     AlphaGenome's shape at 8 bits: 1,568 -> 560 bytes of stack; the uniform tile 18-21 % faster on an H100,
     kernels/README.md). True (default): the kernel that is correct for any blocks.
+    ``dv_split``: hold the value columns in two parts where that pads less (``attention_dense.dv_parts``: 192 as
+    128 + 64, not 256): a quarter fewer columns in every value product, in the accumulator and in the decoded V
+    tiles. None: ``KVBOUND_DV_SPLIT`` as for the dense kernel (``dv_split_default``: split except with the relative
+    keys' window).
     """
     if relative_runs is not None and relative is not None:
         raise ValueError("relative, relative_runs: expected at most one of them")
@@ -2696,11 +2774,15 @@ def attention_compressed_fwd(
         next_power_of_2(n_q * group),
         next_power_of_2(n_k),
     )
+    if dv_split is None:
+        dv_split = dv_split_default(relative is not None)
+    dv_pad, dv_hi = dv_parts(head_dim_v, split=dv_split)
     constexprs = dict(
         HEAD_DIM_K=head_dim_k,
         HEAD_DIM_V=head_dim_v,
         DK_PAD=max(16, next_power_of_2(head_dim_k)),
-        DV_PAD=max(16, next_power_of_2(head_dim_v)),
+        DV_PAD=dv_pad,
+        DV_HI=dv_hi,
         RANK_K=k_rank,
         RANK_V=v_rank,
         RK_PAD=max(16, next_power_of_2(k_rank)),
