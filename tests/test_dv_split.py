@@ -16,6 +16,7 @@ from kvbound.kernels import attention_compressed as compressed
 from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 from kvbound.kernels.attention_dense import dv_parts
 from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
+from test_general_runs import alphagenome_reference
 from test_kernels_residual import L, P, R, W, build, run_kinds
 from test_relpos_compressed import _relative_inputs
 
@@ -177,14 +178,7 @@ def test_gpu_alphagenome_shape_in_two_parts_bf16(causal, monkeypatch):
         x_k, x_v = (torch.randn(1, 1, n, d, device="cuda").to(torch.bfloat16) for d in (128, 192))
         ck = kvbound.compress_kv(x_k, config, kvbound.calibrate(x_k, config), impl="triton")
         cv = kvbound.compress_kv(x_v, config, kvbound.calibrate(x_v, config), impl="triton")
-        k_dec, v_dec = ck.decompress(), cv.decompress()
-        reference = kvbound.reference_attention(q, k_dec, v_dec, bias=full_bias, softcap=5.0, causal=causal)
-        logits = (q @ k_dec.to(q.dtype).transpose(-1, -2)).float() * 128**-0.5 + full_bias
-        logits = 5.0 * torch.tanh(logits / 5.0)
-        if causal:
-            logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), -math.inf)
-        plain = torch.softmax(logits, -1).to(q.dtype) @ v_dec.to(q.dtype)
-        tolerance = 2 * float((plain.double() - reference).abs().max()) + 2e-3
+        reference, tolerance = alphagenome_reference(q, ck.decompress(), cv.decompress(), full_bias, causal)
         # Without the general loop only where no block needs it (the encoder's record): every block at 8 bits.
         needs_general = ck._checked_general() or cv._checked_general()
         assert needs_general is False or bits != 8

@@ -187,6 +187,19 @@ def test_ab_script_cpu_smoke_checks_every_variant_against_float64(tmp_path):
         assert row["commit"] == "abc1234"
 
 
+def alphagenome_reference(q, k_dec, v_dec, full_bias, causal) -> tuple[torch.Tensor, float]:
+    """The float64 reference at AlphaGenome's attention (dk 128, the given full bias, soft-cap 5) on decoded K/V, and
+    the tolerance: twice plain attention's error in q's dtype on the same K/V, plus a floor."""
+    n = q.shape[2]
+    reference = kvbound.reference_attention(q, k_dec, v_dec, bias=full_bias, softcap=5.0, causal=causal)
+    logits = (q @ k_dec.to(q.dtype).transpose(-1, -2)).float() * 128**-0.5 + full_bias
+    logits = 5.0 * torch.tanh(logits / 5.0)
+    if causal:
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    plain = torch.softmax(logits, -1).to(q.dtype) @ v_dec.to(q.dtype)
+    return reference, 2 * float((plain.double() - reference).abs().max()) + 2e-3
+
+
 @pytest.mark.gpu
 def test_gpu_alphagenome_shape_without_general_runs_bf16(monkeypatch):
     """AlphaGenome's attention shape (8 query heads on one K/V head, dk 128, dv 192, the 16 x 16 tile bias, soft-cap
@@ -206,14 +219,7 @@ def test_gpu_alphagenome_shape_without_general_runs_bf16(monkeypatch):
     full_bias = bias.repeat_interleave(16, 2).repeat_interleave(16, 3)
     launched = _launches(monkeypatch)
     for causal in (False, True):
-        reference = kvbound.reference_attention(q, k_dec, v_dec, bias=full_bias, softcap=5.0, causal=causal)
-        # plain bfloat16 attention on the decoded K/V, as the tolerance's yardstick
-        logits = (q @ k_dec.to(q.dtype).transpose(-1, -2)).float() * 128**-0.5 + full_bias
-        logits = 5.0 * torch.tanh(logits / 5.0)
-        if causal:
-            logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), -math.inf)
-        plain = torch.softmax(logits, -1).to(q.dtype) @ v_dec.to(q.dtype)
-        tolerance = 2 * float((plain.double() - reference).abs().max()) + 2e-3
+        reference, tolerance = alphagenome_reference(q, k_dec, v_dec, full_bias, causal)
         outs = {}
         for general in (True, False):
             outs[general], _ = attention_compressed_fwd(
