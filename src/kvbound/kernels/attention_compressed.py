@@ -580,7 +580,7 @@ def _value_residual(
 
 
 @triton.jit
-def _basis_product(
+def _basis_part(
     accumulator,
     partial_op,
     part_mult,
@@ -593,14 +593,69 @@ def _basis_product(
     COL0: tl.constexpr,
     FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    TWICE: tl.constexpr,
 ):
     """``accumulator += (partial_op * part_mult) @ P[:, cols]`` for the value columns ``[COL0, COL0 + D_PAD)`` of the
-    projection at ``basis_ptr`` (``partial_op``: float32, or float16 rows scaled by ``1 / part_mult``)."""
-    basis = _load_basis(basis_ptr, RANK, RANK_PAD, HEAD_DIM, D_PAD, PLANES, COL0)
+    projection at ``basis_ptr`` (``partial_op``: float32, or float16 rows scaled by ``1 / part_mult``; ``TWICE``: the
+    projection stacked on itself, ``_load_basis_twice``)."""
+    if TWICE:
+        basis = _load_basis_twice(basis_ptr, RANK, RANK_PAD, HEAD_DIM, D_PAD, COL0)
+    else:
+        basis = _load_basis(basis_ptr, RANK, RANK_PAD, HEAD_DIM, D_PAD, PLANES, COL0)
     if FP32:
         return tl.dot(partial_op, basis.to(tl.float32), accumulator, input_precision=PRECISION)
     else:
         return accumulator + tl.dot(partial_op, basis) * part_mult[:, None]
+
+
+@triton.jit
+def _basis_parts(
+    accumulator,
+    accumulator_hi,
+    partial,
+    basis_ptr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    DV_HI: tl.constexpr,
+    PLANES: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TWICE: tl.constexpr = False,
+):
+    """``O += partial @ P`` for the rank-space product ``partial`` (float32 [BLOCK_M, RANK_PAD]) into both value
+    parts (``accumulator_hi`` only where ``DV_HI > 0``): in float32 operands, or as float16 rows scaled to their
+    largest element."""
+    if FP32:
+        partial_op = partial
+        part_mult = tl.full([partial.shape[0]], 1.0, tl.float32)
+    else:
+        part_mult, part_inv = row_normaliser(partial)
+        partial_op = (partial * part_inv[:, None]).to(tl.float16)
+    accumulator = _basis_part(
+        accumulator, partial_op, part_mult, basis_ptr, RANK, RANK_PAD, HEAD_DIM, DV_PAD, PLANES, 0, FP32, PRECISION,
+        TWICE,
+    )  # fmt: skip
+    if DV_HI > 0:
+        accumulator_hi = _basis_part(
+            accumulator_hi, partial_op, part_mult, basis_ptr, RANK, RANK_PAD, HEAD_DIM, DV_HI, PLANES, DV_PAD, FP32,
+            PRECISION, TWICE,
+        )  # fmt: skip
+    return accumulator, accumulator_hi
+
+
+@triton.jit
+def _catch_up(accumulator, accumulator_hi, accumulator_max, running_max, DV_HI: tl.constexpr):
+    """Deferred rescaling: both value parts brought from their reference maximum up to the running one (a row still
+    at -inf takes 0, and an accumulator whose reference is -inf, still zero, a factor of 0). Returns the parts and
+    the new reference maximum."""
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    factor = tl.math.exp2(accumulator_max - safe_max)
+    accumulator = accumulator * factor[:, None]
+    if DV_HI > 0:
+        accumulator_hi = accumulator_hi * factor[:, None]
+    return accumulator, accumulator_hi, safe_max
 
 
 @triton.jit
@@ -653,6 +708,44 @@ def _value_residual_part(
             HEAD_DIM_V, D_PAD, FP32, PRECISION, PLANES, COL0,
         )  # fmt: skip
     return accumulator
+
+
+@triton.jit
+def _value_residual_parts(
+    accumulator,
+    accumulator_hi,
+    p,
+    p_op,
+    mode,
+    meta_index,
+    V_scale,
+    V_bits,
+    V_offset,
+    V_codes,
+    V_raw,
+    first_row,
+    offs_n,
+    row_ok,
+    HEAD_DIM_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    DV_HI: tl.constexpr,
+    FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UNIFORM_BITS: tl.constexpr,
+    PREDICATED: tl.constexpr,
+    PLANES: tl.constexpr,
+):
+    """``_value_residual_part`` into both value parts (``accumulator_hi`` only where ``DV_HI > 0``)."""
+    accumulator = _value_residual_part(
+        accumulator, p, p_op, mode, meta_index, V_scale, V_bits, V_offset, V_codes, V_raw, first_row, offs_n, row_ok,
+        HEAD_DIM_V, DV_PAD, FP32, PRECISION, UNIFORM_BITS, PREDICATED, PLANES, 0,
+    )  # fmt: skip
+    if DV_HI > 0:
+        accumulator_hi = _value_residual_part(
+            accumulator_hi, p, p_op, mode, meta_index, V_scale, V_bits, V_offset, V_codes, V_raw, first_row, offs_n,
+            row_ok, HEAD_DIM_V, DV_HI, FP32, PRECISION, UNIFORM_BITS, PREDICATED, PLANES, DV_PAD,
+        )  # fmt: skip
+    return accumulator, accumulator_hi
 
 
 # ---------------------------------------------------------------------------------------------- inner loop
@@ -936,23 +1029,11 @@ def _compressed_tile(
             coeffs_v = _load_coeff_tile(
                 V_coeff_head, v_coeff_desc, start_n, offs_n, stride_vcn, stride_vcr, N_K, RANK_V, RV_PAD, MASK, USE_TMA
             )
-            v_block_basis = V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V)
             partial = tl.dot(p_op, _to_operand(coeffs_v, FP32), input_precision=PRECISION)
-            if FP32:
-                partial_op = partial
-                part_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-            else:
-                part_mult, part_inv = row_normaliser(partial)
-                partial_op = (partial * part_inv[:, None]).to(tl.float16)
-            accumulator = _basis_product(
-                accumulator, partial_op, part_mult, v_block_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES, 0,
-                FP32, PRECISION,
+            accumulator, accumulator_hi = _basis_parts(
+                accumulator, accumulator_hi, partial, V_basis + v_meta.to(tl.int64) * (RANK_V * HEAD_DIM_V), RANK_V,
+                RV_PAD, HEAD_DIM_V, DV_PAD, DV_HI, V_PLANES, FP32, PRECISION,
             )  # fmt: skip
-            if DV_HI > 0:
-                accumulator_hi = _basis_product(
-                    accumulator_hi, partial_op, part_mult, v_block_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_HI, V_PLANES,
-                    DV_PAD, FP32, PRECISION,
-                )  # fmt: skip
     elif RANK_V > 0:
         # With a packed pair (bounded launches) RANK_V here is twice the rank: [hi | lo] side by side.
         coeffs_v = _load_coeff_tile(
@@ -976,41 +1057,24 @@ def _compressed_tile(
             v_mode = tl.load(V_mode + v_meta).to(tl.int32)
         if EVERY_TILE:
             if not V_PER_BLOCK and not FIXED_MAX:
-                safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                catch_up = tl.math.exp2(accumulator_max - safe_max)
-                accumulator = accumulator * catch_up[:, None]
-                if DV_HI > 0:
-                    accumulator_hi = accumulator_hi * catch_up[:, None]
-                accumulator_max = safe_max
-            accumulator = _value_residual_part(
-                accumulator, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first, offs_n,
-                row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION, V_UNIFORM_BITS, PREDICATED and not V_PER_BLOCK,
-                V_PLANES, 0,
+                accumulator, accumulator_hi, accumulator_max = _catch_up(
+                    accumulator, accumulator_hi, accumulator_max, running_max, DV_HI
+                )
+            accumulator, accumulator_hi = _value_residual_parts(
+                accumulator, accumulator_hi, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw,
+                v_first, offs_n, row_ok, HEAD_DIM_V, DV_PAD, DV_HI, FP32, PRECISION, V_UNIFORM_BITS,
+                PREDICATED and not V_PER_BLOCK, V_PLANES,
             )  # fmt: skip
-            if DV_HI > 0:
-                accumulator_hi = _value_residual_part(
-                    accumulator_hi, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first,
-                    offs_n, row_ok, HEAD_DIM_V, DV_HI, FP32, PRECISION, V_UNIFORM_BITS,
-                    PREDICATED and not V_PER_BLOCK, V_PLANES, DV_PAD,
-                )  # fmt: skip
         else:
             if v_mode != 0:
                 if not V_PER_BLOCK and not FIXED_MAX:
-                    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-                    catch_up = tl.math.exp2(accumulator_max - safe_max)
-                    accumulator = accumulator * catch_up[:, None]
-                    if DV_HI > 0:
-                        accumulator_hi = accumulator_hi * catch_up[:, None]
-                    accumulator_max = safe_max
-                accumulator = _value_residual_part(
-                    accumulator, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw, v_first,
-                    offs_n, row_ok, HEAD_DIM_V, DV_PAD, FP32, PRECISION, 0, False, V_PLANES, 0,
+                    accumulator, accumulator_hi, accumulator_max = _catch_up(
+                        accumulator, accumulator_hi, accumulator_max, running_max, DV_HI
+                    )
+                accumulator, accumulator_hi = _value_residual_parts(
+                    accumulator, accumulator_hi, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw,
+                    v_first, offs_n, row_ok, HEAD_DIM_V, DV_PAD, DV_HI, FP32, PRECISION, 0, False, V_PLANES,
                 )  # fmt: skip
-                if DV_HI > 0:
-                    accumulator_hi = _value_residual_part(
-                        accumulator_hi, p, p_op, v_mode, v_meta, V_scale, V_bits, V_offset, V_codes, V_raw,
-                        v_first, offs_n, row_ok, HEAD_DIM_V, DV_HI, FP32, PRECISION, 0, False, V_PLANES, DV_PAD,
-                    )  # fmt: skip
     return accumulator, accumulator_hi, accumulator_max, rank_accumulator, running_sum, running_max
 
 
@@ -2112,44 +2176,14 @@ def _attention_compressed_fwd(
     # ---- epilogue: O = (acc_r P_v + acc) / sum ----
     if not V_PER_BLOCK:
         if not FIXED_MAX:
-            safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-            catch_up = tl.math.exp2(accumulator_max - safe_max)
-            accumulator = accumulator * catch_up[:, None]
-            if DV_HI > 0:
-                accumulator_hi = accumulator_hi * catch_up[:, None]
+            accumulator, accumulator_hi, _ = _catch_up(accumulator, accumulator_hi, accumulator_max, running_max, DV_HI)
         if RANK_V > 0:
-            v_head_basis = V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V)
-            if FP32:
-                rank_op = rank_accumulator
-                rank_mult = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-            else:
-                rank_mult, rank_inv = row_normaliser(rank_accumulator)
-                rank_op = (rank_accumulator * rank_inv[:, None]).to(tl.float16)
             if V_PACKED:
                 tl.static_assert(V_PLANES <= 1 and 2 * RANK_V <= RV_PAD)
-                basis_v = _load_basis_twice(v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD)
-                if FP32:
-                    accumulator = tl.dot(rank_op, basis_v.to(tl.float32), accumulator, input_precision=PRECISION)
-                else:
-                    accumulator += tl.dot(rank_op, basis_v) * rank_mult[:, None]
-                if DV_HI > 0:
-                    basis_hi = _load_basis_twice(v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_HI, DV_PAD)
-                    if FP32:
-                        accumulator_hi = tl.dot(
-                            rank_op, basis_hi.to(tl.float32), accumulator_hi, input_precision=PRECISION
-                        )
-                    else:
-                        accumulator_hi += tl.dot(rank_op, basis_hi) * rank_mult[:, None]
-            else:
-                accumulator = _basis_product(
-                    accumulator, rank_op, rank_mult, v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, V_PLANES, 0,
-                    FP32, PRECISION,
-                )  # fmt: skip
-                if DV_HI > 0:
-                    accumulator_hi = _basis_product(
-                        accumulator_hi, rank_op, rank_mult, v_head_basis, RANK_V, RV_PAD, HEAD_DIM_V, DV_HI,
-                        V_PLANES, DV_PAD, FP32, PRECISION,
-                    )  # fmt: skip
+            accumulator, accumulator_hi = _basis_parts(
+                accumulator, accumulator_hi, rank_accumulator, V_basis + kv_head.to(tl.int64) * (RANK_V * HEAD_DIM_V),
+                RANK_V, RV_PAD, HEAD_DIM_V, DV_PAD, DV_HI, V_PLANES, FP32, PRECISION, V_PACKED,
+            )  # fmt: skip
     if FIXED_MAX:
         running_max = tl.where(running_sum > 0.0, running_max, float("-inf"))
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
