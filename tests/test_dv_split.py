@@ -15,9 +15,11 @@ import kvbound
 from kvbound.kernels import attention_compressed as compressed
 from kvbound.kernels.attention_compressed import CompressedOperand, attention_compressed_fwd
 from kvbound.kernels.attention_dense import dv_parts
-from test_attention import check_against_reference  # tests/ is on sys.path (rootdir conftest)
+from kvbound.models.reference import relative_position_attention_reference
+from test_attention import FLOOR, check_against_reference  # tests/ is on sys.path (rootdir conftest)
 from test_general_runs import alphagenome_reference
 from test_kernels_residual import L, P, R, W, build, run_kinds
+from test_relpos import _port_style
 from test_relpos_compressed import _relative_inputs
 
 
@@ -135,7 +137,7 @@ def test_softcap_fixed_maximum_in_two_parts(monkeypatch):
 
 def test_relative_positions_in_two_parts(monkeypatch):
     """Transformer-XL relative keys (the window; two parts only when asked: ``dv_split_default``) with residual
-    blocks of every kind in V."""
+    blocks of every kind in V: one part and two agree, and each is within the oracle's tolerance on the decoded K/V."""
     seen = _spy(monkeypatch)
     n = 37
     ck = build([[L, P(4), R]], n=n, d=40, bits=4, block=16, dtype=torch.float32, seed=19)
@@ -159,6 +161,13 @@ def test_relative_positions_in_two_parts(monkeypatch):
     )  # fmt: skip
     assert [(pad, hi) for pad, hi, _ in seen] == [dv_parts(48, False)]  # the window's default: one part
     assert (outs[0].double() - outs[1].double()).abs().max().item() <= 1e-5
+    k_ref, v_ref = ck.decompress(), cv.decompress()
+    expected = relative_position_attention_reference(q, k_ref, v_ref, relative_keys, u, w, scale=scale)
+    plain = _port_style(q, k_ref, v_ref, relative_keys, u, w, scale)
+    plain_err = (plain.double() - expected).abs().max().item()
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert (out.double() - expected).abs().max().item() <= 2 * plain_err + FLOOR[torch.float32]
 
 
 @pytest.mark.gpu
