@@ -650,3 +650,36 @@ def test_model_targets_judge_each_target_within_one_run_and_leave_older_days_unc
     assert "enformer batch 8 modules: 5.47x < 10.0x" in summary and "not counted: enformer batch 32" in summary
     # enformer 32 on its older day: forward 800 / 650 = 1.23x < 1.3x, modules 200 / 34 = 5.9x < 10x
     assert summary.endswith("not counted: enformer batch 32 (0 of 2 of their targets met there).")
+
+
+def test_model_target_whose_newest_run_lost_its_unpatched_forward_keeps_the_older_one_uncounted():
+    """Borzoi at a batch where the port ran out of memory in the newest run (which still timed the patched forward
+    and the alternatives): the patched-vs-alternative judgment of that run counts; the forward and modules judgments
+    come from an older run and day, are shown with that day and are not counted."""
+    older = {**ENV, "date": "2026-12-04T10:00:00Z", "commit": "aaaaaaa"}
+    newest = {**ENV, "date": "2026-12-06T10:00:00Z", "commit": "bbbbbbb", "gpu": "NVIDIA H100 80GB HBM3"}
+    rows = [
+        _model("borzoi", 31, "unpatched", 1107.0, 563.0, 72.0, **older),
+        _model("borzoi", 31, "patch-dense", 414.5, 74.0, 38.0, **older),
+        _model("borzoi", 31, "unpatched", 1.0, 1.0, 1.0, **{**newest, "status": "error"}),
+        _model("borzoi", 31, "patch-dense", 435.0, 72.0, 33.0, **newest),
+        _model("borzoi", 31, "flex-built-table", 1076.0, 508.0, 55.0, **newest),
+        _model("borzoi", 4, "unpatched", 156.0, 81.0, 10.0, **newest),
+        _model("borzoi", 4, "patch-dense", 58.0, 9.5, 7.0, **newest),
+    ]
+    entry = next(e for e in tables.model_targets(rows) if e["batch"] == 31)
+    assert not entry["older"] and entry["forward_older"]
+    assert entry["versus"] == pytest.approx(1076 / 435)  # within the newest run, not against the older patched row
+    headers, table = tables.model_targets_table(rows)
+    cells = next(r for r in table if r[1] == "31")
+    row = dict(zip(headers, cells, strict=True))
+    assert row["day"] == "2026-12-06"
+    # two columns are named "verdict": the forward's follows its speed-up, the alternative's comes last
+    assert cells[headers.index("forward speed-up") + 1] == "met, 2026-12-04, not counted"
+    assert row["verdict"] == "met" and row["patched vs it"] == "2.47x"
+    assert row["verdict (10x)"] == "MISSED (76% of the target), 2026-12-04, not counted"
+    summary = tables.model_targets_summary(rows)
+    # counted: batch 31 vs the alternative (met), batch 4 forward (met) and modules (8.5x, missed)
+    assert summary.startswith("**2 of 3 model targets met**")
+    assert "borzoi batch 31 modules" not in summary.split("Measured only")[0]
+    assert summary.endswith("not counted: borzoi batch 31 forward and modules (1 of 2 of their targets met there).")

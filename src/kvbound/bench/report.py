@@ -69,7 +69,9 @@ forward hooks, so at batch 1 they include the modules' host path), and the patch
 stock alternative a user could assemble (`--alternatives`: SDPA with a built bias or FlexAttention with a built
 table for Enformer and Borzoi, FlexAttention with the compact pair bias for AlphaGenome), with each forward's peak
 memory. Batches measured only on days before a model's newest runs are listed (`older`) but not counted: the
-code has changed since.
+code has changed since. So is a judgment of a counted batch whose own run is older (shown with its day, `not
+counted`), e.g. where the newest run's unpatched forward ran out of memory and only its patched forward and the
+alternatives were timed.
 """
 
 _MODELS_METHOD = """\

@@ -531,9 +531,14 @@ def model_targets(rows: list[dict]) -> list[dict]:
     order = list(MODEL_FORWARD_TARGETS)
     newest = {m: max(e["date"] for e in out if e["model"] == m) for m in {e["model"] for e in out}}
     for e in out:  # measured at an older date than the model's newest run: listed, not counted
-        e["older"] = e["date"][:10] < newest[e["model"]][:10]
+        day = newest[e["model"]][:10]
+        e["older"] = e["date"][:10] < day
+        # Within a counted entry, a judgment whose own run is older (e.g. the unpatched port ran out of memory in
+        # the newest run, which still timed the alternatives) is shown with its day and not counted either.
+        if "unpatched" in e:
+            e["forward_older"] = (e["unpatched"].get("date") or "")[:10] < day
         if "compressed_row" in e:
-            e["compressed_older"] = (e["compressed_row"].get("date") or "")[:10] < newest[e["model"]][:10]
+            e["compressed_older"] = (e["compressed_row"].get("date") or "")[:10] < day
     return sorted(out, key=lambda e: (order.index(e["model"]), e["older"], e["batch"]))
 
 
@@ -566,16 +571,19 @@ def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 squeezed += f", {(e['compressed_row'].get('date') or '')[:10]}, not counted"
         if "compressed_graph" in e:
             squeezed += f"; in CUDA graphs {_x(e['compressed_graph'], target)} ({_met(e['compressed_graph'], target)})"
+        # an older forward judgment inside a counted entry: its day, not counted (model_targets)
+        stale = "" if u is None or e["older"] or not e["forward_older"] else \
+            f", {(u.get('date') or '')[:10]}, not counted"
         table.append([
             e["model"], str(e["batch"]), e["date"][:10] + (" (older)" if e["older"] else ""),
             "-" if u is None else f"{u['ms_p50']:.4g} / {p['ms_p50']:.4g}",
             "-" if u is None else f"{_x(e['forward'], target)} (>= {target}x)",
-            "-" if u is None else _met(e["forward"], target),
+            "-" if u is None else _met(e["forward"], target) + stale,
             "-" if graph is None else f"{_x(graph, target)} ({_met(graph, target)})", squeezed,
             "-" if u is None or e["modules"] is None else
             f"{u['attention_ms_p50']:.4g} / {p['attention_ms_p50']:.4g}",
             "-" if e.get("modules") is None else f"{e['modules']:.1f}x",
-            "-" if u is None else _met(e.get("modules"), MODEL_MODULE_TARGET),
+            "-" if u is None else _met(e.get("modules"), MODEL_MODULE_TARGET) + stale,
             "-" if alt is None else f"{alt['provider']} ({alt['ms_p50']:.4g})",
             "-" if alt is None else _x(e["versus"], 1.0),
             "-" if alt is None else _met(e["versus"], 1.0),
@@ -591,7 +599,13 @@ def model_targets_summary(rows: list[dict]) -> str:
         where = f"{e['model']} batch {e['batch']}"
         checks = []
         if e.get("unpatched") is not None:
-            checks += [("forward", e["forward"], e["forward_target"]), ("modules", e["modules"], MODEL_MODULE_TARGET)]
+            forward = [("forward", e["forward"], e["forward_target"]), ("modules", e["modules"], MODEL_MODULE_TARGET)]
+            if e["older"] or not e["forward_older"]:
+                checks += forward
+            else:  # this batch's newest run has no unpatched forward: the older one is listed, not counted
+                older.append(f"{where} forward and modules")
+                older_total += len(forward)
+                older_met += sum(ratio is not None and ratio >= target for _, ratio, target in forward)
         if e.get("alternative") is not None:
             checks.append(("vs best alternative", e["versus"], 1.0))
         if "compressed" in e and (e["older"] or not e["compressed_older"]):
