@@ -76,6 +76,7 @@ _Q_SCRATCH_SETTING = _setting("KVBOUND_Q_SCRATCH", ("auto", "1", "0"))
 _Q_SCRATCH_KEYS = tl.constexpr(_Q_SCRATCH_SETTING != "0")
 _Q_SCRATCH_RUNS = tl.constexpr(_Q_SCRATCH_SETTING == "1")
 _RUNS_ADD = tl.constexpr(_setting("KVBOUND_RUNS_ADD", ("1", "0")) == "1")
+_RUNS_OWN = tl.constexpr(_setting("KVBOUND_RUNS_OWN", ("0", "1")) == "1")
 
 
 @triton.jit
@@ -187,7 +188,12 @@ def _attention_dense_inner(
             else:
                 k = tl.load(k_ptrs)
         if RELATIVE == 2:
-            if RUN_SPAN > 0:
+            if RUN_SPAN > 0 and _RUNS_OWN:
+                first_run, last_run = relative_runs_bounds(
+                    relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+                )
+                next_first, next_last = first_run, last_run
+            elif RUN_SPAN > 0:
                 # The next tile's runs are read now, so that their loads overlap this tile.
                 next_first, next_last = relative_runs_bounds(
                     relative_runs, row_start, start_n + BLOCK_N, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
