@@ -391,8 +391,9 @@ def relative_skew_halves(lower, upper):
 @triton.jit
 def relative_runs_bounds(runs, start_m, start_n, N_Q, N_K, N_RUNS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The runs of the smallest and the largest distance of the tile at ``(start_m, start_n)``
-    (``relative_runs_tile``'s ``runs`` layout). Any ``start_n`` is safe, also past the last key tile (the kernels
-    ask one tile ahead, so that the loads of these indices overlap the tile before)."""
+    (``relative_runs_tile``'s ``runs`` layout). Any ``start_n`` is safe, also past the last key tile (the indices
+    are clamped to the distances that exist). The kernels read a tile's own runs inside the key loop, whose software
+    pipelining fetches them ahead."""
     run_of = runs + (N_RUNS + 1) + (N_Q - 1)
     first = tl.minimum(tl.maximum(start_n - start_m - (BLOCK_M - 1), -(N_Q - 1)), N_K - 1)
     last = tl.maximum(tl.minimum(start_n + BLOCK_N - 1 - start_m, N_K - 1), -(N_Q - 1))

@@ -76,7 +76,6 @@ _Q_SCRATCH_SETTING = _setting("KVBOUND_Q_SCRATCH", ("auto", "1", "0"))
 _Q_SCRATCH_KEYS = tl.constexpr(_Q_SCRATCH_SETTING != "0")
 _Q_SCRATCH_RUNS = tl.constexpr(_Q_SCRATCH_SETTING == "1")
 _RUNS_ADD = tl.constexpr(_setting("KVBOUND_RUNS_ADD", ("1", "0")) == "1")
-_RUNS_OWN = tl.constexpr(_setting("KVBOUND_RUNS_OWN", ("0", "1")) == "1")
 
 
 @triton.jit
@@ -142,10 +141,6 @@ def _attention_dense_inner(
     and ``[DV_PAD, DV_PAD + DV_HI)`` into ``accumulator_hi`` (``dv_parts``); else ``accumulator_hi`` is passed
     through untouched."""
     offs_n = tl.arange(0, BLOCK_N)
-    first_run = 0
-    last_run = 0
-    if RELATIVE == 2:
-        first_run, last_run = relative_runs_bounds(relative_runs, row_start, lo, N_Q, N_K, N_REL, q.shape[0], BLOCK_N)
     # Relative keys with square tiles: each tile computes the upper half of its window product and carries it as
     # the next tile's lower half (relative_window_half), so the loop multiplies half of the window per tile.
     HALVES: tl.constexpr = RELATIVE == 3 and q.shape[0] == BLOCK_N
@@ -188,24 +183,16 @@ def _attention_dense_inner(
             else:
                 k = tl.load(k_ptrs)
         if RELATIVE == 2:
-            if RUN_SPAN > 0 and _RUNS_OWN:
-                first_run, last_run = relative_runs_bounds(
-                    relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
-                )
-                next_first, next_last = first_run, last_run
-            elif RUN_SPAN > 0:
-                # The next tile's runs are read now, so that their loads overlap this tile.
-                next_first, next_last = relative_runs_bounds(
-                    relative_runs, row_start, start_n + BLOCK_N, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
-                )
-            else:
-                # With the inner loop over runs, this tile's own: read one tile ahead and carried into the inner
-                # loop's bounds they gave wrong outputs on an H200 (Triton 3.6; error 3.7 against float64 in
-                # test_gpu_runs_bf16_ragged_causal_and_inner_loop), read here they do not (1.1e-2, as the keys).
-                first_run, last_run = relative_runs_bounds(
-                    relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
-                )
-                next_first, next_last = first_run, last_run
+            # This tile's runs, read here: the key loop's software pipelining then fetches them, and the row shift
+            # they address, ahead of the tile (cp.async into shared memory; 230 registers against 244 at 64x64x4x2
+            # when they were read one tile ahead by hand and carried, which fetched the row shift at the end of the
+            # tile before and waited for it at the start of this one). On an H100 it measured the same or a few per
+            # cent faster (kernels/README.md, "The runs read inside the key loop"). With the inner loop over runs
+            # (RUN_SPAN == 0) carried bounds also gave wrong outputs on an H200 (Triton 3.6; error 3.7 against
+            # float64 in test_gpu_runs_bf16_ragged_causal_and_inner_loop).
+            first_run, last_run = relative_runs_bounds(
+                relative_runs, row_start, start_n, N_Q, N_K, N_REL, q.shape[0], BLOCK_N
+            )
             # The first run's logit of each row is the softmax's row shift; the tile holds the other runs' excess.
             row_shift = relative_runs_first(relative_head, stride_rel_row, first_run, row_start, N_Q, q.shape[0])
             if _RUNS_ADD:
@@ -241,7 +228,6 @@ def _attention_dense_inner(
                     RUN_SPAN,
                 )
                 x = tl.dot(q, k, relative, input_precision=PRECISION)
-            first_run, last_run = next_first, next_last
         elif HALVES:
             upper = relative_window_half(
                 q_position,
