@@ -15,8 +15,9 @@ the first skew's worker only, since the halves are skewed by one flat gather wha
 tile's window product carried to the next tile (``relative_halves=True``, ``RELATIVE = 3``); ``variant=runs``
 (Borzoi only):
 the runs of equal relative keys (``RELATIVE = 2``, no skew), timed through the public call with the autotuner's
-tile list reduced to the pinned tile; a tile wider than the library's window (``BLOCK_M + BLOCK_N - 1 > 127``, e.g.
-``128x64x8x2``) gets its runs counted over its own window, unrolled up to 32 per tile."""
+tile list reduced to the pinned tile; a tile wider than the library's window (``BLOCK_M + BLOCK_N - 1 > 127``, or
+191 with ``KVBOUND_RUNS_WIDE=1``; e.g. ``128x64x8x2``) gets its runs counted over its own window, unrolled up to 32
+per tile."""
 
 from __future__ import annotations
 
@@ -178,13 +179,13 @@ def pinned_tile(tile_shape):
 
     api = sys.modules["kvbound.attention"]
     tuner = attention_dense._attention_dense_fwd
-    saved = (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RELATIVE_WINDOW,
-             attention_dense.MAX_RUN_SPAN)  # fmt: skip
+    saved = (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RUNS_SHAPES,
+             attention_dense._RELATIVE_WINDOW, attention_dense.MAX_RUN_SPAN)  # fmt: skip
     caches = (attention_dense._TUNED, attention_dense._PLANS, tuner.cache, api._RUNS_ON_DEVICE, api._RUN_LAYOUTS)
     if tile_shape is not None:
         m_, n_, w_, s_ = tile_shape
         tuner.configs = [triton.Config({"BLOCK_M": m_, "BLOCK_N": n_}, num_warps=w_, num_stages=s_)]
-        attention_dense._RELATIVE_SHAPES = frozenset({tuple(tile_shape)})
+        attention_dense._RELATIVE_SHAPES = attention_dense._RUNS_SHAPES = frozenset({tuple(tile_shape)})
         if m_ + n_ - 1 > attention_dense._RELATIVE_WINDOW:
             # A tile wider than the library's window: its runs are counted over its own window, unrolled up to 32.
             attention_dense._RELATIVE_WINDOW = m_ + n_ - 1
@@ -194,8 +195,8 @@ def pinned_tile(tile_shape):
     try:
         yield
     finally:
-        (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RELATIVE_WINDOW,
-         attention_dense.MAX_RUN_SPAN) = saved  # fmt: skip
+        (tuner.configs, attention_dense._RELATIVE_SHAPES, attention_dense._RUNS_SHAPES,
+         attention_dense._RELATIVE_WINDOW, attention_dense.MAX_RUN_SPAN) = saved  # fmt: skip
         for cache in caches:
             cache.clear()
 

@@ -32,3 +32,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def wide_runs(monkeypatch):
+    """The runs' tile search as ``KVBOUND_RUNS_WIDE=1`` sets it at import: the 128-row tiles added, runs counted over
+    191 distances and unrolled up to 32; the launchers' caches cleared on entry and exit."""
+    import importlib
+
+    from kvbound.kernels import attention_dense
+
+    api = importlib.import_module("kvbound.attention")  # the module (the package's name is the function)
+    tuner = attention_dense._attention_dense_fwd
+    caches = (attention_dense._TUNED, attention_dense._PLANS, tuner.cache, api._RUNS_ON_DEVICE, api._RUN_LAYOUTS)
+    shapes = attention_dense._RELATIVE_SHAPES | attention_dense._RUNS_WIDE_SHAPES
+    monkeypatch.setattr(attention_dense, "_RUNS_SHAPES", shapes)
+    monkeypatch.setattr(attention_dense, "_RELATIVE_WINDOW", max(m + n - 1 for m, n, _, _ in shapes))
+    monkeypatch.setattr(attention_dense, "MAX_RUN_SPAN", 32)
+    for cache in caches:
+        cache.clear()
+    yield
+    for cache in caches:
+        cache.clear()

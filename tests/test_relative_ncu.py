@@ -83,16 +83,17 @@ def test_pinned_tile_restores_the_autotuner():
     from kvbound.kernels import attention_dense
 
     tuner = attention_dense._attention_dense_fwd
-    configs, shapes = list(tuner.configs), attention_dense._RELATIVE_SHAPES
+    configs, shapes, runs = list(tuner.configs), attention_dense._RELATIVE_SHAPES, attention_dense._RUNS_SHAPES
     attention_dense._TUNED[("stale",)] = {}
     with pinned_tile((32, 16, 4, 2)):
         assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuner.configs] == [
             (32, 16, 4, 2)
         ]
-        assert attention_dense._RELATIVE_SHAPES == frozenset({(32, 16, 4, 2)})
+        assert attention_dense._RELATIVE_SHAPES == attention_dense._RUNS_SHAPES == frozenset({(32, 16, 4, 2)})
         assert ("stale",) not in attention_dense._TUNED  # tuned winners cleared on entry
         attention_dense._TUNED[("inside",)] = {}
     assert list(tuner.configs) == configs and attention_dense._RELATIVE_SHAPES == shapes
+    assert attention_dense._RUNS_SHAPES == runs
     assert ("inside",) not in attention_dense._TUNED  # and on exit
 
 

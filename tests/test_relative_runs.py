@@ -5,11 +5,13 @@ CPU: the kernel runs in Triton's interpreter (conftest)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvbound.attention import attention
-from kvbound.kernels.attention_dense import MAX_RUN_SPAN, relative_run_span, relative_window
+from kvbound.kernels.attention_dense import relative_run_span, relative_window
 from kvbound.models.reference import borzoi_positional_features_reference, relative_position_attention_reference
 from kvbound.models.relative import equal_row_runs
 from test_relpos import _port_style, composed_reference, relative_logits
@@ -155,19 +157,33 @@ def test_runs_checks_are_deferred_with_the_others_and_the_op_never_reads_out_of_
                                               torch.tensor(layout))  # fmt: skip
 
 
-def test_run_span_is_the_most_runs_any_tile_spans():
-    """``relative_run_span`` against a count over every window of the kernel's tile span, on random layouts; the op
-    refuses a span below the layout's (the unrolled kernel would skip runs)."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_run_span_is_the_most_runs_any_tile_spans(wide, request):
+    """``relative_run_span`` against a count over every window of the kernel's tile span, on random layouts, for the
+    64-row tiles (127 distances, up to 16 runs unrolled as a power of two), the 128-row tiles of
+    ``KVBOUND_RUNS_WIDE=1`` (191, up to 32; above 16 a multiple of 8) and the compressed kernel's count (its own
+    window, up to 16); the op refuses a span below the layout's (the unrolled kernel would skip runs)."""
+    from kvbound.kernels import attention_dense
+
+    if wide:
+        request.getfixturevalue("wide_runs")
+    window, limit = relative_window(), attention_dense.MAX_RUN_SPAN
+    assert (window, limit) == ((191, 32) if wide else (127, 16))
     g = torch.Generator().manual_seed(11)
-    window = relative_window()
     for _ in range(40):
         rows = int(torch.randint(1, 600, (1,), generator=g))
         count = int(torch.randint(1, min(rows, 40) + 1, (1,), generator=g))
         starts = sorted({0, *torch.randint(0, rows, (count,), generator=g).tolist()})
         run_of = torch.searchsorted(torch.tensor(starts), torch.arange(rows), right=True) - 1
         most = max(len(set(run_of[x : x + window].tolist())) for x in range(rows))
-        expected = 0 if most > MAX_RUN_SPAN else max(2, 1 << (most - 1).bit_length())
+        # a power of two (at least 2) up to 16, a multiple of 8 above
+        rounded = max(2, 1 << (most - 1).bit_length()) if most <= 16 else -(-most // 8) * 8
+        expected = 0 if most > limit else rounded
         assert relative_run_span(starts, rows) == expected, (starts, rows, most)
+        # the compressed kernel's count: over its own window, up to 16
+        most = max(len(set(run_of[x : x + 127].tolist())) for x in range(rows))
+        expected = 0 if most > 16 else max(2, 1 << (most - 1).bit_length())
+        assert relative_run_span(starts, rows, 127, 16) == expected, (starts, rows, most)
     n, dk = 40, 16
     starts = list(range(0, 60, 4))  # 15 runs within one tile's span
     q, k, v, keys, u, w = _case(1, 1, n, n, dk, dk, starts, 8)
@@ -189,27 +205,33 @@ def test_run_layout_is_derived_once_per_tensor_and_changes_with_it():
     starts = [0, 10, 20, 30, 50]
     q, k, v, keys, u, w = _case(1, 2, n, n, dk, dk, starts, 9)
     runs = torch.tensor(starts)
-    first = _run_layout(runs, 2 * n - 1, n, n, 0)
-    assert _run_layout(runs, 2 * n - 1, n, n, 0) is first
-    assert _run_layout(runs.clone(), 2 * n - 1, n, n, 0) is not first
+    first = _run_layout(runs, 2 * n - 1, n, n, 0, relative_window())
+    assert _run_layout(runs, 2 * n - 1, n, n, 0, relative_window()) is first
+    assert _run_layout(runs.clone(), 2 * n - 1, n, n, 0, relative_window()) is not first
     args = (q, k, v, None, 1, dk**-0.5, False, None, keys, u.float(), w.float())
     expected = attention(q, k, v, scale=dk**-0.5, relative_keys=keys, relative_content_bias=u, relative_position_bias=w)
     torch.testing.assert_close(torch.ops.kvbound.attention_dense(*args, runs)[0], expected, rtol=1e-5, atol=1e-5)
     runs[1] = 0  # no longer increasing
-    again = _run_layout(runs, 2 * n - 1, n, n, 0)
+    again = _run_layout(runs, 2 * n - 1, n, n, 0, relative_window())
     assert again is not first and not torch.equal(again[2], first[2])
     with pytest.raises(ValueError, match=r"^relative_runs: expected increasing first rows of runs from 0"):
         torch.ops.kvbound.attention_dense(*args, runs)
 
 
-def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused():
+@pytest.mark.parametrize("wide", [False, True])
+def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused(wide, request):
     """A layout whose every tile holds many runs: 16 runs within the 47 distances of Nq = 32, Nk = 16, so the one
     32 x 16 tile of the interpreter walks all 15 unrolled steps; dropping any run moves the output. The span is
-    counted for the relative tiles' widest window (64 x 64: 127 distances), and a pinned tile wider than that is
-    refused rather than run with too small a span."""
-    from kvbound.kernels.attention_dense import _RELATIVE_SHAPES, attention_dense_fwd
+    counted for the runs' widest tile (64 x 64: 127 distances; 128 x 64: 191 with ``KVBOUND_RUNS_WIDE=1``), and a
+    pinned tile wider than that is refused rather than run with too small a span, as is a span the rounding never
+    gives."""
+    from kvbound.kernels import attention_dense
+    from kvbound.kernels.attention_dense import attention_dense_fwd
 
-    assert relative_window() == max(m + n - 1 for m, n, _, _ in _RELATIVE_SHAPES) == 127
+    if wide:
+        request.getfixturevalue("wide_runs")
+    window = 191 if wide else 127
+    assert relative_window() == max(m + n - 1 for m, n, _, _ in attention_dense._RUNS_SHAPES) == window
     n_q, n_k, dk = 32, 16, 16
     starts = list(range(0, 46, 3))  # 16 runs over the 47 distances
     q, k, v, keys, u, w = _case(1, 1, n_q, n_k, dk, dk, starts, 9)
@@ -223,10 +245,33 @@ def test_every_unrolled_run_is_used_and_a_wider_pinned_tile_is_refused():
     assert (runs.double() - expected).abs().max().item() < 1e-5
     run_keys = torch.zeros(1, 16, dk)
     buffer = torch.zeros(16 + 1 + 15, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"^config: with run_span a tile spans at most 127 distances"):
+    wider = dict(BLOCK_M=128, BLOCK_N=128 if wide else 16, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match=rf"^config: with run_span a tile spans at most {window} distances"):
         attention_dense_fwd(q[:, :, :8], k[:, :, :8], v[:, :, :8], None, 0.5, False, None,
                             relative_runs=(run_keys, buffer, u.float(), w.float()), run_span=16,
-                            config=dict(BLOCK_M=128, BLOCK_N=16, num_warps=4, num_stages=1))  # fmt: skip
+                            config=wider)  # fmt: skip
+    allowed = "2, 4, 8, 16, 24 or 32" if wide else "2, 4, 8 or 16"
+    for span in (1, 12, 20, 24, 40) if not wide else (1, 12, 20, 40):
+        with pytest.raises(ValueError, match=rf"^run_span: expected 0, {allowed}, got {span}$"):
+            attention_dense_fwd(q, k, v, None, 0.5, False, None, relative_runs=(run_keys, buffer, u.float(), w.float()),
+                                run_span=span)  # fmt: skip
+
+
+def test_runs_wide_is_read_at_import():
+    """``KVBOUND_RUNS_WIDE`` when the kernels are imported: unset or 0, the 64-row tiles over 127 distances and up to
+    16 runs; 1 adds the 128-row tiles, 191 distances, up to 32; anything else raises, naming the variable."""
+    import subprocess
+    import sys
+
+    code = ("from kvbound.kernels import attention_dense as a; "
+            "print(a.relative_window(), a.MAX_RUN_SPAN, len(a._RUNS_SHAPES), len(a._RELATIVE_SHAPES))")  # fmt: skip
+    for value, expected in (("", "127 16 3 3"), ("0", "127 16 3 3"), ("1", "191 32 6 3")):
+        env = {**os.environ, "KVBOUND_RUNS_WIDE": value}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.split("\n")[-2] == expected, (value, done.stdout, done.stderr)
+    env = {**os.environ, "KVBOUND_RUNS_WIDE": "yes"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "KVBOUND_RUNS_WIDE: expected 0 or 1, got 'yes'" in done.stderr
 
 
 def test_borzoi_features_are_runs_of_distances():
@@ -292,7 +337,7 @@ def test_gpu_run_table_bf16(layout):
     v = torch.randn(2, h, n, dv, generator=g).to(torch.bfloat16).cuda()
     run_keys = (torch.randn(h, len(starts), dk, generator=g) * 0.3).to(torch.bfloat16).cuda()
     u, w = ((torch.randn(h, dk, generator=g) * 0.3).cuda() for _ in range(2))
-    _, _, buffer, _ = _run_layout(torch.tensor(starts, device="cuda"), 2 * n - 1, n, n, span)
+    _, _, buffer, _ = _run_layout(torch.tensor(starts, device="cuda"), 2 * n - 1, n, n, span, relative_window())
     table = torch.full((2, h, len(starts), n), float("nan"), device="cuda")
     attention_dense_fwd(q, k, v, None, dk**-0.5, False, None, relative_runs=(run_keys, buffer, u, w), run_span=span,
                         run_table=table)  # fmt: skip
@@ -314,7 +359,8 @@ def test_gpu_runs_bf16_ragged_causal_and_inner_loop(layout, causal):
         features = borzoi_positional_features_reference(n, 32).float()
         starts = equal_row_runs(features)
         keys = (features @ (torch.randn(32, h * dk, generator=g) * 0.2)).reshape(2 * n - 1, h, dk).transpose(0, 1)
-        assert relative_run_span(starts, 2 * n - 1) == 16
+        # 16 runs in the 64-row tiles' 127 distances, 18 in the 128-row tiles' 191 (KVBOUND_RUNS_WIDE=1)
+        assert relative_run_span(starts, 2 * n - 1) == (24 if relative_window() > 127 else 16)
     else:
         starts = list(range(0, 2 * n - 1, 3))
         keys = _run_keys(h, 2 * n - 1, dk, starts, g)
@@ -337,6 +383,78 @@ def test_gpu_runs_bf16_ragged_causal_and_inner_loop(layout, causal):
     print(f"{layout}, causal={causal}, N={n} bf16 vs float64: runs {err_runs:.3e}, relative keys {err_window:.3e}")
     assert torch.isfinite(runs).all()
     assert err_runs <= 2 * err_window + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_runs_bf16_every_tile_shape(causal, wide_runs):
+    """Each tile shape of the runs' variant pinned (64- and 128-row tiles, as ``KVBOUND_RUNS_WIDE=1`` searches them)
+    at Borzoi's layout, N = 1000 (ragged last tiles), 18 runs in the widest tile's 191 distances (RUN_SPAN 24),
+    against float64 on the first and last 128 queries: within twice the relative keys' error."""
+    from kvbound.attention import _run_layout
+    from kvbound.kernels.attention_dense import _RUNS_SHAPES, attention_dense_fwd
+
+    n, h, dk, dv = 1000, 4, 64, 192
+    g = torch.Generator().manual_seed(14)
+    features = borzoi_positional_features_reference(n, 32).float()
+    starts = equal_row_runs(features)
+    keys = (features @ (torch.randn(32, h * dk, generator=g) * 0.2)).reshape(2 * n - 1, h, dk).transpose(0, 1)
+    span = relative_run_span(starts, 2 * n - 1)
+    assert span == 24
+    q, k = (torch.randn(1, h, n, dk, generator=g) for _ in range(2))
+    v = torch.randn(1, h, n, dv, generator=g)
+    u, w = (torch.randn(h, dk, generator=g) * 0.3 for _ in range(2))
+    q, k, v, keys = (t.to(torch.bfloat16).cuda().contiguous() for t in (q, k, v, keys))
+    u, w = u.cuda(), w.cuda()
+    window = attention(q, k, v, relative_keys=keys, relative_content_bias=u, relative_position_bias=w, causal=causal)
+    qs = q.double() * dk**-0.5
+    logits = (qs + u.double()[None, :, None]) @ k.double().transpose(-1, -2)
+    logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n)
+    if causal:
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    expected = torch.softmax(logits, dim=-1) @ v.double()
+    rows = torch.cat([torch.arange(128), torch.arange(n - 128, n)]).cuda()
+    err_window = (window[:, :, rows].double() - expected[:, :, rows]).abs().max().item()
+    _, _, buffer, _ = _run_layout(torch.tensor(starts, device="cuda"), 2 * n - 1, n, n, span, relative_window())
+    run_keys = keys[:, starts].contiguous()
+    assert len(_RUNS_SHAPES) == 6
+    for m, n_, warps, stages in sorted(_RUNS_SHAPES):
+        config = {"BLOCK_M": m, "BLOCK_N": n_, "num_warps": warps, "num_stages": stages}
+        out, _ = attention_dense_fwd(q, k, v, None, dk**-0.5, causal, None, config=config,
+                                     relative_runs=(run_keys, buffer, u, w), run_span=span)  # fmt: skip
+        err = (out[:, :, rows].double() - expected[:, :, rows]).abs().max().item()
+        print(f"runs {m}x{n_}x{warps}x{stages}, causal={causal}: {err:.3e} (relative keys {err_window:.3e})")
+        assert torch.isfinite(out).all() and err <= 2 * err_window + 1e-6, (config, err, err_window)
+
+
+def test_runs_on_128_row_tiles_match_float64(wide_runs):
+    """A 128 x 64 tile pinned in the interpreter (the widest of ``KVBOUND_RUNS_WIDE=1``, 191 distances): 18 runs
+    within its window, so RUN_SPAN 24 walks unrolled steps past 16; ragged query and key tiles (Nq = 150, Nk = 100),
+    causal and not, against float64."""
+    from kvbound.attention import _run_layout
+    from kvbound.kernels.attention_dense import attention_dense_fwd
+
+    n_q, n_k, dk, dv = 150, 100, 16, 24
+    rows = n_q + n_k - 1
+    starts = [0, 60, 100, 120, *range(130, 160, 3), 170, 185, 200, 230]  # 18 runs between 120 and 310 < 249 rows
+    starts = [s for s in starts if s < rows]
+    span = relative_run_span(starts, rows)
+    assert span == 24
+    q, k, v, keys, u, w = _case(1, 2, n_q, n_k, dk, dv, starts, 31)
+    _, _, buffer, _ = _run_layout(torch.tensor(starts), rows, n_q, n_k, span, relative_window())
+    config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    for causal in (False, True):
+        out, _ = attention_dense_fwd(q, k, v, None, 0.25, causal, None, config=config,
+                                     relative_runs=(keys[:, starts].contiguous(), buffer, u, w),
+                                     run_span=span)  # fmt: skip
+        qs = q.double() * 0.25
+        logits = (qs + u.double()[None, :, None]) @ k.double().transpose(-1, -2)
+        logits = logits + relative_logits(qs + w.double()[None, :, None], keys, n_q)
+        if causal:
+            logits = logits.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.softmax(logits, dim=-1) @ v.double()
+        err = (out.double() - expected).abs().max().item()
+        assert err < 1e-5, (causal, err)
 
 
 def test_keys_one_row_per_run_give_the_full_keys_result():
@@ -441,7 +559,8 @@ def test_kernel_writes_the_run_table_in_float32_under_autocast(dtype, heads_spli
     expected = torch.einsum("bhnd,hrd->bhrn", q.double() * scale + w.double()[None, :, None, :], run_keys.double())
     from kvbound.attention import _run_layout
 
-    _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, relative_run_span(starts, 2 * n - 1))
+    span = relative_run_span(starts, 2 * n - 1)
+    _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, span, relative_window())
     table = torch.full((b, h, runs, n), float("nan"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = attention_dense_fwd(q, k, v, None, scale, False, None, relative_runs=(run_keys, buffer, u, w),

@@ -58,6 +58,14 @@ CASES = {
 }
 
 
+def _compressed_span(starts: list[int], rows: int) -> int:
+    """The compressed kernel's ``RUN_SPAN`` for these runs (0: more per tile than it unrolls)."""
+    from kvbound.kernels.attention_compressed import COMPRESSED_RUN_SPAN, RUNS_WINDOW
+    from kvbound.kernels.attention_dense import relative_run_span
+
+    return relative_run_span(starts, rows, RUNS_WINDOW, COMPRESSED_RUN_SPAN)
+
+
 def _relative_runs(ck, cv) -> list[int]:
     """Runs of low-rank-only and of residual super-blocks over all heads, as the launcher builds them for a
     relative-position kernel (no uniform runs: every residual block takes the general loop)."""
@@ -239,7 +247,6 @@ def test_compressed_runs_match_the_relative_keys_and_float64(name, starts, monke
     table of run logits and reads each tile's runs (no window product), through every loop the case reaches; the
     same logits as the relative keys, against float64 on the decoded K/V; one key per run gives the same output bit
     for bit; nothing is written into the inputs."""
-    from kvbound.kernels.attention_dense import relative_run_span
     from test_relative_runs import _run_keys
 
     k_modes, v_modes, n, dk, dv, shared, dtype, _ = CASES[name]
@@ -248,7 +255,7 @@ def test_compressed_runs_match_the_relative_keys_and_float64(name, starts, monke
     h = len(k_modes)
     q, _, u, w = _relative_inputs(h, n, dk, dtype, seed=n + dk)
     keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(n)).to(dtype)
-    assert relative_run_span(starts, 2 * n - 1) > 0  # within what the compressed kernel unrolls
+    assert _compressed_span(starts, 2 * n - 1) > 0  # within what the compressed kernel unrolls
     copies = [t.clone() for t in (q, keys, u, w, ck.coeffs, ck.codes, cv.coeffs, cv.codes)]
     scale = dk**-0.5
     common = dict(scale=scale, relative_content_bias=u, relative_position_bias=w)
@@ -301,7 +308,6 @@ def test_compressed_runs_in_the_split_launch_match_one_launch_and_float64(monkey
 def test_compressed_runs_beyond_the_unrolled_span_take_the_relative_keys(monkeypatch):
     """More than 16 runs within one tile's distances: compressed K/V take the relative keys (expanded from one key
     per run), with the same output as given the full keys."""
-    from kvbound.kernels.attention_dense import relative_run_span
     from test_relative_runs import _run_keys
 
     n, dk, dv, h = 37, 40, 48, 2
@@ -309,7 +315,7 @@ def test_compressed_runs_beyond_the_unrolled_span_take_the_relative_keys(monkeyp
     cv = build([[P(4), L, W(6)]] * h, n=n, d=dv, bits=4, block=16, dtype=torch.float32, seed=4)
     q, _, u, w = _relative_inputs(h, n, dk, torch.float32, seed=7)
     starts = list(range(0, 2 * n - 1, 2))  # 37 runs, every tile spans more than 16 of them
-    assert relative_run_span(starts, 2 * n - 1) == 0
+    assert _compressed_span(starts, 2 * n - 1) == 0
     keys = _run_keys(h, 2 * n - 1, dk, starts, torch.Generator().manual_seed(8))
     common = dict(scale=0.2, relative_content_bias=u, relative_position_bias=w)
     launches = _spy_compressed_launches(monkeypatch)
@@ -325,7 +331,7 @@ def test_compressed_kernel_writes_the_run_table(dtype):
     batch items, more runs than one prologue step, a ragged last query tile), and its refusals: a table of the wrong
     shape, a pinned tile wider than the window the runs were counted over."""
     from kvbound.attention import _run_layout
-    from kvbound.kernels.attention_dense import relative_run_span
+    from kvbound.kernels.attention_compressed import RUNS_WINDOW
 
     n, dk, dv, h = 37, 40, 48, 2
     g = torch.Generator().manual_seed(5)
@@ -336,8 +342,8 @@ def test_compressed_kernel_writes_the_run_table(dtype):
     u, w = (torch.randn(1, h, 1, dk, generator=g) * 0.5 for _ in range(2))
     starts = list(range(0, 2 * n - 1, 2))[:36] + [72]  # 37 runs: two prologue steps of 32
     run_keys = (torch.randn(h, len(starts), dk, generator=torch.Generator().manual_seed(10)) * 0.5).to(dtype)
-    span = relative_run_span(starts, 2 * n - 1)
-    _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, span)
+    span = _compressed_span(starts, 2 * n - 1)
+    _, _, buffer, _ = _run_layout(torch.tensor(starts), 2 * n - 1, n, n, span, RUNS_WINDOW)
     table = torch.full((2, h, len(starts), n), float("nan"))
     runs = (run_keys, buffer, u[0, :, 0].float().contiguous(), w[0, :, 0].float().contiguous())
     k_op, v_op = CompressedOperand.from_compressed(ck), CompressedOperand.from_compressed(cv)
@@ -353,15 +359,31 @@ def test_compressed_kernel_writes_the_run_table(dtype):
                                  config=dict(BLOCK_M=128, BLOCK_N=16, num_warps=4, num_stages=1))  # fmt: skip
 
 
-def test_compressed_runs_window_is_the_dense_kernels():
-    """The compressed kernel's runs are counted over the dense kernel's relative window, and no relative tile shape
-    of the compressed kernel is wider."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_each_kernel_counts_the_runs_over_its_own_window(wide, request):
+    """The compressed kernel counts the runs over its own relative tiles' widest window (64 x 64: 127 distances) and
+    unrolls up to 16; the dense kernel over its runs tiles' (64 x 64, or with ``KVBOUND_RUNS_WIDE=1`` 128 x 64: 191)
+    and up to 16 (32). ``kvbound.attention`` gives each kernel its own span: at Borzoi's layout (N = 4096, 31 runs)
+    16 and 16, or 16 and 24 (18 runs in 191 distances)."""
+    if wide:
+        request.getfixturevalue("wide_runs")
+    from kvbound.attention import _relative_runs as counted_runs
     from kvbound.kernels import attention_compressed
-    from kvbound.kernels.attention_dense import MAX_RUN_SPAN, relative_window
+    from kvbound.kernels.attention_dense import relative_window
+    from kvbound.models.reference import borzoi_positional_features_reference
+    from kvbound.models.relative import equal_row_runs
 
-    assert attention_compressed.RUNS_WINDOW == relative_window()
-    assert attention_compressed.COMPRESSED_RUN_SPAN == MAX_RUN_SPAN
-    assert max(m + n - 1 for m, n, _, _ in attention_compressed._RELATIVE_SHAPES) <= relative_window()
+    assert attention_compressed.RUNS_WINDOW == max(m + n - 1 for m, n, _, _ in attention_compressed._RELATIVE_SHAPES)
+    from kvbound.kernels import attention_dense
+
+    assert attention_compressed.RUNS_WINDOW == 127 and relative_window() == (191 if wide else 127)
+    assert attention_compressed.COMPRESSED_RUN_SPAN == 16 and attention_dense.MAX_RUN_SPAN == (32 if wide else 16)
+    n = 4096
+    starts = equal_row_runs(borzoi_positional_features_reference(n, 32).float())
+    keys = torch.zeros(1, 2 * n - 1, 4)
+    runs, dense_span, compressed_span = counted_runs(starts, keys, 2 * n - 1, torch.zeros(1, 1, n, 4))
+    assert runs.tolist() == starts and len(starts) == 31
+    assert (dense_span, compressed_span) == ((24 if wide else 16), 16)
 
 
 @pytest.mark.parametrize("starts", [[0, 20, 30, 36, 37, 40, 50], list(range(0, 73, 2))])
@@ -369,7 +391,6 @@ def test_compressed_runs_are_checked_whatever_the_kernel_reads(starts):
     """Full relative keys with a row that differs from its run's first row raise with compressed K/V, whether the
     kernel reads the runs (a few per tile) or the keys (more than 16 per tile); the op refuses a span above what the
     compressed kernel unrolls, and reads the keys for a span of 0."""
-    from kvbound.kernels.attention_dense import relative_run_span
     from test_relative_runs import _run_keys
 
     n, dk, dv, h = 37, 40, 48, 2
@@ -382,7 +403,7 @@ def test_compressed_runs_are_checked_whatever_the_kernel_reads(starts):
     bad[:, 1] += 1.0  # row 1 differs from its run's first row (0)
     with pytest.raises(ValueError, match=r"^relative_runs: expected every row of relative_keys equal to its run"):
         attention(q, ck, cv, relative_keys=bad, relative_runs=starts, **common)
-    span = relative_run_span(starts, 2 * n - 1)
+    span = _compressed_span(starts, 2 * n - 1)
     expected = attention(q, ck, cv, relative_keys=keys, **common)
     fields = ("coeffs", "basis", "mode", "scale", "bits", "offset", "codes", "raw")
     op_args = (

@@ -185,7 +185,8 @@ def attention(
     bias4 = None
     if bias is not None:
         bias4 = _bias_4d(bias, (batch, q_heads, n_q, n_k), bias_tile, q)
-    runs, run_span = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)
+    runs, dense_span, compressed_span = _relative_runs(relative_runs, relative_keys, n_q + n_k - 1, q)
+    run_span = compressed_span if compressed else dense_span
     relative = _relative_operands(
         relative_keys, relative_content_bias, relative_position_bias, q, n_k, kv_heads,
         run_count=None if runs is None else runs.numel(),
@@ -451,9 +452,10 @@ def _relative_operands(
     return relative_keys, u, w
 
 
-# Device copies of run starts and their kernel span by (starts, device): a copy from host memory waits for the
-# device's queued work, so each layout is copied once (a model calls with the same runs in every layer and forward).
-_RUNS_ON_DEVICE: dict[tuple, tuple[torch.Tensor, int]] = {}
+# Device copies of run starts and their spans in the dense and the compressed kernel by (starts, device): a copy from
+# host memory waits for the device's queued work, so each layout is copied once (a model calls with the same runs in
+# every layer and forward).
+_RUNS_ON_DEVICE: dict[tuple, tuple[torch.Tensor, int, int]] = {}
 
 
 def _run_values(runs: object, rows: int) -> list[int]:
@@ -484,11 +486,13 @@ def _run_values(runs: object, rows: int) -> list[int]:
 
 def _relative_runs(
     runs: object, relative_keys: object, rows: int, q: torch.Tensor
-) -> tuple[torch.Tensor | None, int]:
-    """``relative_runs`` validated on the host as an int64 tensor on q's device, with the dense kernel's
-    ``RUN_SPAN`` for it (``relative_run_span``), both cached per layout; or ``(None, 0)``."""
+) -> tuple[torch.Tensor | None, int, int]:
+    """``relative_runs`` validated on the host as an int64 tensor on q's device, with the ``RUN_SPAN`` of the dense
+    kernel and that of the compressed kernel for it (``relative_run_span`` over each kernel's window of distances,
+    ``attention_dense.relative_window()`` and ``attention_compressed.RUNS_WINDOW``), all cached per layout; or
+    ``(None, 0, 0)``."""
     if runs is None:
-        return None, 0
+        return None, 0, 0
     if relative_keys is None:
         raise ValueError("relative_runs: given without relative_keys (it only describes relative keys)")
     values = _run_values(runs, rows)
@@ -497,10 +501,12 @@ def _relative_runs(
     if found is None:
         if len(_RUNS_ON_DEVICE) >= 64:
             _RUNS_ON_DEVICE.clear()
+        from kvbound.kernels.attention_compressed import COMPRESSED_RUN_SPAN, RUNS_WINDOW
         from kvbound.kernels.attention_dense import relative_run_span
 
         starts = torch.tensor(values, dtype=torch.int64, device=q.device)
-        found = _RUNS_ON_DEVICE[key] = (starts, relative_run_span(values, rows))
+        compressed_span = relative_run_span(values, rows, RUNS_WINDOW, COMPRESSED_RUN_SPAN)
+        found = _RUNS_ON_DEVICE[key] = (starts, relative_run_span(values, rows), compressed_span)
     return found
 
 
@@ -750,20 +756,20 @@ _RUN_LAYOUTS: dict[tuple, tuple[torch.Tensor, tuple]] = {}
 
 
 def _run_layout(
-    relative_runs: torch.Tensor, rows: int, n_q: int, n_k: int, relative_run_span: int
+    relative_runs: torch.Tensor, rows: int, n_q: int, n_k: int, relative_run_span: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[tuple[str, torch.Tensor], ...]]:
     """For run starts ``relative_runs`` (int64, on the device) over ``rows`` relative rows: the starts clamped into
     range, the run of each row, the kernel's int32 buffer (run starts as distances, one past the last distance, the
     run of each distance) and the layout's conditions (increasing from 0 and below ``rows``; at most
-    ``relative_run_span`` runs per tile when that is nonzero), computed on the device: whatever the op is given,
-    every index stays in range and a bad layout raises with the call's checks. Kept per tensor and version, so
-    that a layout used by every layer is derived once."""
-    key = (id(relative_runs), relative_runs._version, rows, n_q, n_k, relative_run_span, relative_runs.device)
+    ``relative_run_span`` runs in any ``window`` consecutive distances, where that is nonzero), computed on the
+    device: whatever the op is given, every index stays in range and a bad layout raises with the call's checks.
+    Kept per tensor and version, so that a layout used by every layer is derived once."""
+    key = (id(relative_runs), relative_runs._version, rows, n_q, n_k, relative_run_span, window, relative_runs.device)
     found = _RUN_LAYOUTS.get(key)
     if found is not None and found[0] is relative_runs:
         return found[1]
     with torch.inference_mode(False):  # kept across calls: also usable by a later call outside inference mode
-        layout = _derive_run_layout(relative_runs, rows, n_q, n_k, relative_run_span)
+        layout = _derive_run_layout(relative_runs, rows, n_q, n_k, relative_run_span, window)
     if len(_RUN_LAYOUTS) >= 64:
         _RUN_LAYOUTS.clear()
     _RUN_LAYOUTS[key] = (relative_runs, layout)
@@ -771,7 +777,7 @@ def _run_layout(
 
 
 def _derive_run_layout(
-    relative_runs: torch.Tensor, rows: int, n_q: int, n_k: int, relative_run_span: int
+    relative_runs: torch.Tensor, rows: int, n_q: int, n_k: int, relative_run_span: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[tuple[str, torch.Tensor], ...]]:
     starts = relative_runs.clamp(0, rows - 1)
     rows_at = torch.arange(rows, device=relative_runs.device)
@@ -783,10 +789,8 @@ def _derive_run_layout(
          "violations", layout_errors.to(torch.float64).reshape(1)),
     )  # fmt: skip
     if relative_run_span:
-        from kvbound.kernels.attention_dense import relative_window
-
         # The most runs one kernel tile spans (relative_run_span's count, here on the device).
-        ends = torch.clamp(rows_at + (relative_window() - 1), max=rows - 1)
+        ends = torch.clamp(rows_at + (window - 1), max=rows - 1)
         span = (run_of_row[ends] - run_of_row).max() + 1
         conditions += (
             ("relative_run_span: expected at least the most runs one tile spans, got " + str(relative_run_span)
@@ -798,10 +802,12 @@ def _derive_run_layout(
 
 
 def _run_operands(
-    q: torch.Tensor, relative_keys: torch.Tensor, relative_runs: torch.Tensor, n_q: int, n_k: int, run_span: int
+    q: torch.Tensor, relative_keys: torch.Tensor, relative_runs: torch.Tensor, n_q: int, n_k: int, run_span: int,
+    window: int,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[tuple[str, torch.Tensor], ...]]:
     """The kernels' run operands ``(run_keys [H, R, Dk] contiguous in q's dtype, run layout buffer)`` and the
-    conditions to check with the call's finite checks: the layout (``_run_layout``) and, for relative keys of all
+    conditions to check with the call's finite checks: the layout (``_run_layout``, at most ``run_span`` runs in
+    ``window`` distances where ``run_span`` is nonzero) and, for relative keys of all
     ``n_q + n_k - 1`` rows, that every row equals its run's first. The kernels form the table of run logits
     themselves, in float32, from the runs' keys (``attention_dense_fwd``)."""
     if relative_keys.shape[1] not in (n_q + n_k - 1, relative_runs.numel()):
@@ -809,7 +815,7 @@ def _run_operands(
             f"relative_keys: expected Nq + Nk - 1 = {n_q + n_k - 1} rows or one per run "
             f"({relative_runs.numel()}), got {relative_keys.shape[1]}"
         )
-    starts, run_of_row, buffer, conditions = _run_layout(relative_runs, n_q + n_k - 1, n_q, n_k, run_span)
+    starts, run_of_row, buffer, conditions = _run_layout(relative_runs, n_q + n_k - 1, n_q, n_k, run_span, window)
     if relative_keys.shape[1] == relative_runs.numel():  # one row per run (or every row its own run)
         first = relative_keys
     else:
@@ -840,12 +846,14 @@ def _attention_dense(
     """The implementation of ``kvbound::attention_dense`` (``kvbound.attention`` calls it directly in plain
     eager mode, see ``_plain_eager``). ``relative_runs``: validated first rows of runs (``_relative_runs``);
     ``relative_run_span``: the kernel's ``RUN_SPAN`` for them (checked here with the other conditions)."""
-    from kvbound.kernels.attention_dense import attention_dense_fwd
+    from kvbound.kernels.attention_dense import attention_dense_fwd, relative_window
 
     conditions: tuple[tuple[str, torch.Tensor], ...] = ()
     runs = None
     if relative_runs is not None:
-        runs, conditions = _run_operands(q, relative_keys, relative_runs, q.shape[2], k.shape[2], relative_run_span)
+        runs, conditions = _run_operands(
+            q, relative_keys, relative_runs, q.shape[2], k.shape[2], relative_run_span, relative_window()
+        )
         runs = (*runs, relative_content_bias, relative_position_bias)
     read = _queue_checks(
         (
@@ -967,6 +975,7 @@ def _attention_compressed(
     magnitude is then read with the call's checks (-1.0: none; the operand is not held to float32's range)."""
     from kvbound.kernels.attention_compressed import (
         COMPRESSED_RUN_SPAN,
+        RUNS_WINDOW,
         CompressedOperand,
         attention_compressed_fwd,
         general_blocks,
@@ -981,7 +990,9 @@ def _attention_compressed(
                 f"relative_run_span: expected 0 (more runs per tile than the compressed kernel unrolls) or at most "
                 f"{COMPRESSED_RUN_SPAN}, got {relative_run_span}"
             )
-        operands, conditions = _run_operands(q, relative_keys, relative_runs, n_q, n_k, relative_run_span)
+        operands, conditions = _run_operands(
+            q, relative_keys, relative_runs, n_q, n_k, relative_run_span, RUNS_WINDOW
+        )
         if relative_run_span:
             runs = (*operands, relative_content_bias, relative_position_bias)
         elif relative_keys.shape[1] != n_q + n_k - 1:  # one key per run: the kernel reads all of them

@@ -84,18 +84,17 @@ from kvbound.kernels._common import (
     tma_ready,
     write_run_table,
 )
-from kvbound.kernels.attention_dense import MAX_RUN_SPAN, dv_parts, dv_split_default, relative_window
+from kvbound.kernels.attention_dense import dv_parts, dv_split_default, round_run_span
 
 __all__ = ["attention_compressed_fwd", "compressed_configs", "CompressedOperand"]
 
-# With relative keys constant over runs (RELATIVE == 2), the runs after a tile's first are unrolled up to this many
-# (``attention_dense.MAX_RUN_SPAN``): the launcher takes runs only where no tile of the relative tile shapes spans more
-# (``attention_dense.relative_run_span`` nonzero), otherwise the relative keys.
-COMPRESSED_RUN_SPAN = MAX_RUN_SPAN
+# With relative keys constant over runs (RELATIVE == 2), the runs after a tile's first are unrolled up to this many:
+# the launcher takes runs only where no tile of the relative tile shapes spans more (counted over ``RUNS_WINDOW``
+# distances: ``attention_dense.relative_run_span(starts, rows, RUNS_WINDOW, COMPRESSED_RUN_SPAN)`` nonzero), otherwise
+# the relative keys.
+COMPRESSED_RUN_SPAN = 16
+assert round_run_span(COMPRESSED_RUN_SPAN) == COMPRESSED_RUN_SPAN
 _RUN_SPAN = tl.constexpr(COMPRESSED_RUN_SPAN)
-# The distances over which those runs are counted: the widest tile of the relative shapes may span no more (checked by
-# a test).
-RUNS_WINDOW = relative_window()
 
 # The byte decode of the uniform residual loop turns four codes into float16 with six PTX instructions (two PRMT,
 # two LOP3, two HFMA2) instead of the compiler's per-element shifts and packs: checked tile by tile against float64
@@ -1268,6 +1267,9 @@ SPLIT_ROWS = tl.constexpr(128)
 # BLOCK_N)] float32 relative table and the live position query fit 64 rows on two warpgroups without spills
 # (kernels/README.md has the register counts). Those not in the general list are relative-only.
 _RELATIVE_SHAPES = frozenset({(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3)})
+# The distances over which the runs are counted for this kernel: the most one tile of the relative shapes spans
+# (BLOCK_M + BLOCK_N - 1).
+RUNS_WINDOW = max(m + n - 1 for m, n, _, _ in _RELATIVE_SHAPES)
 _GENERAL_SHAPES = (
     (64, 64, 4, 3),
     (128, 64, 4, 3),
@@ -2699,9 +2701,10 @@ def attention_compressed_fwd(
     ``relative_runs``: instead of ``relative``, the same relative term when the relative keys are constant over runs
     of distances, as in the dense launcher: ``(run_keys [H, R, Dk] contiguous in q's dtype, run_starts int32 (the
     layout of ``attention_dense_fwd``'s), content_bias [H, Dk], position_bias [H, Dk])`` float32; no tile of the
-    relative tile shapes may span more than ``COMPRESSED_RUN_SPAN`` runs (``attention_dense.relative_run_span``
-    nonzero; ``kvbound.attention`` checks it). Each program writes its queries' rows of the table of run logits
-    into ``run_table`` (``[B, H, R, Nq]`` float32; a new tensor when None) first, as the dense kernel does.
+    relative tile shapes may span more than ``COMPRESSED_RUN_SPAN`` runs (``attention_dense.relative_run_span`` over
+    ``RUNS_WINDOW`` distances nonzero; ``kvbound.attention`` checks it). Each program writes its queries' rows of the
+    table of run logits into ``run_table`` (``[B, H, R, Nq]`` float32; a new tensor when None) first, as the dense
+    kernel does.
     ``general_runs``: whether some block of K or V may need the general loop (``general_blocks``: an exact block, codes
     at another width than the uniform runs', or codes off the byte decode's 16-byte alignment), or a function
     returning it, called with ``residual``'s. False (the caller's promise that none does; a block that does would be

@@ -14,7 +14,7 @@ a small soft-cap a fixed maximum instead of the running one (``_common.fixed_sof
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -319,30 +319,69 @@ def _attention_dense_inner(
 
 
 # ----------------------------------------------------------------------------------------------- autotune
-# Tile shapes of the relative-position variant only, (BLOCK_M, BLOCK_N, warps, stages): see dense_configs.
+# Tile shapes of the plain variant (no relative positions), (BLOCK_M, BLOCK_N, warps, stages): see dense_configs.
+_PLAIN_SHAPES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3))
+# Those of the relative keys' window (RELATIVE 1 and 3): see dense_configs.
 _RELATIVE_SHAPES = frozenset({(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 8, 3)})
+# 128-row tiles on two warpgroups, as plain attention takes, for the runs of equal relative keys (RELATIVE 2): the
+# runs need no skew, which holds the window's variant to 64 rows. Searched with KVBOUND_RUNS_WIDE=1 (runs_wide_setting).
+_RUNS_WIDE_SHAPES = frozenset({(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2)})
 
 
-# The most distances one tile of the relative variant spans (BLOCK_M + BLOCK_N - 1 over its tile shapes; the
-# interpreter's tile is smaller).
-_RELATIVE_WINDOW = max(m + n - 1 for m, n, _, _ in _RELATIVE_SHAPES)
-# Up to this many runs per tile the runs are unrolled (relative_run_span); beyond it, an inner loop.
-MAX_RUN_SPAN = 16
+def runs_wide_setting() -> bool:
+    """``KVBOUND_RUNS_WIDE``: ``1`` adds 128-row tiles to the runs' tile search (``_RUNS_WIDE_SHAPES``; their runs
+    are then counted over 191 distances, Borzoi's 18 unrolled as 24); ``0`` or unset: the relative keys' 64-row tiles
+    only, as before. Off by default until timed on a GPU (kernels/README.md, "The runs on 128-row tiles"). Read when
+    the kernels are imported; empty is unset."""
+    value = os.environ.get("KVBOUND_RUNS_WIDE", "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"KVBOUND_RUNS_WIDE: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
+# Those of the runs of equal relative keys (RELATIVE 2).
+_RUNS_SHAPES = _RELATIVE_SHAPES | (_RUNS_WIDE_SHAPES if runs_wide_setting() else frozenset())
+
+
+def _variant_shapes(relative: int) -> Collection[tuple[int, int, int, int]]:
+    """The tile shapes searched for one value of the kernel's ``RELATIVE``."""
+    return _RUNS_SHAPES if relative == 2 else _RELATIVE_SHAPES if relative else _PLAIN_SHAPES
+
+
+# The most distances one tile of the runs' variant spans (BLOCK_M + BLOCK_N - 1 over its tile shapes; the
+# interpreter's tile is smaller): the runs of a layout are counted over windows of this many distances.
+_RELATIVE_WINDOW = max(m + n - 1 for m, n, _, _ in _RUNS_SHAPES)
+# Up to this many runs per tile the runs are unrolled (relative_run_span); beyond it, an inner loop. 32 with the
+# 128-row tiles (Borzoi's layout spans 18 runs in their 191 distances), else 16.
+MAX_RUN_SPAN = 32 if _RELATIVE_WINDOW > 127 else 16
 
 
 def relative_window() -> int:
-    """The most consecutive distances one tile of the relative variant spans."""
+    """The most consecutive distances one tile of the runs' variant spans."""
     return _RELATIVE_WINDOW
 
 
-def relative_run_span(starts: Sequence[int], rows: int) -> int:
+def relative_run_span(starts: Sequence[int], rows: int, window: int | None = None, limit: int | None = None) -> int:
     """``RUN_SPAN`` for run starts (first rows of runs, increasing from 0, below ``rows``): the most runs that any
-    tile of the relative variant spans (a window of ``relative_window()`` consecutive rows), rounded up to a power
-    of two (at least 2), or 0 above ``MAX_RUN_SPAN``."""
+    tile spans (a window of ``window`` consecutive rows; None: ``relative_window()``), rounded up by
+    ``round_run_span``, or 0 above ``limit`` (None: ``MAX_RUN_SPAN``)."""
+    window = _RELATIVE_WINDOW if window is None else window
+    limit = MAX_RUN_SPAN if limit is None else limit
     run_of = np.searchsorted(np.asarray(starts, dtype=np.int64), np.arange(rows), side="right") - 1
-    ends = np.minimum(np.arange(rows) + (_RELATIVE_WINDOW - 1), rows - 1)
+    ends = np.minimum(np.arange(rows) + (window - 1), rows - 1)
     span = int((run_of[ends] - run_of).max()) + 1 if rows else 1
-    return 0 if span > MAX_RUN_SPAN else max(2, next_power_of_2(span))
+    return 0 if span > limit else round_run_span(span)
+
+
+def round_run_span(span: int) -> int:
+    """The unrolled ``RUN_SPAN`` for tiles spanning at most ``span`` runs: a power of two (at least 2) up to 16, a
+    multiple of 8 above (each value is one more compiled kernel; 18 runs unroll as 24, not 32)."""
+    return max(2, next_power_of_2(span)) if span <= 16 else -(-span // 8) * 8
+
+
+def valid_run_span(run_span: int) -> bool:
+    """Whether ``run_span`` is a value ``round_run_span`` gives, within ``MAX_RUN_SPAN``."""
+    return 2 <= run_span <= MAX_RUN_SPAN and round_run_span(run_span) == run_span
 
 
 def dv_parts(head_dim_v: int, split: bool = True) -> tuple[int, int]:
@@ -376,24 +415,18 @@ def dense_configs(interpret: bool) -> list[triton.Config]:
     if interpret:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # The tile shapes that won on an H200 (Triton 3.6; kernels/README.md has the numbers): BLOCK_M 128 with
-    # BLOCK_N 64; 8 warps once the accumulator is wide (Dv padded to 256 spills on 4).
-    shapes = [
-        # (BLOCK_M, BLOCK_N, warps, stages)
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 64, 8, 2),
-        (128, 128, 8, 2),
-        (128, 128, 8, 3),  # d = 128 (dense_tiles.py, H200, N = 65536: 34.5 ms against 35.7 ms for the next tile)
-        (64, 64, 4, 3),
-    ]
+    # BLOCK_N 64; 8 warps once the accumulator is wide (Dv padded to 256 spills on 4). 128 x 128 x 8 x 3 for d = 128
+    # (dense_tiles.py, H200, N = 65536: 34.5 ms against 35.7 ms for the next tile). _PLAIN_SHAPES.
+    shapes = list(_PLAIN_SHAPES)
     # Relative positions (Enformer, Borzoi) only. With the relative table skewed through shared memory (the
     # default, _common.RELATIVE_SKEW_NAME) one warpgroup holds a 64-row tile: 64 x 64 on 4 warps and one stage
     # (255 registers, 96 B of stack, 56 KiB of shared memory: two programs per SM) was the fastest tile at every
     # Enformer and Borzoi shape measured (H200, benchmarks/relative_tiles.py: 0.51 ms per Enformer layer at batch
     # 8 against 0.74 for 64 x 64 on 8 warps, whose two warpgroups both compute the logits of the same 64 rows).
     # With the warp-shuffle skew (KVBOUND_RELATIVE_SKEW=gather) 4 warps spill (696 B) and 64 x 64 x 8 x 3 wins.
-    # The prune function keeps each list to its variant.
-    shapes += sorted(_RELATIVE_SHAPES, reverse=True)
+    # With KVBOUND_RUNS_WIDE=1 the runs (RELATIVE 2, Borzoi) also try 128-row tiles on 8 warps (_RUNS_SHAPES). The
+    # prune function keeps each variant to its own list; a shape in several lists is searched once.
+    shapes += sorted((_RELATIVE_SHAPES | _RUNS_SHAPES) - set(_PLAIN_SHAPES), reverse=True)
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -411,7 +444,7 @@ def _prune_dense_configs(configs, named_args, **kwargs):
     keep = []
     for config in configs:
         # Each variant gets its own tile list (see dense_configs).
-        if (_shape_of(config) in _RELATIVE_SHAPES) != bool(args["RELATIVE"]):
+        if _shape_of(config) not in _variant_shapes(args["RELATIVE"]):
             continue
         block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
         # A float32 accumulator of BLOCK_M x DV_PAD over 4 warps spills from 128 x 128 on (Triton 3.6, sm_90).
@@ -882,8 +915,9 @@ def attention_dense_fwd(
         and q.dtype in (torch.bfloat16, torch.float32)
         and v.dtype == q.dtype
     )
-    if run_span and (run_span > MAX_RUN_SPAN or run_span & (run_span - 1)):
-        raise ValueError(f"run_span: expected 0 or a power of two <= {MAX_RUN_SPAN}, got {run_span}")
+    if run_span and not valid_run_span(run_span):
+        allowed = [x for x in range(2, MAX_RUN_SPAN + 1) if valid_run_span(x)]
+        raise ValueError(f"run_span: expected 0, {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {run_span}")
     if run_span and config is not None and config["BLOCK_M"] + config["BLOCK_N"] - 1 > _RELATIVE_WINDOW:
         # relative_run_span counts the runs of windows of _RELATIVE_WINDOW distances; a wider tile could span more.
         raise ValueError(
