@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("largest_batch.py: no CUDA device (use --cpu-smoke for a dry run on the CPU)", file=sys.stderr)
         return 2
-    specs = tuple(s for s in port_models(args.cpu_smoke) if any(fnmatch(s.name, m) for m in args.models))
+    known = port_models(args.cpu_smoke)
+    specs = tuple(s for s in known if any(fnmatch(s.name, m) for m in args.models))
     variants = tuple(args.variants or VARIANTS)
     if not specs or set(variants) - set(VARIANTS):
-        print(f"largest_batch.py: nothing to run (models {args.models}, variants {list(variants)}; variants: "
+        print(f"largest_batch.py: nothing to run (models {args.models}, variants {list(variants)}; models"
+              f"{' with --cpu-smoke' if args.cpu_smoke else ''}: {[s.name for s in known]}, variants: "
               f"{list(VARIANTS)})", file=sys.stderr)  # fmt: skip
         return 2
     limit = args.limit if args.limit is not None else (4 if args.cpu_smoke else 256)

@@ -532,6 +532,18 @@ def test_largest_batch_script_resumes_below_a_probe_without_answer(monkeypatch, 
     assert row["peak_gib"] == "52.50"
 
 
+def test_largest_batch_script_names_the_models_when_none_matches(tmp_path, capsys):
+    """A model name that matches none (the CPU dry run's models are the ``-tiny`` configs) is refused with the names
+    that would run, before anything is built."""
+    from benchmark_scripts import load  # tests/ is on sys.path (rootdir conftest)
+
+    script = load("largest_batch")
+    assert script.main([str(tmp_path / "x.csv"), "--cpu-smoke", "--models", "enformer"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to run" in err and "models with --cpu-smoke: ['enformer-tiny', 'borzoi-tiny'" in err
+    assert not (tmp_path / "x.csv").exists()
+
+
 def test_out_of_memory_reason_keeps_the_allocators_figures():
     """The reason of a row that ran out of memory keeps what is needed to tell fragmentation from a forward that
     does not fit (the reserved-but-unallocated memory), and drops the allocator's advice."""
