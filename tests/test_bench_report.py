@@ -444,12 +444,12 @@ def test_report_shows_largest_batch_rows(tmp_path):
               "failed_batch,input_len,seconds,reason,device,torch,commit")  # fmt: skip
     rows = [
         "enformer,unpatched,ok,69,70,,137.02,14,256,,196608,16.7,,NVIDIA H200,2.11.0+cu130,b07ccf7",
-        "borzoi,patch-dense,ok,24,,32,52.50,7,256,,524288,210.0,,NVIDIA H200,2.11.0+cu130,d86f854",
+        "borzoi,patch-dense,ok,24,,32,52.50,7,256,,524288,210.0,,NVIDIA H100 80GB HBM3,2.11.0+cu130,d86f854",
     ]
     text = _report_of_one_file(tmp_path, "largest_batch.csv", header, rows, "largest-batch")
     section = text.split("### The largest batch that fits")[1].split("\n## ")[0]
-    assert "| enformer | unpatched | ok | 69 | 70 | - | 137.02 | 14 | 196608 | 16.7 | b07ccf7 |" in section
-    assert "| borzoi | patch-dense | ok | 24 | - | 32 | 52.50 | 7 | 524288 | 210.0 | d86f854 |" in section
+    assert "| enformer | unpatched | ok | 69 | 70 | - | 137.02 | 14 | 196608 | 16.7 | H200 | b07ccf7 |" in section
+    assert "| borzoi | patch-dense | ok | 24 | - | 32 | 52.50 | 7 | 524288 | 210.0 | H100 | d86f854 |" in section
     assert "largest_batch.csv` (2 rows of `benchmarks/largest_batch.py`)" in text
     assert "commit: `b07ccf7, d86f854`" in text
 
