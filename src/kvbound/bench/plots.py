@@ -300,9 +300,9 @@ def model_speedups(rows: list[dict], path: str | Path) -> Path | None:
                   label="target" if i == 0 else None)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(groups)))
-    from kvbound.bench.tables import _gpu_label
+    from kvbound.bench.tables import gpu_label
 
-    commit_of = {(r["shape"], int(r["batch"])): f"{(r.get('commit') or '?')[:7]} {_gpu_label(r.get('gpu'))}"
+    commit_of = {(r["shape"], int(r["batch"])): f"{(r.get('commit') or '?')[:7]} {gpu_label(r.get('gpu'))}"
                  for r in timed if r["provider"] == "unpatched"}  # the eager bars' run  # fmt: skip
     ax.set_xticklabels([f"{model}\nB={batch}\n{commit_of.get((model, batch), '?')}" for model, batch in groups],
                        fontsize=8)

@@ -290,7 +290,7 @@ def _largest_batch_section(files: list[ResultFile]) -> str:
                "peak GiB", "probes", "input bp", "search s", "GPU", "commit", "reason"]  # fmt: skip
     body = [[r["model"], r["variant"], r["status"], r.get("largest_batch") or "-", r.get("first_out_of_memory") or "-",
              r.get("first_timeout") or "-", _fmt_text(r.get("peak_gib"), ".2f"), r.get("probes") or "-",
-             r.get("input_len") or "-", r.get("seconds") or "-", tables._gpu_label(r.get("device")),
+             r.get("input_len") or "-", r.get("seconds") or "-", tables.gpu_label(r.get("device")),
              r.get("commit") or "-", (r.get("reason") or "")[:120]]
             for item in files for r in item.raw]  # fmt: skip
     return tables.to_markdown(headers, body) if body else "_(none)_\n"

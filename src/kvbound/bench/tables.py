@@ -542,7 +542,7 @@ def model_targets(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda e: (order.index(e["model"]), e["older"], e["batch"]))
 
 
-def _gpu_label(name: str | None) -> str:
+def gpu_label(name: str | None) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``H100``: the model of a device name, else the name (``-`` when unknown)."""
     found = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name or "")
     return found.group(0) if found else (name or "-")
@@ -562,7 +562,7 @@ def model_targets_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         peaks = [_gib(r.get("peak_bytes")) if r is not None else "-" for r in (u, p, alt)]
         graph = e.get("graph")
         rows_used = (u, alt, e.get("compressed_row"), *(e.get("graph_rows") or {}).values())
-        commits = dict.fromkeys(f"{r.get('commit') or '-'} ({_gpu_label(r.get('gpu'))})" for r in rows_used
+        commits = dict.fromkeys(f"{r.get('commit') or '-'} ({gpu_label(r.get('gpu'))})" for r in rows_used
                                 if r is not None)  # fmt: skip
         squeezed = "-"
         if "compressed" in e:
